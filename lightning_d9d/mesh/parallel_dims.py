@@ -1,0 +1,155 @@
+"""Parallel degrees, their validation, and the device mesh with its named views.
+
+The mesh dims are ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first). Everything that can be checked
+without a process group is checked here, so a bad configuration fails before any collective starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+from math import prod
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+# Views made by flattening several mesh dims into one. "batch" is an alias of "dp" (see ``mesh_for``).
+_FLATTENED_VIEWS = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "fsdp": ("dp_shard", "cp"),
+    "loss": ("dp_replicate", "dp_shard", "cp"),
+}
+VIEW_NAMES = (*MESH_DIM_NAMES, "dp", "batch", "fsdp", "loss", "hsdp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Degrees of the 6-D layout. ``dp_shard=-1`` means "whatever the world size leaves over".
+
+    ``ep`` (expert parallel) is not a mesh dim of its own: it is carved out of ``dp_shard * cp * tp``.
+    """
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    ep: int = 1
+    mesh: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    _views: dict[str, DeviceMesh] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name in ("mesh", "_views"):
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{f.name} must be an int, got {value!r} ({type(value).__name__})")
+            if f.name == "dp_shard" and value == -1:
+                continue
+            if value < 1:
+                hint = " (or -1 for 'the rest of the world')" if f.name == "dp_shard" else ""
+                raise ValueError(f"{f.name} ({value}) must be a positive integer{hint}")
+
+    # ----------------------------------------------------------------------------------------- degrees
+    @property
+    def is_resolved(self) -> bool:
+        return self.dp_shard != -1
+
+    @property
+    def world_size(self) -> int:
+        self._require_resolved("world_size")
+        return prod(getattr(self, name) for name in MESH_DIM_NAMES)
+
+    def resolve(self, world_size: int) -> ParallelDims:
+        """Fill in ``dp_shard=-1`` and check that the degrees tile ``world_size`` exactly."""
+        if world_size < 1:
+            raise ValueError(f"world_size ({world_size}) must be positive")
+        fixed = self.pp * self.dp_replicate * self.cp * self.tp
+        dp_shard = self.dp_shard
+        if dp_shard == -1:
+            if world_size % fixed != 0:
+                raise ValueError(
+                    f"dp_shard=-1 cannot be resolved: pp*dp_replicate*cp*tp = {self.pp}*{self.dp_replicate}*"
+                    f"{self.cp}*{self.tp} = {fixed} does not divide the world size ({world_size}). "
+                    f"Choose degrees whose product divides {world_size}, or change the number of devices."
+                )
+            dp_shard = world_size // fixed
+        product = fixed * dp_shard
+        if product != world_size:
+            raise ValueError(
+                f"the mesh pp*dp_replicate*dp_shard*cp*tp = {self.pp}*{self.dp_replicate}*{dp_shard}*{self.cp}*"
+                f"{self.tp} = {product} does not match the world size ({world_size}). Set dp_shard=-1 to fill "
+                f"the rest, or change the degrees or the number of devices so that they multiply to {world_size}."
+            )
+        ep_domain = dp_shard * self.cp * self.tp
+        if ep_domain % self.ep != 0:
+            raise ValueError(
+                f"ep ({self.ep}) must divide dp_shard*cp*tp ({dp_shard}*{self.cp}*{self.tp} = {ep_domain}): "
+                "experts are sharded over those ranks."
+            )
+        return replace(self, dp_shard=dp_shard)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        self._require_resolved("dp")
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> int:
+        """Ranks that parameters are sharded over (context-parallel ranks shard parameters too)."""
+        self._require_resolved("fsdp")
+        return self.dp_shard * self.cp
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
+
+    @property
+    def dp_replicate_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    # -------------------------------------------------------------------------------------------- mesh
+    def build_mesh(self, device_type: str) -> ParallelDims:
+        """Create the device mesh (a collective-free call once the process group exists)."""
+        self._require_resolved("build_mesh")
+        shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        # Keep the flattened meshes themselves: slicing flattened dims out of the root mesh is deprecated.
+        views = {name: mesh[name] for name in MESH_DIM_NAMES}
+        views.update({view: mesh[dims]._flatten(view) for view, dims in _FLATTENED_VIEWS.items()})
+        views["batch"] = views["dp"]
+        views["hsdp"] = mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "fsdp"]
+        return replace(self, mesh=mesh, _views=views)
+
+    def mesh_for(self, view: str) -> DeviceMesh:
+        """A named view of the mesh.
+
+        ``pp, dp_replicate, dp_shard, cp, tp``: single dims; ``dp`` / ``batch``: ranks that see different data
+        (samplers, metrics); ``fsdp``: parameter sharding (dp_shard*cp); ``loss``: ranks whose losses are
+        averaged (dp*cp); ``hsdp``: the 2-D (dp_replicate, fsdp) mesh used for HSDP.
+        """
+        if self.mesh is None:
+            raise RuntimeError(
+                "ParallelDims.mesh_for() needs a mesh: call build_mesh() after the process group exists"
+            )
+        if view not in self._views:
+            raise KeyError(f"unknown mesh view {view!r}; known views: {', '.join(VIEW_NAMES)}")
+        return self._views[view]
+
+    def _require_resolved(self, what: str) -> None:
+        if not self.is_resolved:
+            raise RuntimeError(f"ParallelDims.{what} needs resolved degrees: call resolve(world_size) first")

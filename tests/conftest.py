@@ -1,0 +1,22 @@
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+# Imported before any fork so that ranks do not each pay for these lazy imports.
+import torch._dynamo
+import torch.distributed.tensor
+
+sys.path.insert(0, os.path.dirname(__file__))
+warnings.filterwarnings("ignore", message=".*does not support alltoall.*")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
