@@ -1,0 +1,26 @@
+"""Options every plan may read, chosen by the strategy (from the Trainer's precision and its own arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """How to parallelize, beyond the degrees in :class:`~lightning_d9d.mesh.ParallelDims`.
+
+    Args:
+        mp_policy: FSDP2 mixed precision (``bf16-mixed``: bf16 params, fp32 gradient reduction); ``None`` keeps
+            the parameters' own dtype for compute and communication.
+        reshard_after_forward: free the unsharded parameters after forward (ZeRO-3) or keep them until
+            backward (ZeRO-2, more memory, fewer all-gathers).
+        activation_checkpointing: recompute each repeated block's activations in backward.
+        compile: ``torch.compile`` each repeated block.
+    """
+
+    mp_policy: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool = True
+    activation_checkpointing: bool = False
+    compile: bool = False
