@@ -1,0 +1,320 @@
+"""Qwen3 dense decoder: config, blocks, model, initialisation and parallel plan in one file.
+
+Parameter names are those of Hugging Face's ``Qwen3ForCausalLM``, so its state dicts load 1:1::
+
+    model.embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    model.layers.{i}.self_attn.{q,k}_norm.weight
+    model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight
+    model.norm.weight
+    lm_head.weight            (the same Parameter as embed_tokens.weight when tie_word_embeddings)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules import (
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    init_param_,
+    normal_fill,
+    ones_fill,
+    zeros_fill,
+)
+from lightning_d9d.modules.init import Fill
+from lightning_d9d.plans import (
+    ParallelOptions,
+    apply_activation_checkpointing,
+    apply_compile,
+    parallelize_data,
+)
+
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> Qwen3Config:
+        """A few-hundred-thousand-parameter model for tests and CPU smoke runs."""
+        values: dict[str, Any] = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    @classmethod
+    def qwen3_0_6b(cls, **overrides: Any) -> Qwen3Config:
+        """The shape of ``Qwen/Qwen3-0.6B``: 0.60B parameters, of which 0.44B in the decoder layers."""
+        values: dict[str, Any] = dict(
+            vocab_size=151936,
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            rms_norm_eps=1e-6,
+            rope_theta=1e6,
+            max_position_embeddings=40960,
+            tie_word_embeddings=True,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    # ----------------------------------------------------------------------------- Hugging Face config
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments / ``config.json`` content for ``transformers.Qwen3Config``.
+
+        ``rope_theta`` is written at top level: transformers 4.x reads it there and 5.x converts it into
+        ``rope_parameters``.
+        """
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            **asdict(self),
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any] | Any) -> Qwen3Config:
+        """Read a ``config.json`` dict or a ``transformers.Qwen3Config``; refuse features this model lacks."""
+        d: Mapping[str, Any] = hf.to_dict() if hasattr(hf, "to_dict") else hf
+        model_type = d.get("model_type", "qwen3")
+        if model_type != "qwen3":
+            raise ValueError(f"Qwen3Config.from_hf_dict: model_type is {model_type!r}, expected 'qwen3'")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"Qwen3: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+        if d.get("use_sliding_window", False):
+            raise NotImplementedError("Qwen3: use_sliding_window=True is not supported")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"Qwen3: rope_type={rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 1e6))
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            initializer_range=d.get("initializer_range", 0.02),
+            attention_bias=d.get("attention_bias", False),
+        )
+
+    def to_hf_config(self) -> Any:
+        """A ``transformers.Qwen3Config`` (imports transformers, which is not a dependency of this package)."""
+        import transformers
+
+        kwargs = self.to_hf_dict()
+        kwargs.pop("model_type")
+        return transformers.Qwen3Config(**kwargs)
+
+    # ------------------------------------------------------------------------------------------- sizes
+    def num_params(self, *, include_embedding: bool = True) -> int:
+        """Parameter count computed from the shape (no module needed, so it works for meta/sharded models).
+
+        ``include_embedding=False`` leaves out the input embedding table but keeps the LM head, tied or not:
+        the head is a real matmul, the embedding a lookup.
+        """
+        h, d = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * d
+        if self.attention_bias:
+            attn += q_out + 2 * kv_out + h
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = self.vocab_size * h
+        embedding = self.vocab_size * h
+        total = self.num_hidden_layers * layer + h + head
+        if include_embedding and not self.tie_word_embeddings:
+            total += embedding
+        return total
+
+
+class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            qk_norm=True,
+            norm_eps=config.rms_norm_eps,
+            bias=config.attention_bias,
+        )
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``."""
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(position_ids, input_ids.shape[1], x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.norm(x)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
+
+    Built under ``torch.device("meta")`` the model is left uninitialised: shard it (:meth:`parallelize`),
+    then ``to_empty(device=...)`` and :meth:`init_weights`. Built anywhere else it initialises itself from
+    ``torch.initial_seed()``.
+    """
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        # Always built on meta: the per-module default inits (kaiming for every Linear) would only be
+        # overwritten by init_weights, and cost a quarter of the time of building a real model on CPU.
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.model = Qwen3Model(config)
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._tie_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def _tie_weights(self) -> None:
+        if self.config.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3ForCausalLM:
+        # ``to_empty`` from meta (and any conversion that cannot reuse the tensor in place) registers a new
+        # Parameter per module, which would silently untie the head from the embedding. DTensor parameters
+        # (after fully_shard) are swapped in place and stay tied; then this is a no-op.
+        super()._apply(fn, recurse)
+        self._tie_weights()
+        return self
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits in the compute dtype (the loss upcasts: see :func:`~lightning_d9d.modules.causal_lm_loss`)."""
+        return self.lm_head(self.model(input_ids, position_ids))
+
+    # ---------------------------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter from ``(seed, its name)`` and recompute the RoPE tables.
+
+        Linear and embedding weights ~ N(0, initializer_range), norm weights = 1, biases = 0. Each tensor is
+        drawn whole on CPU in fp32 and sharded locally (see :mod:`lightning_d9d.modules.init`), so the result
+        is bitwise the same whatever the sharding, the device, or the wrappers around the layers. A tied
+        embedding is one Parameter and is drawn once, under the name ``model.embed_tokens.weight``.
+        """
+        seed = torch.initial_seed() if seed is None else seed
+        std = self.config.initializer_range
+        fills: dict[int, Fill] = {}
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                fills[id(module.weight)] = normal_fill(std)
+            elif isinstance(module, RMSNorm):
+                fills[id(module.weight)] = ones_fill
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                fills[id(bias)] = zeros_fill
+        for name, param in sorted(self.named_parameters()):
+            fill = fills.get(id(param))
+            if fill is None:
+                raise RuntimeError(f"Qwen3ForCausalLM.init_weights: no initialiser for parameter {name!r}")
+            init_param_(param, name, seed, fill)
+        self.model.rotary_emb.reset_parameters()
+
+    # ----------------------------------------------------------------------------------------- parallel
+    def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
+        """Apply the parallel plan in place: (TP/CP/EP/PP: not yet), activation checkpointing, per-layer
+        ``torch.compile``, then FSDP/HSDP per decoder layer plus the root.
+
+        The root FSDP unit holds the embedding, final norm and LM head; with tied embeddings embedding and
+        head share one Parameter, which FSDP2 shards once and all-gathers once per root unit.
+        """
+        for name in ("tp", "cp", "ep", "pp"):
+            degree = getattr(dims, name)
+            if degree > 1:
+                raise NotImplementedError(f"Qwen3ForCausalLM: {name}={degree} is not implemented yet")
+        if options.activation_checkpointing:
+            apply_activation_checkpointing(self.model.layers)
+        if options.compile:
+            apply_compile(self.model.layers)
+        parallelize_data(self, dims, options, blocks=self.model.layers)
+
+    # ------------------------------------------------------------------------------------------- flops
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward) for sequences of ``seq_len`` tokens.
+
+        ``6 * N + 12 * L * H * head_dim * T``, where ``N`` is the parameter count without the input
+        embedding (a lookup, not a matmul) but with the LM head (counted even when tied): 2 FLOPs per
+        multiply-add, times 3 for forward + backward. The second term is attention's two ``T x T`` matmuls
+        (``QK^T`` and ``AV``: 2 matmuls * 2 FLOPs * 3) for ``L`` layers of ``H`` query heads, without the
+        causal-mask halving, as in the PaLM / torchtitan MFU convention.
+        """
+        c = self.config
+        n = c.num_params(include_embedding=False)
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len

@@ -1,0 +1,30 @@
+"""Root-mean-square layer norm."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim.
+
+    The statistics are computed in fp32 and the normalised value is cast back to the input dtype *before* the
+    weight is applied, which is the order Hugging Face's Qwen/Llama norms use: bf16 outputs then match theirs.
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
