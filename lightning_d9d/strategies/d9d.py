@@ -1,0 +1,317 @@
+"""``D9DStrategy``: Lightning's ``ModelParallelStrategy`` on a 6-D mesh with per-model parallel plans."""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.pipeline import resolve_schedule_name
+from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
+from lightning_d9d.strategies import checkpoint as ckpt
+from lightning_d9d.strategies.precision import D9DPrecision
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+# Degrees whose plans have not landed yet, and what to do instead.
+_NOT_YET = {
+    "pp": "pipeline parallelism",
+    "cp": "context parallelism",
+    "tp": "tensor parallelism",
+    "ep": "expert parallelism",
+}
+
+
+class D9DStrategy(ModelParallelStrategy):
+    """Composable N-D parallel training: ``Trainer(strategy="d9d")`` or ``Trainer(strategy=D9DStrategy(...))``.
+
+    Args:
+        pp, dp_replicate, dp_shard, cp, tp, ep: parallel degrees (see :class:`~lightning_d9d.mesh.ParallelDims`);
+            ``dp_shard=-1`` takes whatever the world size leaves. The default is FSDP over all ranks.
+        pipeline_schedule: a ``torch.distributed.pipelining`` schedule name (used when ``pp > 1``).
+        activation_checkpointing: recompute each transformer block in backward.
+        compile: ``torch.compile`` each transformer block.
+        reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
+        save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
+
+    The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
+    LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
+    plan; any other child gets FSDP per repeated block plus the child itself. Modules built on the meta
+    device are materialized after sharding and initialised with ``init_weights(seed)`` (or
+    ``reset_parameters()``).
+    """
+
+    strategy_name = "d9d"
+
+    def __init__(
+        self,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        *,
+        pipeline_schedule: str = "1F1B",
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        reshard_after_forward: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._requested_dims = ParallelDims(
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
+        )
+        self.pipeline_schedule = resolve_schedule_name(pipeline_schedule)
+        for degree, feature in _NOT_YET.items():
+            value = getattr(self._requested_dims, degree)
+            if value > 1:
+                raise NotImplementedError(
+                    f"{degree}={value}: {feature} is not implemented yet in lightning_d9d; use {degree}=1"
+                )
+        self._dims: ParallelDims | None = None
+        self._activation_checkpointing = activation_checkpointing
+        self._compile = compile
+        self._reshard_after_forward = reshard_after_forward
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:  # importing twice must not fail
+            strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
+
+    # ----------------------------------------------------------------------------------------- topology
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved degrees and the mesh (available once the processes are set up)."""
+        if self._dims is None or self._dims.mesh is None:
+            raise RuntimeError(
+                "D9DStrategy.parallel_dims is available after the Trainer set up the processes"
+            )
+        return self._dims
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        mesh = self.parallel_dims.mesh
+        assert mesh is not None
+        return mesh
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        dp_mesh = self.parallel_dims.mesh_for("dp")
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def _configure_launcher(self) -> None:
+        # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
+        # process is launched.
+        self._requested_dims.resolve(self.num_nodes * self.num_processes)
+        super()._configure_launcher()
+
+    def setup_environment(self) -> None:
+        # Validate again (the cluster environment may have changed the world size), still before any collective.
+        dims = self._requested_dims.resolve(self.num_nodes * self.num_processes)
+        self._setup_distributed()
+        self._dims = dims.build_mesh(self.root_device.type)
+        self._device_mesh = self._dims.mesh
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    # ---------------------------------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision_plugin(self) -> D9DPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, D9DPrecision) else D9DPrecision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else _as_d9d_precision(plugin)
+
+    # -------------------------------------------------------------------------------------------- setup
+    def setup(self, trainer: pl.Trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        assert self.model is not None
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
+            raise TypeError(
+                "found modules wrapped in FSDP1 (FullyShardedDataParallel); the d9d strategy applies FSDP2 "
+                "itself: remove the wrapper"
+            )
+        if not getattr(self.model, "_d9d_parallelized", False):
+            self.model = self.precision_plugin.convert_module(self.model)
+            self._broadcast_plain_tensors(self.model)
+            self._parallelize(self.model)
+            self._materialize(self.model)
+            self.model._d9d_parallelized = True  # type: ignore[assignment]
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallel_options(self) -> ParallelOptions:
+        return ParallelOptions(
+            mp_policy=self.precision_plugin.mixed_precision_policy(),
+            reshard_after_forward=self._reshard_after_forward,
+            activation_checkpointing=self._activation_checkpointing,
+            compile=self._compile,
+        )
+
+    def _parallelize(self, module: nn.Module) -> None:
+        dims, options = self.parallel_dims, self.parallel_options()
+        if isinstance(module, Parallelizable):
+            module.parallelize(dims, options)
+            return
+        own = [name for name, _ in itertools.chain(module.named_parameters(recurse=False))]
+        if own:
+            raise ValueError(
+                f"{type(module).__name__} holds parameters directly ({', '.join(own[:5])}); the d9d strategy "
+                "shards submodules, so put them into a submodule (for example an nn.Module attribute)"
+            )
+        for child in module.children():
+            if not any(True for _ in child.parameters()) or _already_parallel(child):
+                continue
+            if isinstance(child, Parallelizable):
+                child.parallelize(dims, options)
+            else:
+                parallelize_default(child, dims, options)
+
+    def _broadcast_plain_tensors(self, module: nn.Module) -> None:
+        """Give every rank rank 0's values for modules initialised eagerly (as DDP does), so that replicas
+        and shards come from one initialisation even when ranks were seeded differently."""
+        if self.world_size == 1:
+            return
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            if tensor.is_meta or isinstance(tensor, DTensor):
+                continue
+            moved = tensor.detach().to(self.root_device)
+            dist.broadcast(moved, src=0)
+            tensor.data = moved
+
+    def _materialize(self, module: nn.Module) -> None:
+        """Allocate meta tensors on the device and initialise them, one seed for all ranks."""
+        if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            return
+        module.to_empty(device=self.root_device)
+        seed = self.broadcast(torch.initial_seed())
+        uninitialised: set[str] = set()
+
+        def initialise(current: nn.Module) -> None:
+            if isinstance(current, SeededInit):
+                current.init_weights(seed)
+                return
+            owns = any(True for _ in itertools.chain(current.parameters(False), current.buffers(False)))
+            if owns:
+                reset = getattr(current, "reset_parameters", None)
+                if callable(reset):
+                    reset()
+                else:
+                    uninitialised.add(type(current).__name__)
+            for child in current.children():
+                initialise(child)
+
+        initialise(module)
+        if uninitialised:
+            rank_zero_warn(
+                f"meta-device modules without init_weights() or reset_parameters() are left uninitialised: "
+                f"{', '.join(sorted(uninitialised))}"
+            )
+
+    # ----------------------------------------------------------------------------------- gradient sync
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum."""
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return ckpt.optimizer_state(self.model, optimizer)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        if not self._save_distributed_checkpoint:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError("D9DStrategy.save_checkpoint(..., storage_options=...) is not supported")
+        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
+        ckpt.save_sharded(path, checkpoint, rank=self.global_rank, token=token, barrier=self.barrier)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not path.is_dir():
+            if not path.exists():
+                raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
+            return super().load_checkpoint(path, weights_only)
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = {i: opt for i, opt in enumerate(self.optimizers)}
+        return ckpt.load_sharded(
+            path,
+            self.model,
+            optimizers,
+            strict=self.lightning_module.strict_loading,
+            weights_only=weights_only,
+        )
+
+
+def _already_parallel(module: nn.Module) -> bool:
+    """The user parallelized it in ``configure_model`` (Lightning's documented ModelParallelStrategy way)."""
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
+    if isinstance(plugin, D9DPrecision):
+        return plugin
+    # Lightning's own plugins, chosen from Trainer(precision=...): keep the choice, replace the mechanism.
+    if type(plugin) in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+        return D9DPrecision(str(getattr(plugin, "precision", "32-true")))
+    raise TypeError(
+        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__}; pass "
+        "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true') instead of a plugin"
+    )

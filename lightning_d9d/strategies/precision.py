@@ -1,0 +1,89 @@
+"""The strategy's precision plugin: FSDP2 mixed precision instead of autocast, and mesh-aware clipping."""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, cast, get_args
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision import Precision
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
+
+PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
+SUPPORTED_PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+
+
+def check_precision(precision: str) -> PrecisionName:
+    if precision not in SUPPORTED_PRECISIONS:
+        raise ValueError(
+            f"precision={precision!r} is not supported by the d9d strategy; "
+            f"choose one of {', '.join(SUPPORTED_PRECISIONS)} (Trainer(precision=...))."
+        )
+    return cast(PrecisionName, precision)
+
+
+class D9DPrecision(Precision):
+    """Precision for the d9d strategy.
+
+    - ``32-true``: fp32 everywhere.
+    - ``bf16-mixed``: fp32 master parameters; FSDP2 casts them to bf16 for compute and reduces gradients in
+      fp32 (``MixedPrecisionPolicy``). No autocast: it would also wrap pipeline backward passes and cast
+      where the model deliberately keeps fp32 (norms, loss).
+    - ``bf16-true``: parameters, gradients and optimizer state in bf16.
+
+    Norm and value clipping group parameters by device mesh and reduce over ``norm_reduce_groups`` (the
+    pipeline group when pipelining), so they are correct for any mix of DTensor layouts.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        self.precision = check_precision(precision)  # type: ignore[assignment]
+        self.norm_reduce_groups: Sequence[dist.ProcessGroup | None] = ()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy | None:
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return None
+
+    def convert_module(self, module: Module) -> Module:
+        if self.precision == "bf16-true":
+            return module.to(dtype=torch.bfloat16)
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        if self.precision == "bf16-true":
+            return _DtypeContextManager(torch.bfloat16)
+        return nullcontext()
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self.tensor_init_context():
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        if self.precision == "bf16-true":
+            return apply_to_collection(
+                data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
+            )
+        return data
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), float(clip_val), extra_groups=self.norm_reduce_groups)
+
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        clip_grad_value_(self.main_params(optimizer), float(clip_val))

@@ -1,0 +1,77 @@
+"""Configuration errors surface while the Trainer is built: before any process is launched or collective runs."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_d9d
+from lightning_d9d import D9DStrategy
+
+
+def make_trainer(strategy: object, devices: int, **kwargs: object) -> L.Trainer:
+    return L.Trainer(strategy=strategy, accelerator="cpu", devices=devices, logger=False, **kwargs)  # type: ignore[arg-type]
+
+
+def test_string_strategy_is_registered_once() -> None:
+    assert "d9d" in StrategyRegistry
+    D9DStrategy.register_strategies(StrategyRegistry)  # a second import must not raise
+    trainer = make_trainer("d9d", devices=2)
+    assert isinstance(trainer.strategy, D9DStrategy)
+    assert isinstance(trainer.strategy.precision_plugin, lightning_d9d.D9DPrecision)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "devices", "message"),
+    [
+        ({"dp_shard": 3}, 2, "= 3 does not match the world size (2)"),
+        ({"dp_replicate": 3}, 4, "does not divide the world size (4)"),
+    ],
+)
+def test_mesh_that_does_not_tile_the_world(kwargs: dict, devices: int, message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        make_trainer(D9DStrategy(**kwargs), devices=devices)
+    assert message in str(error.value)
+    assert not dist.is_initialized()
+
+
+def test_negative_degree() -> None:
+    with pytest.raises(ValueError, match=r"dp_replicate \(-1\) must be a positive integer"):
+        D9DStrategy(dp_replicate=-1)
+
+
+def test_unknown_schedule_names_the_choices() -> None:
+    with pytest.raises(ValueError, match="unknown pipeline_schedule 'zigzag'; choose one of: GPipe, 1F1B"):
+        D9DStrategy(pipeline_schedule="zigzag")
+    assert D9DStrategy(pipeline_schedule="interleaved1f1b").pipeline_schedule == "Interleaved1F1B"
+
+
+@pytest.mark.parametrize("degree", ["pp", "cp", "tp", "ep"])
+def test_degrees_not_implemented_yet(degree: str) -> None:
+    with pytest.raises(NotImplementedError, match=f"{degree}=2: .* is not implemented yet"):
+        D9DStrategy(**{degree: 2})
+
+
+@pytest.mark.parametrize("precision", ["16-true", "64-true"])
+def test_unsupported_precision(precision: str) -> None:
+    with pytest.raises(ValueError, match=f"precision='{precision}' is not supported by the d9d strategy"):
+        make_trainer("d9d", devices=1, precision=precision)
+
+
+@pytest.mark.parametrize(
+    ("precision", "expected"), [("bf16-mixed", "bf16-mixed"), ("bf16-true", "bf16-true")]
+)
+def test_precision_plugin_follows_the_trainer(precision: str, expected: str) -> None:
+    trainer = make_trainer("d9d", devices=1, precision=precision)
+    plugin = trainer.strategy.precision_plugin
+    assert isinstance(plugin, lightning_d9d.D9DPrecision)
+    assert plugin.precision == expected
+    policy = plugin.mixed_precision_policy()
+    if precision == "bf16-mixed":
+        assert policy is not None and str(policy.param_dtype) == "torch.bfloat16"
+        assert str(policy.reduce_dtype) == "torch.float32"
+    else:
+        assert policy is None

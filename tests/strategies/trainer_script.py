@@ -1,0 +1,100 @@
+"""Run ``Trainer(strategy=D9DStrategy(...))`` on the example module and save what the tests compare.
+
+Launched by the tests as ``python trainer_script.py '<json config>'``; Lightning's launcher re-executes the
+same command line for the other ranks. Rank 0 writes ``{"losses", "params", "val_loss"}`` to ``config["out"]``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+from plain_module import build_plain_model
+from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
+
+from lightning_d9d import D9DStrategy
+from lightning_d9d.models import Qwen3Config
+
+
+class RecordLosses(Callback):
+    """The loss of every micro-batch, averaged over all ranks by ``self.log(..., sync_dist=True)``."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+        for name, p in module.named_parameters()
+    }
+
+
+def main(config: dict) -> None:
+    L.seed_everything(config["seed"], verbose=False)
+    model_config = Qwen3Config.tiny(**config.get("model", {}))
+    global_batch, accumulate = config["global_batch"], config.get("accumulate", 1)
+    dims = config.get("dims", {})
+    dp = config["dp"]
+    train = SyntheticCorpus(
+        model_config.vocab_size, config["seq_len"], global_batch * config["steps_per_epoch"]
+    )
+    val = SyntheticCorpus(model_config.vocab_size, config["seq_len"], global_batch * 2, first_sample=10_000)
+    recorder = RecordLosses()
+    callbacks: list[Callback] = [recorder]
+    if config.get("save_every"):
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=config["ckpt_dir"],
+                every_n_train_steps=config["save_every"],
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
+    trainer = L.Trainer(
+        strategy=D9DStrategy(**dims),
+        accelerator="cpu",
+        devices=config["devices"],
+        precision=config.get("precision", "32-true"),
+        max_steps=config["max_steps"],
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=config.get("clip"),
+        gradient_clip_algorithm="norm",
+        logger=False,
+        enable_checkpointing=bool(config.get("save_every")),
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+    )
+    module = Qwen3Pretraining(
+        model_config, lr=config["lr"], warmup_steps=2, max_steps=config["schedule_steps"]
+    )
+    if config.get("plain_module"):
+        module.model = build_plain_model(model_config.vocab_size)  # type: ignore[assignment]
+    per_rank = global_batch // dp
+    trainer.fit(module, DataLoader(train, batch_size=per_rank), ckpt_path=config.get("resume_from"))
+    result = {"losses": recorder.losses, "params": full_parameters(module)}
+    if config.get("validate"):
+        metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
+        result["val_loss"] = metrics[0]["val/loss"]
+    result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    if trainer.is_global_zero:
+        torch.save(result, config["out"])
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
