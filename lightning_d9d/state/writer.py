@@ -1,0 +1,293 @@
+"""Streaming, atomic writer of HF-style sharded safetensors checkpoints.
+
+Tensors arrive one at a time and fill a shard up to ``max_shard_bytes``; a full shard is written and forgotten, so
+at most one shard is held in memory. Files go to a hidden sibling directory (``.{name}.tmp-XXXX``) and get their
+final names (``model-00001-of-0000N.safetensors``, N known only at the end) on commit; the index is written last,
+and the directory is then renamed into place. A reader therefore finds the checkpoint complete or absent. An
+existing checkpoint at the destination is replaced only once the new one is complete: renamed aside, new one
+renamed in, old one deleted. (A crash between those two renames leaves the old one as ``.{name}.old-XXXX``.)
+
+One shard, as in ``transformers``' ``save_pretrained``, is written as ``model.safetensors`` without an index.
+
+Distributed mode (``distributed=True``): every rank writes the keys it was given into its own shards in a shared
+temporary directory; ``commit`` is collective, and rank 0 numbers the shards, writes the index and renames the
+directory. The destination must be on a file system all ranks see.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+from .dtensor import is_dtensor
+from .errors import CheckpointError, CheckpointFileError
+from .reader import INDEX_NAME, SINGLE_FILE_NAME
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
+FORMAT_METADATA = {"format": "pt"}  # transformers checks this field when loading a safetensors file
+
+
+@dataclass(frozen=True)
+class _Shard:
+    rank: int
+    temp_name: str
+    keys: tuple[str, ...]
+    nbytes: int
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    """Only a checkpoint (or nothing) may be replaced: never a directory of other things passed by mistake."""
+    if not path.is_dir():
+        return False
+    names = {entry.name for entry in path.iterdir()}
+    return not names or INDEX_NAME in names or SINGLE_FILE_NAME in names
+
+
+def _owned(tensor: Tensor) -> Tensor:
+    """A dense CPU tensor that owns exactly its bytes, so a shard's memory is what it says it is.
+
+    Views (an unstacked expert, a chunk of qkv) would otherwise pin their whole base tensor, and safetensors
+    refuses tensors that share storage.
+    """
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.to("cpu")  # may keep a non-contiguous layout: the check below still applies
+    if (
+        not tensor.is_contiguous()
+        or tensor.storage_offset() != 0
+        or tensor.untyped_storage().nbytes() != tensor.nbytes
+    ):
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+class ShardedWriter:
+    """``with ShardedWriter(directory, max_shard_bytes=...) as writer: writer.add(key, tensor)``.
+
+    Leaving the ``with`` block normally commits; an exception aborts (the temporary directory is deleted and an
+    existing checkpoint at ``directory`` is untouched).
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+        metadata: Mapping[str, str] | None = None,
+        distributed: bool = False,
+    ) -> None:
+        if max_shard_bytes <= 0:
+            raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
+        self.directory = Path(directory).absolute()
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {**FORMAT_METADATA, **(metadata or {})}
+        self.distributed = distributed
+        self.rank, self.world_size = 0, 1
+        if distributed:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError("ShardedWriter(distributed=True) needs an initialised torch.distributed")
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._temp: Path | None = None
+        self._buffer: dict[str, Tensor] = {}
+        self._buffer_bytes = 0
+        self._buffer_storages: set[int] = set()  # data pointers of the buffered tensors
+        self._shards: list[_Shard] = []
+        self._keys: set[str] = set()
+        self._done = False
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def __enter__(self) -> ShardedWriter:
+        self.open()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if kind is None:
+            self.commit()
+        else:
+            self.abort()
+
+    def open(self) -> None:
+        """Create the temporary directory (collective in distributed mode). Called by ``__enter__``."""
+        if self._temp is not None:
+            return
+        self._check_destination()
+        name = f".{self.directory.name}.tmp-{secrets.token_hex(4)}"
+        if self.distributed:
+            import torch.distributed as dist
+
+            # All ranks must write into the same directory: rank 0 picks the name and creates it.
+            shared = [name]
+            dist.broadcast_object_list(shared, src=0)
+            name = shared[0]
+        temp = self.directory.parent / name
+        if self.rank == 0:
+            self.directory.parent.mkdir(parents=True, exist_ok=True)
+            temp.mkdir()
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.barrier()
+        self._temp = temp
+
+    def _check_destination(self) -> None:
+        if self.directory.exists() and not _looks_like_checkpoint(self.directory):
+            raise CheckpointFileError(
+                f"refusing to replace {self.directory}: it exists and is not a safetensors checkpoint "
+                f"(no {INDEX_NAME} or {SINGLE_FILE_NAME})",
+                path=str(self.directory),
+            )
+
+    # ---------------------------------------------------------------------------------------------- data
+    def add(self, key: str, tensor: Tensor) -> None:
+        """Queue ``tensor`` under ``key``; writes the current shard first if ``tensor`` would overflow it."""
+        if self._done:
+            raise RuntimeError(f"ShardedWriter for {self.directory} is already closed")
+        if self._temp is None:
+            self.open()
+        if is_dtensor(tensor):
+            raise CheckpointError(f"{key!r} is a DTensor: gather it (full_tensor()) before writing")
+        if key in self._keys:
+            raise CheckpointError(f"{key!r} is written twice to {self.directory}")
+        tensor = _owned(tensor)
+        self._keys.add(key)
+        if self._buffer and self._buffer_bytes + tensor.nbytes > self.max_shard_bytes:
+            self._flush()
+        pointer = tensor.untyped_storage().data_ptr()
+        if tensor.nbytes and pointer in self._buffer_storages:
+            tensor = tensor.clone()  # the same tensor under two keys (tied weights): safetensors wants copies
+            pointer = tensor.untyped_storage().data_ptr()
+        self._buffer[key] = tensor
+        self._buffer_bytes += tensor.nbytes
+        self._buffer_storages.add(pointer)
+        if self._buffer_bytes >= self.max_shard_bytes:
+            self._flush()  # a full shard leaves memory now, not when the next tensor happens to arrive
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        assert self._temp is not None
+        temp_name = f"part-{self.rank:05d}-{len(self._shards):05d}.safetensors"
+        path = self._temp / temp_name
+        save_file(self._buffer, str(path), metadata=self.metadata)
+        _fsync(path)
+        self._shards.append(_Shard(self.rank, temp_name, tuple(self._buffer), self._buffer_bytes))
+        self._buffer = {}
+        self._buffer_bytes = 0
+        self._buffer_storages = set()
+
+    # ----------------------------------------------------------------------------------------- finishing
+    def commit(self) -> Path:
+        """Write the last shard, name the shards, write the index and move the directory into place."""
+        if self._done:
+            raise RuntimeError(f"ShardedWriter for {self.directory} is already closed")
+        if self._temp is None:
+            self.open()
+        assert self._temp is not None
+        try:
+            self._flush()
+            shards = self._all_shards()
+            failure: BaseException | None = None
+            if self.rank == 0:
+                try:
+                    self._finish(shards)
+                except BaseException as error:
+                    failure = error
+            self._agree(failure)
+        except BaseException:
+            self.abort()
+            raise
+        self._done = True
+        return self.directory
+
+    def _agree(self, failure: BaseException | None) -> None:
+        """Every rank learns whether rank 0 finished (and none returns before the checkpoint is in place), so no
+        rank waits forever for a rank 0 that failed."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
+            dist.broadcast_object_list(status, src=0)
+            if failure is None and status[0] is not None:
+                raise CheckpointError(f"rank 0 could not finish {self.directory}: {status[0]}")
+        if failure is not None:
+            raise failure
+
+    def _all_shards(self) -> list[_Shard]:
+        if not self.distributed:
+            return self._shards
+        import torch.distributed as dist
+
+        gathered: list[list[_Shard] | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, self._shards)
+        shards = [shard for rank_shards in gathered for shard in rank_shards or []]
+        seen: dict[str, int] = {}
+        for shard in shards:
+            for key in shard.keys:
+                if key in seen:
+                    raise CheckpointError(f"{key!r} was written by ranks {seen[key]} and {shard.rank}")
+                seen[key] = shard.rank
+        return shards
+
+    def _finish(self, shards: list[_Shard]) -> None:
+        assert self._temp is not None
+        if not shards:  # an empty checkpoint is still a valid checkpoint: one empty file
+            save_file({}, str(self._temp / SINGLE_FILE_NAME), metadata=self.metadata)
+        elif len(shards) == 1:
+            os.rename(self._temp / shards[0].temp_name, self._temp / SINGLE_FILE_NAME)
+        elif shards:
+            weight_map: dict[str, str] = {}
+            for number, shard in enumerate(shards, start=1):
+                final = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+                os.rename(self._temp / shard.temp_name, self._temp / final)
+                weight_map.update(dict.fromkeys(shard.keys, final))
+            index = {
+                "metadata": {"total_size": sum(shard.nbytes for shard in shards)},
+                "weight_map": dict(sorted(weight_map.items())),
+            }
+            (self._temp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            _fsync(self._temp / INDEX_NAME)
+        _fsync(self._temp)
+        self._check_destination()
+        if self.directory.exists():
+            old = self.directory.parent / f".{self.directory.name}.old-{secrets.token_hex(4)}"
+            os.rename(self.directory, old)
+            os.rename(self._temp, self.directory)
+            shutil.rmtree(old)
+        else:
+            os.rename(self._temp, self.directory)
+        _fsync(self.directory.parent)
+
+    def abort(self) -> None:
+        """Forget everything written so far; the destination is left as it was."""
+        self._buffer = {}
+        self._buffer_storages = set()
+        self._done = True
+        if self._temp is None:
+            return
+        if self.distributed and self.rank != 0:
+            for shard in self._shards:
+                (self._temp / shard.temp_name).unlink(missing_ok=True)
+        else:
+            shutil.rmtree(self._temp, ignore_errors=True)
