@@ -14,7 +14,7 @@ Parameter names are those of Hugging Face's ``Qwen3ForCausalLM``, so its state d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -204,21 +204,70 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``."""
+    """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``.
+
+    ``layers`` is a ``ModuleDict`` keyed by layer number, so that a pipeline stage can drop the layers it does
+    not hold and keep the global names (``layers.5`` stays ``layers.5``). A stage without the embedding
+    takes hidden states instead of ids; one without the final norm returns un-normalised hidden states.
+    """
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): Qwen3DecoderLayer(config) for i in range(config.num_hidden_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb(position_ids, input_ids.shape[1], x.dtype)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
-        return self.norm(x)
+        return run_decoder(
+            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, position_ids
+        )
+
+
+def run_decoder(
+    embed_tokens: nn.Module | None,
+    layers: nn.ModuleDict,
+    norm: nn.Module | None,
+    rotary_emb: RotaryEmbedding,
+    inputs: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm)."""
+    x = embed_tokens(inputs) if embed_tokens is not None else inputs
+    cos, sin = rotary_emb(position_ids, x.shape[1], x.dtype)
+    for layer in layers.values():
+        x = layer(x, cos, sin)
+    return norm(x) if norm is not None else x
+
+
+class Qwen3Stage(nn.Module):
+    """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm
+    and LM head on the last. It shares its submodules with the (trimmed) :class:`Qwen3ForCausalLM`, which
+    owns the parameters under their global names; this module is what the schedule runs."""
+
+    def __init__(self, model: Qwen3ForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+        super().__init__()
+        decoder = model.model
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): decoder.layers[str(i)] for i in layer_ids})
+        self.norm = decoder.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        # Not a submodule: the RoPE tables belong to the model (and its init), the stage only reads them.
+        self._rotary = [decoder.rotary_emb]
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+    def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
+        """The data-parallel part of the model's plan, per stage: each stage is its own FSDP root."""
+        if options.activation_checkpointing:
+            apply_activation_checkpointing(self.layers)
+        if options.compile:
+            apply_compile(self.layers)
+        parallelize_data(self, dims, options, blocks=list(self.layers.values()))
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -237,15 +286,17 @@ class Qwen3ForCausalLM(nn.Module):
         device = torch.get_default_device()
         with torch.device("meta"):
             self.model = Qwen3Model(config)
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self._tie_weights()
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
 
     def _tie_weights(self) -> None:
-        if self.config.tie_word_embeddings and self.lm_head.weight is not self.model.embed_tokens.weight:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        head, embedding = self.lm_head, self.model.embed_tokens
+        tied = self.config.tie_word_embeddings and head is not None and embedding is not None
+        if tied and head.weight is not embedding.weight:  # type: ignore[union-attr]
+            head.weight = embedding.weight  # type: ignore[union-attr]
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3ForCausalLM:
         # ``to_empty`` from meta (and any conversion that cannot reuse the tensor in place) registers a new
@@ -257,7 +308,8 @@ class Qwen3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the compute dtype (the loss upcasts: see :func:`~lightning_d9d.modules.causal_lm_loss`)."""
-        return self.lm_head(self.model(input_ids, position_ids))
+        hidden = self.model(input_ids, position_ids)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
 
     # ---------------------------------------------------------------------------------- initialisation
     @torch.no_grad()
@@ -295,7 +347,7 @@ class Qwen3ForCausalLM(nn.Module):
         The root FSDP unit holds the embedding, final norm and LM head; with tied embeddings embedding and
         head share one Parameter, which FSDP2 shards once and all-gathers once per root unit.
         """
-        for name in ("tp", "cp", "ep", "pp"):
+        for name in ("tp", "cp", "ep", "pp"):  # pp: the strategy parallelizes each Qwen3Stage instead
             degree = getattr(dims, name)
             if degree > 1:
                 raise NotImplementedError(f"Qwen3ForCausalLM: {name}={degree} is not implemented yet")
@@ -303,7 +355,32 @@ class Qwen3ForCausalLM(nn.Module):
             apply_activation_checkpointing(self.model.layers)
         if options.compile:
             apply_compile(self.model.layers)
-        parallelize_data(self, dims, options, blocks=self.model.layers)
+        parallelize_data(self, dims, options, blocks=list(self.model.layers.values()))
+
+    # ------------------------------------------------------------------------------------------ pipeline
+    @property
+    def num_pipeline_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def pipeline_keep(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+        """Drop, in place, every layer but ``layer_ids``, and the embedding / norm and head unless this rank
+        holds the first / last stage (see :class:`~lightning_d9d.pipeline.PipelineSplittable`)."""
+        if self.config.tie_word_embeddings and not (first and last):
+            raise ValueError(
+                "Qwen3ForCausalLM: tie_word_embeddings=True cannot be split over pipeline stages on different "
+                "ranks (the embedding and the head would be two copies); set tie_word_embeddings=False or pp=1"
+            )
+        keep = {str(i) for i in layer_ids}
+        for key in [key for key in self.model.layers if key not in keep]:
+            del self.model.layers[key]
+        if not first:
+            self.model.embed_tokens = None
+        if not last:
+            self.model.norm = None
+            self.lm_head = None
+
+    def pipeline_stage(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> Qwen3Stage:
+        return Qwen3Stage(self, layer_ids, first=first, last=last)
 
     # ------------------------------------------------------------------------------------------- flops
     def num_flops_per_token(self, seq_len: int) -> int:

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 
-def apply_compile(blocks: nn.ModuleList) -> None:
+def apply_compile(blocks: nn.ModuleList | nn.ModuleDict) -> None:
     """Compile every block of ``blocks`` in place (``Module.compile`` keeps parameter names unchanged)."""
-    for block in blocks:
+    for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         block.compile(fullgraph=True)
     # Blocks share one code object; without this, dynamo recompiles per block id.
     torch._dynamo.config.inline_inbuilt_nn_modules = True

@@ -137,10 +137,10 @@ def test_init_is_seeded_by_name_and_independent_of_construction_path() -> None:
     d.init_weights(12)
     assert not torch.equal(d.model.embed_tokens.weight, a.model.embed_tokens.weight)
     assert torch.equal(a.model.norm.weight, torch.ones(config.hidden_size))
-    std = a.model.layers[0].mlp.up_proj.weight.std().item()
+    std = a.model.layers["0"].mlp.up_proj.weight.std().item()
     assert abs(std - config.initializer_range) < 0.002
     # Different names draw different values even for same-shaped tensors.
-    assert not torch.equal(a.model.layers[0].mlp.up_proj.weight, a.model.layers[1].mlp.up_proj.weight)
+    assert not torch.equal(a.model.layers["0"].mlp.up_proj.weight, a.model.layers["1"].mlp.up_proj.weight)
     bf16 = Qwen3ForCausalLM(config).to(torch.bfloat16)
     bf16.init_weights(11)
     assert torch.equal(bf16.lm_head.weight, a.lm_head.weight.to(torch.bfloat16))
