@@ -26,7 +26,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
-from lightning_d9d import D9DStrategy
+from lightning_d9d import D9DStrategy, model_loss
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 
@@ -108,13 +108,14 @@ class Qwen3Pretraining(L.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
-        loss = causal_lm_loss(self.model(batch["input_ids"]), batch["labels"])
+        # model_loss is causal_lm_loss(self.model(input_ids), labels), run through the schedule when pp > 1.
+        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
         self.log("train/loss", loss, prog_bar=True, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         assert self.model is not None
-        loss = causal_lm_loss(self.model(batch["input_ids"]), batch["labels"])
+        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -167,6 +168,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="32-true", choices=["32-true", "bf16-mixed", "bf16-true"])
+    parser.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    parser.add_argument("--pipeline-schedule", default="1F1B")
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--untied", action="store_true", help="untie embedding and head (needed for pp > 1)")
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=-1)
     parser.add_argument("--seq-len", type=int, default=64)
@@ -183,9 +188,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
-    config = MODELS[args.model]()
+    config = MODELS[args.model](**({"tie_word_embeddings": False} if args.untied else {}))
     world = args.devices * args.num_nodes
-    dp = world // args.dp_replicate if args.dp_shard == -1 else args.dp_replicate * args.dp_shard
+    dp = world // (args.pp * args.dp_replicate) if args.dp_shard == -1 else args.dp_replicate * args.dp_shard
     if args.batch_size % (dp * args.accumulate):
         raise SystemExit(
             f"--batch-size ({args.batch_size}) must be divisible by dp*accumulate ({dp}*{args.accumulate})"
@@ -200,7 +205,13 @@ def main(argv: list[str] | None = None) -> None:
         dirpath=args.output / "checkpoints", every_n_train_steps=max(1, args.max_steps // 2), save_last=True
     )
     trainer = L.Trainer(
-        strategy=D9DStrategy(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard),
+        strategy=D9DStrategy(
+            pp=args.pp,
+            dp_replicate=args.dp_replicate,
+            dp_shard=args.dp_shard,
+            pipeline_schedule=args.pipeline_schedule,
+            microbatches=args.microbatches,
+        ),
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,

@@ -7,9 +7,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.plans import ParallelOptions
-from lightning_d9d.strategies import D9DPrecision, D9DStrategy
+from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
 D9DStrategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
-__all__ = ["D9DPrecision", "D9DStrategy", "ParallelDims", "ParallelOptions", "__version__"]
+__all__ = ["D9DPrecision", "D9DStrategy", "ParallelDims", "ParallelOptions", "__version__", "model_loss"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 import uuid
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -28,9 +28,16 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.pipeline import resolve_schedule_name
+from lightning_d9d.pipeline import (
+    PipelineSplittable,
+    balanced_stage_layers,
+    check_pipeline_config,
+    check_schedule_with_data_parallel,
+    stages_of_rank,
+)
 from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
 from lightning_d9d.strategies import checkpoint as ckpt
+from lightning_d9d.strategies.pipelining import LossFn, PipelineRunner, ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 
 if TYPE_CHECKING:
@@ -38,7 +45,6 @@ if TYPE_CHECKING:
 
 # Degrees whose plans have not landed yet, and what to do instead.
 _NOT_YET = {
-    "pp": "pipeline parallelism",
     "cp": "context parallelism",
     "tp": "tensor parallelism",
     "ep": "expert parallelism",
@@ -51,7 +57,12 @@ class D9DStrategy(ModelParallelStrategy):
     Args:
         pp, dp_replicate, dp_shard, cp, tp, ep: parallel degrees (see :class:`~lightning_d9d.mesh.ParallelDims`);
             ``dp_shard=-1`` takes whatever the world size leaves. The default is FSDP over all ranks.
-        pipeline_schedule: a ``torch.distributed.pipelining`` schedule name (used when ``pp > 1``).
+        pipeline_schedule: a ``torch.distributed.pipelining`` schedule name (used when ``pp > 1``): GPipe, 1F1B,
+            Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble or DualPipeV.
+        microbatches: microbatches per batch (default: the number of stages); must divide the per-rank batch.
+        stages_per_rank: pipeline stages per rank (default: 1, or 2 for the interleaved and V schedules).
+        layers_per_stage: explicit layer counts per stage; default: balanced, counting the embedding and the
+            head as ``stage_embedding_weight`` / ``stage_head_weight`` layers.
         activation_checkpointing: recompute each transformer block in backward.
         compile: ``torch.compile`` each transformer block.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
@@ -76,6 +87,11 @@ class D9DStrategy(ModelParallelStrategy):
         ep: int = 1,
         *,
         pipeline_schedule: str = "1F1B",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        layers_per_stage: Sequence[int] | None = None,
+        stage_embedding_weight: float = 1.0,
+        stage_head_weight: float = 1.0,
         activation_checkpointing: bool = False,
         compile: bool = False,
         reshard_after_forward: bool = True,
@@ -91,7 +107,12 @@ class D9DStrategy(ModelParallelStrategy):
         self._requested_dims = ParallelDims(
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
         )
-        self.pipeline_schedule = resolve_schedule_name(pipeline_schedule)
+        self.pipeline = check_pipeline_config(pp, pipeline_schedule, microbatches, stages_per_rank)
+        self.pipeline_schedule = self.pipeline.schedule
+        self._layers_per_stage = None if layers_per_stage is None else list(layers_per_stage)
+        self._stage_weights = (stage_embedding_weight, stage_head_weight)
+        self._runner: PipelineRunner | None = None
+        self._pipelined_model: nn.Module | None = None
         for degree, feature in _NOT_YET.items():
             value = getattr(self._requested_dims, degree)
             if value > 1:
@@ -129,15 +150,21 @@ class D9DStrategy(ModelParallelStrategy):
         dp_mesh = self.parallel_dims.mesh_for("dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
+    def _resolve_dims(self) -> ParallelDims:
+        dims = self._requested_dims.resolve(self.num_nodes * self.num_processes)
+        if dims.pp_enabled:
+            check_schedule_with_data_parallel(self.pipeline.schedule, dims.dp)
+        return dims
+
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
-        self._requested_dims.resolve(self.num_nodes * self.num_processes)
+        self._resolve_dims()
         super()._configure_launcher()
 
     def setup_environment(self) -> None:
         # Validate again (the cluster environment may have changed the world size), still before any collective.
-        dims = self._requested_dims.resolve(self.num_nodes * self.num_processes)
+        dims = self._resolve_dims()
         self._setup_distributed()
         self._dims = dims.build_mesh(self.root_device.type)
         self._device_mesh = self._dims.mesh
@@ -169,9 +196,18 @@ class D9DStrategy(ModelParallelStrategy):
         if not getattr(self.model, "_d9d_parallelized", False):
             self.model = self.precision_plugin.convert_module(self.model)
             self._broadcast_plain_tensors(self.model)
-            self._parallelize(self.model)
+            stages = self._split_pipeline(self.model) if self.parallel_dims.pp_enabled else None
+            self._parallelize(self.model, stages)
             self._materialize(self.model)
+            if stages is not None:
+                self._runner = PipelineRunner(
+                    self.pipeline, stages, self.parallel_dims.mesh_for("pp").get_group(), self.root_device
+                )
+                self.precision_plugin.norm_reduce_groups = [self.parallel_dims.mesh_for("pp").get_group()]
             self.model._d9d_parallelized = True  # type: ignore[assignment]
+        if self._runner is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Private Lightning API (pinned by tests): zero gradients before the schedule computes them.
+            trainer.fit_loop.epoch_loop.automatic_optimization.__class__ = ZeroGradFirstOptimization
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -188,8 +224,45 @@ class D9DStrategy(ModelParallelStrategy):
             compile=self._compile,
         )
 
-    def _parallelize(self, module: nn.Module) -> None:
+    def _split_pipeline(self, module: nn.Module) -> dict[int, nn.Module]:
+        """Trim the pipelined model to this rank's layers and build one stage module per local stage."""
+        candidates = [child for child in module.children() if isinstance(child, PipelineSplittable)]
+        if len(candidates) != 1:
+            raise ValueError(
+                f"pp={self.parallel_dims.pp} needs exactly one child module of {type(module).__name__} that "
+                f"implements lightning_d9d.pipeline.PipelineSplittable (found {len(candidates)}); our models do"
+            )
+        model = candidates[0]
+        config = self.pipeline
+        layers = balanced_stage_layers(
+            model.num_pipeline_layers,
+            config.num_stages,
+            embedding_weight=self._stage_weights[0],
+            head_weight=self._stage_weights[1],
+            layers_per_stage=self._layers_per_stage,
+        )
+        pp_rank = self.parallel_dims.mesh_for("pp").get_local_rank()
+        local = stages_of_rank(pp_rank, config.pp, config.stages_per_rank, v_shape=config.v_shape)
+        last = config.num_stages - 1
+        model.pipeline_keep(
+            sorted(i for stage in local for i in layers[stage]), first=0 in local, last=last in local
+        )
+        self._pipelined_model = model  # type: ignore[assignment]
+        return {
+            stage: model.pipeline_stage(layers[stage], first=stage == 0, last=stage == last)
+            for stage in local
+        }
+
+    def _parallelize(self, module: nn.Module, stages: dict[int, nn.Module] | None = None) -> None:
         dims, options = self.parallel_dims, self.parallel_options()
+        if stages is not None:
+            # Each stage is its own FSDP root: the schedule calls the stages, never the model.
+            for stage in stages.values():
+                if isinstance(stage, Parallelizable):
+                    stage.parallelize(dims, options)
+                else:
+                    parallelize_default(stage, dims, options)
+            return
         if isinstance(module, Parallelizable):
             module.parallelize(dims, options)
             return
@@ -248,10 +321,47 @@ class D9DStrategy(ModelParallelStrategy):
                 f"{', '.join(sorted(uninitialised))}"
             )
 
+    # --------------------------------------------------------------------------------------- the loss
+    def model_loss(
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """``loss_fn(model(*inputs), target)``; with pp > 1, run through the pipeline schedule instead.
+
+        In training (gradients enabled) the pipelined loss comes back detached, with the gradients already
+        computed; the strategy's ``backward`` then does nothing. Every pipeline rank gets the same value.
+        """
+        if self._runner is None:
+            return loss_fn(model(*inputs), target)
+        if model is not self._pipelined_model:
+            raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
+        if torch.is_grad_enabled():
+            assert self.lightning_module is not None
+            accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            return self._runner.train_step(inputs, target, loss_fn, accumulate)
+        return self._runner.eval_step(inputs, target, loss_fn)
+
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        if self._runner is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward; only the hooks are left (on_before/after_backward).
+        assert self.lightning_module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     # ----------------------------------------------------------------------------------- gradient sync
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum."""
+        """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum.
+
+        Under pp the pipeline stages manage FSDP's sync within each schedule step themselves."""
+        if self._runner is not None:
+            yield None
+            return
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
         for module in modules:
             module.set_requires_gradient_sync(False, recurse=False)

@@ -49,7 +49,7 @@ def test_unknown_schedule_names_the_choices() -> None:
     assert D9DStrategy(pipeline_schedule="interleaved1f1b").pipeline_schedule == "Interleaved1F1B"
 
 
-@pytest.mark.parametrize("degree", ["pp", "cp", "tp", "ep"])
+@pytest.mark.parametrize("degree", ["cp", "tp", "ep"])
 def test_degrees_not_implemented_yet(degree: str) -> None:
     with pytest.raises(NotImplementedError, match=f"{degree}=2: .* is not implemented yet"):
         D9DStrategy(**{degree: 2})
@@ -75,3 +75,31 @@ def test_precision_plugin_follows_the_trainer(precision: str, expected: str) -> 
         assert str(policy.reduce_dtype) == "torch.float32"
     else:
         assert policy is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"pp": 2, "pipeline_schedule": "1F1B", "microbatches": 1}, r"microbatches \(1\) must be at least"),
+        ({"pp": 2, "pipeline_schedule": "ZBVZeroBubble", "stages_per_rank": 1}, "needs stages_per_rank=2"),
+        ({"pp": 2, "pipeline_schedule": "GPipe", "stages_per_rank": 2}, "use Interleaved1F1B or LoopedBFS"),
+        ({"pp": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 5}, r"multiple of pp \(2\)"),
+        ({"pp": 2, "microbatches": 0}, r"microbatches \(0\) must be positive"),
+    ],
+)
+def test_bad_pipeline_configurations(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        D9DStrategy(**kwargs)
+    assert not dist.is_initialized()
+
+
+def test_v_schedules_default_to_two_stages_per_rank() -> None:
+    strategy = D9DStrategy(pp=2, pipeline_schedule="DualPipeV")
+    assert (strategy.pipeline.stages_per_rank, strategy.pipeline.microbatches) == (2, 4)
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
+def test_split_backward_schedules_refuse_data_parallelism(schedule: str) -> None:
+    with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' with data parallelism \(dp=2\)"):
+        make_trainer(D9DStrategy(pp=2, pipeline_schedule=schedule), devices=4)
+    assert not dist.is_initialized()

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,13 +21,22 @@ TOLERANCE = 1e-5
 BASE = {"seed": 7, "seq_len": 16, "global_batch": 8, "lr": 3e-3, "steps_per_epoch": 16, "schedule_steps": 8}
 
 
-def run_trainer(config: dict, tmp_path: Path, name: str) -> dict:
+def run_trainer(config: dict | list[dict], tmp_path: Path, name: str, names: list[str] | None = None) -> Any:
     """Lightning's own launcher when ``config["launcher"] == "lightning"``, else torchrun (which starts all
-    ranks at once; Lightning's launcher waits 1-5 s before each extra rank)."""
-    out = tmp_path / f"{name}.pt"
-    config = {**BASE, **config, "out": str(out)}
+    ranks at once; Lightning's launcher waits 1-5 s before each extra rank).
+
+    A list of configs (same world size) runs in one launch and returns ``{name: result}``.
+    """
+    batch = isinstance(config, list)
+    configs = config if isinstance(config, list) else [config]
+    labels = names if names is not None else [name]
+    configs = [
+        {**BASE, **one, "out": str(tmp_path / f"{name}_{label}.pt")}
+        for one, label in zip(configs, labels, strict=True)
+    ]
+    config = configs[0]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(SCRIPT), json.dumps(config)]
+    command = [sys.executable, str(SCRIPT), json.dumps(configs if batch else config)]
     if config.get("launcher") != "lightning" and config["devices"] > 1:
         command[1:1] = [
             "-m",
@@ -39,7 +49,10 @@ def run_trainer(config: dict, tmp_path: Path, name: str) -> dict:
         raise AssertionError(
             f"trainer run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-    return torch.load(out, weights_only=False)
+    results = {
+        label: torch.load(one["out"], weights_only=False) for label, one in zip(labels, configs, strict=True)
+    }
+    return results if batch else results[labels[0]]
 
 
 def assert_same_training(actual: dict, expected: dict, tolerance: float = TOLERANCE) -> None:

@@ -1,6 +1,6 @@
 """Run ``Trainer(strategy=D9DStrategy(...))`` on the example module and save what the tests compare.
 
-Launched by the tests as ``python trainer_script.py '<json config>'``; Lightning's launcher re-executes the
+Launched by the tests as ``python trainer_script.py '<json config or list of configs>'``; Lightning's launcher re-executes the
 same command line for the other ranks. Rank 0 writes ``{"losses", "params", "val_loss"}`` to ``config["out"]``.
 """
 
@@ -85,7 +85,13 @@ def main(config: dict) -> None:
         module.model = build_plain_model(model_config.vocab_size)  # type: ignore[assignment]
     per_rank = global_batch // dp
     trainer.fit(module, DataLoader(train, batch_size=per_rank), ckpt_path=config.get("resume_from"))
-    result = {"losses": recorder.losses, "params": full_parameters(module)}
+    params = full_parameters(module)
+    if dist.is_initialized() and trainer.strategy.parallel_dims.pp_enabled:
+        # each pipeline rank holds other layers: collect them all (global names, so they merge)
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, params)
+        params = {name: tensor for part in gathered for name, tensor in part.items()}
+    result = {"losses": recorder.losses, "params": params}
     if config.get("validate"):
         metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
         result["val_loss"] = metrics[0]["val/loss"]
@@ -97,4 +103,8 @@ def main(config: dict) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    # One config, or a list of them run one after the other in the same processes (start-up is most of
+    # the cost of a small run; the process group is reused, every run builds its own mesh).
+    configs = json.loads(sys.argv[1])
+    for one in configs if isinstance(configs, list) else [configs]:
+        main(one)

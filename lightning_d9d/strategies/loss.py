@@ -1,0 +1,30 @@
+"""``model_loss``: the one call a ``training_step`` makes so that it runs with and without pipelining."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import lightning as L
+import torch
+from torch import nn
+
+from lightning_d9d.strategies.d9d import D9DStrategy
+
+
+def model_loss(
+    module: L.LightningModule,
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    target: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """``loss_fn(model(*inputs), target)``, or, under ``D9DStrategy(pp>1)``, the same loss computed through the
+    pipeline schedule (microbatched, with backward done; see :meth:`D9DStrategy.model_loss`).
+
+    ``loss_fn`` must return the mean loss of the microbatch it is given; the pipeline averages microbatches.
+    Works with any strategy, and outside a Trainer.
+    """
+    trainer = module._trainer
+    if trainer is not None and isinstance(trainer.strategy, D9DStrategy):
+        return trainer.strategy.model_loss(model, inputs, target, loss_fn)
+    return loss_fn(model(*inputs), target)

@@ -1,0 +1,133 @@
+"""Pipeline parallelism inside Lightning's loop: every torch schedule against a single-process loop (fp32, 1e-5).
+
+Runs of the same world size share one launch (``trainer_script.py`` takes a list of configs): process
+start-up is most of the cost of these small runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from reference import reference_run
+from test_trainer_parity import BASE, assert_same_training, run_trainer
+
+SCHEDULES = [
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "LoopedBFS",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+]
+# lr 1e-3: AdamW turns tiny summation-order differences of near-zero gradients into parameter differences
+# proportional to lr; microbatching changes the summation order.
+COMMON = {**BASE, "lr": 1e-3, "max_steps": 5, "model": {"num_hidden_layers": 4}}
+ACCUMULATE_CLIP = {"accumulate": 2, "clip": 0.05}
+
+
+def pp2(schedule: str, accumulate_clip: bool) -> dict:
+    extra = ACCUMULATE_CLIP if accumulate_clip else {}
+    validate = schedule in ("ZBVZeroBubble", "DualPipeV", "1F1B")  # eval() fails for the V schedules in torch
+    dims = {"pp": 2, "dp_shard": 1, "pipeline_schedule": schedule, "microbatches": 4}
+    return {**COMMON, **extra, "devices": 2, "dp": 1, "dims": dims, "validate": validate}
+
+
+FOUR_RANKS = {
+    "pp4_1F1B": {"dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "1F1B", "microbatches": 4}, "dp": 1},
+    "pp4_1F1B_acc": {
+        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "1F1B", "microbatches": 4},
+        "dp": 1,
+        **ACCUMULATE_CLIP,
+    },
+    "pp4_Interleaved1F1B": {
+        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "Interleaved1F1B", "microbatches": 8},
+        "dp": 1,
+        "model": {"num_hidden_layers": 8},
+    },
+    "pp4_Interleaved1F1B_acc": {
+        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "Interleaved1F1B", "microbatches": 8},
+        "dp": 1,
+        "model": {"num_hidden_layers": 8},
+        **ACCUMULATE_CLIP,
+    },
+    "pp2_dp2_1F1B_acc": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+        "dp": 2,
+        **ACCUMULATE_CLIP,
+        "validate": True,
+    },
+    "pp2_dp2_Interleaved1F1B": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 4},
+        "dp": 2,
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("pp2")
+    configs = {f"{s}_{a}": pp2(s, a) for s in SCHEDULES for a in (False, True)}
+    return run_trainer(list(configs.values()), tmp, "pp2", names=list(configs))
+
+
+@pytest.fixture(scope="module")
+def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("pp4")
+    configs = {name: {**COMMON, "devices": 4, **config} for name, config in FOUR_RANKS.items()}
+    return run_trainer(list(configs.values()), tmp, "pp4", names=list(configs))
+
+
+_references: dict[str, dict] = {}
+
+
+def reference_for(config: dict) -> dict:
+    key = repr(sorted((k, v) for k, v in config.items() if k not in ("dims", "devices", "dp", "out")))
+    if key not in _references:
+        _references[key] = reference_run(config)
+    return _references[key]
+
+
+def check(actual: dict, config: dict) -> None:
+    expected = reference_for(config)
+    assert_same_training(actual, expected)
+    if config.get("clip"):
+        assert min(expected["grad_norms"]) > config["clip"]  # clipping bites on every step
+    if config.get("validate"):
+        assert abs(actual["val_loss"] - expected["val_loss"]) <= 1e-5
+
+
+@pytest.mark.parametrize("accumulate_clip", [False, True], ids=["plain", "accumulate2_clip"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_pp2_schedule_matches_one_process(schedule: str, accumulate_clip: bool, two_rank_runs: dict) -> None:
+    check(two_rank_runs[f"{schedule}_{accumulate_clip}"], pp2(schedule, accumulate_clip))
+
+
+@pytest.mark.parametrize("name", sorted(FOUR_RANKS))
+def test_four_ranks_match_one_process(name: str, four_rank_runs: dict) -> None:
+    check(four_rank_runs[name], {**COMMON, "devices": 4, **FOUR_RANKS[name]})
+
+
+RESUME = {**COMMON, "max_steps": 8, "steps_per_epoch": 4, "save_every": 4, "dp": 2}
+PP2_DP2 = {"pp": 2, "dp_shard": 2, "pipeline_schedule": "1F1B", "microbatches": 2}
+
+
+@pytest.mark.parametrize(("first", "second"), [("pp2_dp2", "pp1_dp2"), ("pp1_dp2", "pp2_dp2")])
+def test_checkpoint_resumes_on_another_pipeline_layout(first: str, second: str, tmp_path: Path) -> None:
+    layouts = {
+        "pp2_dp2": ({"devices": 4, "dims": PP2_DP2}),
+        "pp1_dp2": {"devices": 2, "dims": {"dp_shard": 2}},
+    }
+    ckpt_dir = tmp_path / "ckpt"
+    uninterrupted = run_trainer({**RESUME, **layouts[first], "ckpt_dir": str(ckpt_dir)}, tmp_path, "first")
+    resumed = run_trainer(
+        {**RESUME, **layouts[second], "save_every": 0, "resume_from": str(ckpt_dir / "step=4.ckpt")},
+        tmp_path,
+        "second",
+    )
+    assert_same_training(
+        {"losses": resumed["losses"], "params": resumed["params"]},
+        {"losses": uninterrupted["losses"][4:], "params": uninterrupted["params"]},
+    )
+    assert_same_training(uninterrupted, reference_for({**RESUME, **layouts[first]}))
