@@ -262,8 +262,8 @@ class D9DStrategy(ModelParallelStrategy):
                     stage.parallelize(dims, options)
                 else:
                     parallelize_default(stage, dims, options)
-            return
-        if isinstance(module, Parallelizable):
+            # the pipelined model is sharded now; other children (say, a loss head) go on below
+        elif isinstance(module, Parallelizable):
             module.parallelize(dims, options)
             return
         own = [name for name, _ in itertools.chain(module.named_parameters(recurse=False))]
