@@ -321,6 +321,24 @@ class D9DStrategy(ModelParallelStrategy):
                 f"{', '.join(sorted(uninitialised))}"
             )
 
+    # ------------------------------------------------------------------------------------- collectives
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
+    ) -> torch.Tensor | Any:
+        """All-reduce for ``self.log(..., sync_dist=True)``: without the barrier Lightning puts before it
+        (on NCCL that barrier blocks the host every step, and an all-reduce needs none)."""
+        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
+            return tensor
+        group = dist.group.WORLD if group is None else group
+        name = reduce_op.lower() if isinstance(reduce_op, str) else None
+        mean = name in ("mean", "avg")
+        op = dist.ReduceOp.SUM if mean else (getattr(dist.ReduceOp, name.upper()) if name else reduce_op)
+        dist.all_reduce(tensor, op=op, group=group)
+        if mean:
+            size = dist.get_world_size(group)
+            return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
+        return tensor
+
     # --------------------------------------------------------------------------------------- the loss
     def model_loss(
         self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
