@@ -1,0 +1,865 @@
+"""Single-GPU training throughput of one Qwen3 shape through several code paths, measured in one run.
+
+Every path trains the same model shape on the same fixed random batch and runs in its own subprocess (so
+compile caches, allocator state and peak memory do not leak between paths; each also gets its own empty
+inductor/triton cache directory unless ``--shared-compile-cache``):
+
+    hf_eager               transformers.Qwen3ForCausalLM (sdpa), plain PyTorch loop      <- the baseline
+    hf_compiled            the same, torch.compile(model) (whole model)
+    ours_eager             lightning_d9d.models.Qwen3ForCausalLM, the same plain loop
+    ours_compiled          ours, per-block compile (lightning_d9d.plans.apply_compile, the product's compile)
+    ours_compiled_model    ours, torch.compile(model) (whole model, like hf_compiled)
+    ours_fsdp_loop         ours, parallelized as the strategy does on one rank (FSDP2 + MixedPrecisionPolicy),
+                           in the plain loop: isolates FSDP2 from Lightning
+    ours_trainer           Trainer(strategy="d9d", precision="bf16-mixed") on examples/pretrain_qwen3.py's
+                           Qwen3Pretraining (the product path, unchanged module)
+    ours_trainer_compiled  the same with D9DStrategy(compile=True)
+
+Diagnostic paths (not in the default list; name them in ``--paths``):
+
+    ours_fsdp_compiled          ours_fsdp_loop with the plan's per-block compile (ParallelOptions(compile=True))
+    ours_trainer_lean           ours_trainer with a subclass of the example's module: fused AdamW, and the loss
+                                logged without ``prog_bar`` (Lightning ``.item()``s progress-bar metrics each step)
+    ours_trainer_compiled_lean  the same with D9DStrategy(compile=True)
+
+Precision recipe (the same for every plain loop): fp32 master weights, ``torch.autocast(bfloat16)`` around
+forward + loss, fused AdamW (``fused=True`` on CUDA). The strategy's ``bf16-mixed`` instead casts the fp32
+master weights to bf16 through FSDP2's ``MixedPrecisionPolicy`` (no autocast), so its residual stream is
+bf16 where autocast keeps it in fp32; ``ours_fsdp_loop`` measures that recipe without Lightning. The loss is
+always ``lightning_d9d.modules.loss.causal_lm_loss`` on the logits (eager, outside any compiled region).
+
+Timing: ``--warmup`` steps (compilation included) then ``--steps`` measured steps between two
+``torch.cuda.synchronize()`` calls; no host sync inside the window (per-step times come from CUDA events).
+MFU = ``num_flops_per_token(seq_len) * tokens/s / peak`` with ``Qwen3ForCausalLM.num_flops_per_token``
+(``6*N + 12*L*H*head_dim*T``) and ``--peak-tflops`` (989, the H100/H200 SXM dense bf16 datasheet number).
+After the window, ``--probe-steps`` more steps run under ``torch.cuda.set_sync_debug_mode("warn")`` to count
+host<->device synchronisations per step and where they come from (``sync_probe`` in the JSON).
+
+Run (on a GPU machine, from the repository root):
+
+    PYTHONPATH=. python benchmarks/train_throughput.py --out runs/bench            # all paths, GPU 0
+    PYTHONPATH=. python benchmarks/train_throughput.py --gpus 0,1 --out runs/bench  # spread paths over 2 GPUs
+    PYTHONPATH=. python benchmarks/train_throughput.py --device cpu --model tiny --seq-len 64 \
+        --batch-size 2 --warmup 2 --steps 3 --paths hf_eager,ours_eager                  # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import os
+import platform
+import queue
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+PATHS: dict[str, str] = {
+    "hf_eager": "HF transformers Qwen3ForCausalLM (sdpa), eager, plain loop",
+    "hf_compiled": "HF, torch.compile(whole model), plain loop",
+    "ours_eager": "lightning_d9d Qwen3ForCausalLM, eager, plain loop",
+    "ours_compiled": "ours, per-block compile (plans.apply_compile), plain loop",
+    "ours_compiled_model": "ours, torch.compile(whole model), plain loop",
+    "ours_fsdp_loop": "ours, FSDP2 bf16 MixedPrecisionPolicy on 1 rank (as the strategy), plain loop",
+    "ours_fsdp_compiled": "ours_fsdp_loop with the plan's per-block compile (ParallelOptions(compile=True))",
+    "ours_trainer": 'Trainer(strategy="d9d", bf16-mixed), examples Qwen3Pretraining',
+    "ours_trainer_compiled": "the same with D9DStrategy(compile=True)",
+    # Diagnostics: the example's module with fused AdamW and its loss logged without prog_bar (no .item()).
+    "ours_trainer_lean": "ours_trainer, module with fused AdamW and self.log(..., prog_bar=False)",
+    "ours_trainer_compiled_lean": "ours_trainer_compiled, the same lean module",
+}
+DEFAULT_PATHS = [
+    p for p in PATHS if p not in ("ours_fsdp_compiled", "ours_trainer_lean", "ours_trainer_compiled_lean")
+]
+BASELINES = ("hf_eager", "hf_compiled")
+
+
+# ===================================================================================================== worker
+def _device(args: argparse.Namespace) -> Any:
+    import torch
+
+    return torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _config(args: argparse.Namespace) -> Any:
+    from lightning_d9d.models import Qwen3Config
+
+    return Qwen3Config.qwen3_0_6b() if args.model == "0.6b" else Qwen3Config.tiny()
+
+
+def _batch(args: argparse.Namespace, vocab: int, device: Any) -> tuple[Any, Any]:
+    """One fixed batch of random token ids: ``inputs [B, T]`` and next-token ``labels [B, T]``."""
+    import torch
+
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, vocab, (args.batch_size, args.seq_len + 1), generator=generator)
+    return ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+
+
+class _Events:
+    """CUDA events recorded without host syncs; read once the window has been synchronised."""
+
+    def __init__(self, device: Any) -> None:
+        self.enabled = device.type == "cuda"
+        self.marks: list[dict[str, Any]] = []
+
+    def mark(self, step: dict[str, Any], name: str) -> None:
+        import torch
+
+        if self.enabled:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            step[name] = event
+
+
+def _ms(a: Any, b: Any) -> float:
+    return float(a.elapsed_time(b))
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {}
+    return {
+        "median": statistics.median(values),
+        "mean": statistics.fmean(values),
+        "min": min(values),
+        "max": max(values),
+    }
+
+
+class SyncProbe:
+    """Counts host<->device synchronisations (``torch.cuda.set_sync_debug_mode("warn")``) over a few extra
+    steps after the measured window, and where in the Python code they were issued.
+
+    Syncs inside calls that release the GIL without a Python warning handler (``torch.distributed`` ops, such
+    as the NCCL ``barrier``) are printed by C++ instead; the parent counts those lines between the markers
+    this probe prints (``native_syncs``).
+    """
+
+    START, END = "SYNC-PROBE-START", "SYNC-PROBE-END"
+
+    def __init__(self, device: Any) -> None:
+        self.enabled = device.type == "cuda"
+        self.records: list[Any] = []
+        self._catcher: Any = None
+        self._markers = False
+        # The first switch of the debug mode reports one sync of its own: spend it here.
+        self.start()
+        self.stop()
+        self._markers = True
+
+    def start(self) -> None:
+        import warnings
+
+        import torch
+
+        if not self.enabled or self._catcher is not None:
+            return
+        self._catcher = warnings.catch_warnings(record=True)
+        self.records = self._catcher.__enter__()
+        warnings.simplefilter("always")
+        if self._markers:
+            sys.stderr.flush()
+            print(self.START, flush=True)
+        torch.cuda.set_sync_debug_mode("warn")
+
+    def stop(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.enabled or self._catcher is None:
+            return None
+        torch.cuda.set_sync_debug_mode("default")
+        if self._markers:
+            sys.stderr.flush()
+            print(self.END, flush=True)
+        self._catcher.__exit__(None, None, None)
+        self._catcher = None
+        syncs = [w for w in self.records if "synchroniz" in str(w.message)]
+        where: dict[str, int] = {}
+        for w in syncs:
+            key = f"{w.filename}:{w.lineno}"
+            where[key] = where.get(key, 0) + 1
+        return {"syncs": len(syncs), "where": where}
+
+
+def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
+    """The module to train and the callable ``inputs -> logits``."""
+    import torch
+
+    config = _config(args)
+    torch.manual_seed(args.seed)
+    if path.startswith("hf"):
+        import transformers
+
+        hf_config = config.to_hf_config()
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
+        model = model.to(device=device, dtype=torch.float32)
+        model.config.use_cache = False
+        attn = getattr(model.config, "_attn_implementation", None)
+        if attn != "sdpa":
+            raise RuntimeError(f"HF model uses attn_implementation={attn!r}, expected 'sdpa'")
+        if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+            raise RuntimeError("HF model did not tie lm_head to embed_tokens")
+        model.train()
+        runner = torch.compile(model) if path == "hf_compiled" else model
+
+        def forward(inputs: Any) -> Any:
+            return runner(input_ids=inputs, use_cache=False).logits
+
+        return model, forward
+
+    from lightning_d9d.models import Qwen3ForCausalLM
+
+    if path in ("ours_fsdp_loop", "ours_fsdp_compiled"):
+        import torch.distributed as dist
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        from lightning_d9d import ParallelDims, ParallelOptions
+
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+        dims = ParallelDims().resolve(1).build_mesh(device.type)
+        with torch.device("meta"):
+            model = Qwen3ForCausalLM(config)
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model.parallelize(dims, ParallelOptions(mp_policy=policy, compile=path == "ours_fsdp_compiled"))
+        model.to_empty(device=device)
+        model.init_weights(args.seed)
+        model.train()
+        return model, model
+
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    model.train()
+    if path == "ours_compiled":
+        from lightning_d9d.plans import apply_compile
+
+        apply_compile(model.model.layers)
+        return model, model
+    if path == "ours_compiled_model":
+        return model, torch.compile(model)
+    return model, model
+
+
+def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from lightning_d9d.modules.loss import causal_lm_loss
+
+    device = _device(args)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    t_setup = time.perf_counter()
+    model, forward = build_model(path, args, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    inputs, labels = _batch(args, _config(args).vocab_size, device)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused
+    )
+    # FSDP2's MixedPrecisionPolicy does the casting for ours_fsdp_*; every other plain loop autocasts.
+    autocast: AbstractContextManager[Any] = (
+        nullcontext()
+        if path.startswith("ours_fsdp")
+        else torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    )
+    _sync(device)
+    setup_s = time.perf_counter() - t_setup
+    events = _Events(device)
+    losses: list[Any] = []
+
+    def step(marks: dict[str, Any] | None) -> None:
+        if marks is not None:
+            events.mark(marks, "start")
+        with autocast:
+            loss = causal_lm_loss(forward(inputs), labels)
+        if marks is not None:
+            events.mark(marks, "forward")
+        loss.backward()
+        if marks is not None:
+            events.mark(marks, "backward")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if marks is not None:
+            events.mark(marks, "end")
+        losses.append(loss.detach())
+
+    warmup_times = []
+    for _ in range(args.warmup):
+        t = time.perf_counter()
+        step(None)
+        _sync(device)
+        warmup_times.append(time.perf_counter() - t)
+    warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # peak_mem_gib: the measured steps only
+    steps: list[dict[str, Any]] = []
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        marks: dict[str, Any] = {}
+        step(marks)
+        steps.append(marks)
+    _sync(device)
+    elapsed = time.perf_counter() - t0
+    probe = SyncProbe(device)
+    probe.start()
+    for _ in range(args.probe_steps):
+        step(None)
+    sync_probe = probe.stop()
+    _sync(device)
+
+    result: dict[str, Any] = {
+        "n_params": n_params,
+        "setup_s": setup_s,
+        "peak_mem_warmup_gib": warmup_peak,
+        "first_step_s": warmup_times[0] if warmup_times else None,
+        "warmup_s": sum(warmup_times),
+        "elapsed_s": elapsed,
+        "losses": [float(x) for x in losses],
+        "sync_probe": sync_probe,
+    }
+    if events.enabled and steps:
+        result["step_ms"] = _summary([_ms(s["start"], s["end"]) for s in steps])
+        result["forward_ms"] = _summary([_ms(s["start"], s["forward"]) for s in steps])
+        result["backward_ms"] = _summary([_ms(s["forward"], s["backward"]) for s in steps])
+        result["optimizer_ms"] = _summary([_ms(s["backward"], s["end"]) for s in steps])
+        # Device idle between steps (host launch latency the GPU waited for).
+        result["gap_ms"] = _summary([_ms(a["end"], b["start"]) for a, b in itertools.pairwise(steps)])
+    if path == "ours_fsdp_loop" and device.type == "cuda" and args.time_adamw:
+        result["adamw_ms"] = _time_adamw_variants(model, args)
+    return result
+
+
+def _time_adamw_variants(model: Any, args: argparse.Namespace) -> dict[str, float]:
+    """Median ms of one AdamW step over this model's parameters: foreach (the example's default) vs fused."""
+    import torch
+
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    out = {}
+    for name, kwargs in (("foreach", {"foreach": True}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **kwargs)
+        times = []
+        for i in range(13):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            end.record()
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end))
+        out[name] = statistics.median(times)
+        del opt
+    return out
+
+
+def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    import lightning as L
+    import torch
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, Dataset
+
+    import lightning_d9d
+    from lightning_d9d import D9DStrategy
+
+    # The example next to the package that is imported (the working tree's, or a snapshot's).
+    sys.path.insert(0, str(Path(lightning_d9d.__file__).resolve().parents[1] / "examples"))
+    from pretrain_qwen3 import Qwen3Pretraining  # the example's LightningModule, unchanged
+
+    device = _device(args)
+    config = _config(args)
+    total = args.warmup + args.steps
+    probe = SyncProbe(device)
+    inputs, labels = _batch(args, config.vocab_size, torch.device("cpu"))
+
+    class FixedBatches(Dataset):
+        """The same random sequences every step (the plain loops' batch, one sample at a time)."""
+
+        def __len__(self) -> int:
+            return (total + args.probe_steps) * args.batch_size
+
+        def __getitem__(self, index: int) -> dict[str, Any]:
+            i = index % args.batch_size
+            return {"input_ids": inputs[i], "labels": labels[i]}
+
+    class StepTimer(Callback):
+        """Host clock between two synchronised step boundaries; per-step times from CUDA events."""
+
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+            self.t_fit = time.perf_counter()
+            self.first_step_s: float | None = None
+            self.warmup_s = 0.0
+            self.warmup_peak: float | None = None
+            self.sync_probe: dict[str, Any] | None = None
+            self.ends: list[Any] = []
+            self.losses: list[Any] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
+            self.losses.append(outputs["loss"].detach() if isinstance(outputs, dict) else outputs)
+            if batch_idx == 0:
+                _sync(device)
+                self.first_step_s = time.perf_counter() - self.t_start
+            if batch_idx == args.warmup - 1:
+                _sync(device)
+                self.t0 = time.perf_counter()
+                self.warmup_s = self.t0 - self.t_start
+                if device.type == "cuda":
+                    self.warmup_peak = torch.cuda.max_memory_allocated(device) / 2**30
+                    torch.cuda.reset_peak_memory_stats(device)
+            if args.warmup - 1 <= batch_idx <= total - 1 and device.type == "cuda":
+                event = torch.cuda.Event(enable_timing=True)
+                event.record()
+                self.ends.append(event)
+            if batch_idx == total - 1:
+                _sync(device)
+                self.t1 = time.perf_counter()
+                probe.start()  # the probe steps follow the measured window
+
+        def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            self.sync_probe = probe.stop()
+
+        def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            _sync(device)
+            self.t_start = time.perf_counter()
+            self.setup_s = self.t_start - self.t_fit
+
+    timer = StepTimer()
+    strategy = D9DStrategy(compile="compiled" in path)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if device.type == "cuda" else "cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=total + args.probe_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[timer],
+    )
+    from lightning_d9d.modules.loss import causal_lm_loss
+
+    class LeanPretraining(Qwen3Pretraining):
+        """Diagnostic variant: fused AdamW, and the loss logged without ``prog_bar`` (which ``.item()``s it)."""
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            assert self.model is not None
+            loss = causal_lm_loss(self.model(batch["input_ids"]), batch["labels"])
+            self.log("train/loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            out = super().configure_optimizers()
+            for group in out["optimizer"].param_groups:
+                group["foreach"], group["fused"] = False, device.type == "cuda"
+            return out
+
+    module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
+    module = module_cls(config, lr=args.lr, max_steps=total + args.probe_steps)
+    trainer.fit(module, DataLoader(FixedBatches(), batch_size=args.batch_size, num_workers=0))
+    assert module.model is not None
+    result: dict[str, Any] = {
+        "n_params": sum(p.numel() for p in module.model.parameters()),
+        "setup_s": timer.setup_s,
+        "peak_mem_warmup_gib": timer.warmup_peak,
+        "first_step_s": timer.first_step_s,
+        "warmup_s": timer.warmup_s,
+        "elapsed_s": timer.t1 - timer.t0,
+        "losses": [float(x) for x in timer.losses],
+        "optimizer": repr(trainer.optimizers[0]).replace("\n", " "),
+        "sync_probe": getattr(timer, "sync_probe", None),
+    }
+    if len(timer.ends) > 1:
+        result["step_ms"] = _summary([_ms(a, b) for a, b in itertools.pairwise(timer.ends)])
+    return result
+
+
+def run_matmul_peak(args: argparse.Namespace) -> dict[str, Any]:
+    """The bf16 matmul rate this GPU reaches on random data (a ceiling for MFU, next to the datasheet's)."""
+    import torch
+
+    n = 8192
+    sets = [
+        (
+            torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+            torch.randn(n, n, device="cuda", dtype=torch.bfloat16),
+        )
+        for _ in range(2)
+    ]
+    out = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+    for i in range(10):
+        torch.mm(*sets[i % 2], out=out)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(40):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(*sets[i % 2], out=out)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    ms = statistics.median(times)
+    return {"matmul_n": n, "matmul_ms": ms, "matmul_tflops": 2 * n**3 / (ms * 1e-3) / 1e12}
+
+
+def worker(path: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    result: dict[str, Any] = {"path": path}
+    try:
+        if path == "matmul_peak":
+            result.update(run_matmul_peak(args))
+        elif path.startswith("ours_trainer"):
+            result.update(run_trainer(path, args))
+        else:
+            result.update(run_plain_loop(path, args))
+        if args.device == "cuda":
+            result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            result["gpu_name"] = torch.cuda.get_device_name(0)
+        result["ok"] = True
+    except Exception as error:  # reported in the table; the other paths still run
+        traceback.print_exc()
+        result["ok"] = False
+        result["error"] = f"{type(error).__name__}: {error}"[:2000]
+    return result
+
+
+# ===================================================================================================== parent
+def versions() -> dict[str, Any]:
+    """Library versions without initialising CUDA in the parent (the workers own the GPUs)."""
+    import importlib.metadata as md
+
+    import torch
+
+    info: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
+    for name in ("lightning", "transformers", "triton"):
+        try:
+            info[name] = md.version(name)
+        except md.PackageNotFoundError:
+            info[name] = None
+    info["cuda"] = torch.version.cuda
+    import lightning_d9d
+
+    info["lightning_d9d"] = str(Path(lightning_d9d.__file__).resolve().parent)
+    try:
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        info["gpus"] = [line.strip() for line in smi.stdout.strip().splitlines()]
+        info["driver"] = info["gpus"][0].split(", ")[2] if info["gpus"] else None
+    except (OSError, subprocess.SubprocessError, IndexError):
+        info["gpus"], info["driver"] = [], None
+    return info
+
+
+def flops_per_token(args: argparse.Namespace) -> int:
+    import torch
+
+    from lightning_d9d.models import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        return Qwen3ForCausalLM(_config(args)).num_flops_per_token(args.seq_len)
+
+
+def launch(job: int, path: str, gpu: str, args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
+    """Run one path in a fresh interpreter pinned to one GPU; its result is the last JSON line it prints."""
+    env = dict(os.environ)
+    # An explicit PYTHONPATH (a snapshot of the package, say) comes before the working tree.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env.get("PYTHONPATH", ""), str(REPO)]))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(29500 + 17 * job + int(gpu or 0))
+    if args.device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = gpu
+    if args.compile_threads:
+        env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
+    if not args.shared_compile_cache:  # cold compile caches: warm-up times do not depend on the path order
+        env["TORCHINDUCTOR_CACHE_DIR"] = str(logdir / f"{job:02d}_inductor")
+        env["TRITON_CACHE_DIR"] = str(logdir / f"{job:02d}_triton")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", path, *args.passthrough]
+    log = logdir / f"{job:02d}_{path}.log"
+    start = time.perf_counter()
+    with log.open("w") as handle:
+        try:
+            proc = subprocess.run(
+                cmd, cwd=REPO, env=env, stdout=handle, stderr=subprocess.STDOUT, timeout=args.path_timeout
+            )
+            rc: int | str = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    wall = time.perf_counter() - start
+    result: dict[str, Any] = {"path": path, "ok": False, "error": f"worker exit {rc}, no result"}
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT ") :])
+            break
+    probe = result.get("sync_probe")
+    if probe is not None:  # syncs that C++ printed (no Python frame) between the probe's markers
+        lines = log.read_text(errors="replace").splitlines()
+        if SyncProbe.START in lines and SyncProbe.END in lines:
+            start = len(lines) - 1 - lines[::-1].index(SyncProbe.START)
+            window = lines[start : lines.index(SyncProbe.END, start)]
+            probe["native_syncs"] = sum("synchronizing CUDA operation" in line for line in window)
+    if rc != 0 and result.get("ok"):
+        result["note"] = f"worker exit {rc} after reporting"
+    result.update({"job": job, "gpu": gpu, "wall_s": wall})
+    status = "ok" if result.get("ok") else f"FAILED ({result.get('error')})"
+    print(f"[{time.strftime('%H:%M:%S')}] gpu {gpu}: {path} {status} in {wall:.0f}s", flush=True)
+    if not result.get("ok"):
+        print("\n".join(log.read_text(errors="replace").splitlines()[-15:]), flush=True)
+    return result
+
+
+def derive(results: list[dict[str, Any]], args: argparse.Namespace, fpt: int) -> None:
+    tokens_per_step = args.batch_size * args.seq_len
+    for r in results:
+        if r.get("ok") and r.get("elapsed_s"):
+            r["tokens_per_s"] = tokens_per_step * args.steps / r["elapsed_s"]
+            r["model_tflops"] = fpt * r["tokens_per_s"] / 1e12
+            r["mfu"] = r["model_tflops"] / args.peak_tflops
+    base = {}
+    for name in BASELINES:  # the first run of each baseline (a repeat, if any, measures the spread)
+        first = next((r for r in results if r["path"] == name and r.get("tokens_per_s")), None)
+        if first is not None:
+            base[name] = first["tokens_per_s"]
+    for r in results:
+        for name, value in base.items():
+            if r.get("tokens_per_s"):
+                r[f"vs_{name}"] = r["tokens_per_s"] / value
+
+
+def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:
+    earlier = [x for x in results if x["path"] == r["path"] and x["job"] < r["job"]]
+    return f"{r['path']} (repeat {len(earlier)})" if earlier else r["path"]
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    def fmt(value: Any, spec: str) -> str:
+        return (
+            "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+        )
+
+    def med(r: dict[str, Any], key: str) -> Any:
+        return (r.get(key) or {}).get("median")
+
+    rows = [r for r in results if r["path"] != "matmul_peak"]
+    lines = [
+        "| path | tokens/s | MFU | step ms (median) | peak mem GiB | vs hf_eager | vs hf_compiled | GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.get("ok"):
+            lines.append(
+                f"| {_label(r, results)} | failed: {str(r.get('error'))[:150]} | | | | | | {r.get('gpu')} |"
+            )
+            continue
+        lines.append(
+            f"| {_label(r, results)} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu', 0) * 100, '.1f')}% "
+            f"| {fmt(med(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} "
+            f"| {fmt(r.get('vs_hf_eager'), '.2f')} | {fmt(r.get('vs_hf_compiled'), '.2f')} | {r.get('gpu')} |"
+        )
+    lines += [
+        "",
+        "| path | forward+loss ms | backward ms | optimizer ms | idle between steps ms | host syncs/step "
+        "| first step s | warm-up s | peak mem in warm-up GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if not r.get("ok"):
+            continue
+        probe = r.get("sync_probe") or {}
+        syncs = probe.get("syncs")
+        native = probe.get("native_syncs", 0)
+        per_step = None if syncs is None else (syncs + native) / max(1, meta["probe_steps"])
+        lines.append(
+            f"| {_label(r, results)} | {fmt(med(r, 'forward_ms'), '.1f')} | {fmt(med(r, 'backward_ms'), '.1f')} "
+            f"| {fmt(med(r, 'optimizer_ms'), '.1f')} | {fmt(med(r, 'gap_ms'), '.2f')} | {fmt(per_step, '.1f')} "
+            f"| {fmt(r.get('first_step_s'), '.1f')} | {fmt(r.get('warmup_s'), '.1f')} "
+            f"| {fmt(r.get('peak_mem_warmup_gib'), '.1f')} |"
+        )
+    v = meta["versions"]
+    peak = next((r for r in results if r["path"] == "matmul_peak" and r.get("ok")), None)
+    lines += [
+        "",
+        f"shape: {meta['model']} (seq_len {meta['seq_len']}, micro-batch {meta['batch_size']}, "
+        f"{meta['tokens_per_step']} tokens/step), warm-up {meta['warmup']} + {meta['steps']} measured steps; "
+        f"{meta['flops_per_token'] / 1e9:.3f} GFLOP/token; MFU against {meta['peak_tflops']:g} TFLOP/s.",
+        f"torch {v['torch']}, lightning {v['lightning']}, transformers {v['transformers']}, "
+        f"triton {v['triton']}, CUDA {v['cuda']}, driver {v.get('driver')}, GPU {v.get('gpus')}; {meta['date']}.",
+    ]
+    if meta.get("note"):
+        lines.append(f"note: {meta['note']}")
+    if peak is not None:
+        lines.append(
+            f"measured bf16 matmul ({peak['matmul_n']}^3, random data): {peak['matmul_tflops']:.0f} TFLOP/s"
+        )
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma list; repeats allowed")
+    parser.add_argument("--model", choices=["0.6b", "tiny"], default="0.6b")
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (micro-batch)")
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--probe-steps", type=int, default=2, help="extra steps that count host syncs")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--time-adamw", type=int, default=1, help="ours_fsdp_loop: also time isolated AdamW steps (1/0)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--gpus", default="0", help="GPU indices to spread the paths over, one path per GPU")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak for MFU")
+    parser.add_argument("--matmul-peak", action="store_true", help="also measure the bf16 matmul rate")
+    parser.add_argument("--path-timeout", type=int, default=300, help="seconds per path")
+    parser.add_argument(
+        "--shared-compile-cache",
+        action="store_true",
+        help="let the paths share inductor/triton's on-disk caches (faster warm-up, order-dependent)",
+    )
+    parser.add_argument(
+        "--compile-threads", type=int, default=0, help="TORCHINDUCTOR_COMPILE_THREADS (0: default)"
+    )
+    parser.add_argument("--date", default=datetime.date.today().isoformat())
+    parser.add_argument("--note", default="", help="free text kept in the output (e.g. the commit measured)")
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "runs/benchmarks")))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.passthrough = [
+        f"--model={args.model}",
+        f"--seq-len={args.seq_len}",
+        f"--batch-size={args.batch_size}",
+        f"--warmup={args.warmup}",
+        f"--steps={args.steps}",
+        f"--probe-steps={args.probe_steps}",
+        f"--lr={args.lr}",
+        f"--time-adamw={args.time_adamw}",
+        f"--seed={args.seed}",
+        f"--device={args.device}",
+    ]
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise SystemExit(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
+    if args.matmul_peak and args.device == "cuda":
+        paths = ["matmul_peak", *paths]
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Per-path logs, merged into one file under --out after each path.
+    logdir = args.logdir = Path(tempfile.mkdtemp(prefix="train_throughput_"))
+    fpt = flops_per_token(args)
+    meta: dict[str, Any] = {
+        "date": args.date,
+        "model": "Qwen3-0.6B shape" if args.model == "0.6b" else "Qwen3 tiny",
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "tokens_per_step": args.batch_size * args.seq_len,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "probe_steps": args.probe_steps,
+        "peak_tflops": args.peak_tflops,
+        "flops_per_token": fpt,
+        "precision": "fp32 master weights + torch.autocast(bf16) in the plain loops; bf16-mixed (FSDP2 "
+        "MixedPrecisionPolicy) in ours_fsdp_loop and the Trainer paths",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), fused on CUDA in the plain loops; the "
+        "example's configure_optimizers (AdamW, default foreach, + LambdaLR) in the Trainer paths",
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "note": args.note,
+        "gpus_used": gpus,
+        "versions": versions(),
+        "host": platform.node(),
+    }
+    print(f"paths: {paths} on GPUs {gpus}; {fpt / 1e9:.3f} GFLOP/token", flush=True)
+
+    jobs: queue.Queue[tuple[int, str]] = queue.Queue()
+    # Compiling paths take longest: start them first so that several GPUs finish together.
+    for job, path in sorted(
+        enumerate(paths), key=lambda jp: (jp[1] != "matmul_peak", "compiled" not in jp[1])
+    ):
+        jobs.put((job, path))
+    results: list[dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def drain(gpu: str) -> None:
+        while True:
+            try:
+                job, path = jobs.get_nowait()
+            except queue.Empty:
+                return
+            result = launch(job, path, gpu, args, logdir)
+            with lock:
+                results.append(result)
+                _write(args.out, meta, sorted(results, key=lambda r: r["job"]), args, fpt)
+
+    threads = [threading.Thread(target=drain, args=(gpu,)) for gpu in gpus]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    results.sort(key=lambda r: r["job"])
+    table = _write(args.out, meta, results, args, fpt)
+    print(table, flush=True)
+
+
+def _write(
+    out: Path,
+    meta: dict[str, Any],
+    results: list[dict[str, Any]],
+    args: argparse.Namespace,
+    fpt: int,
+) -> str:
+    derive(results, args, fpt)
+    table = markdown(results, meta)
+    (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    (out / "train_throughput.md").write_text(table + "\n")
+    # All worker logs in one file (the device tool returns at most 8 files), rewritten as paths finish.
+    with (out / "train_throughput.log").open("w") as handle:
+        for log in sorted(args.logdir.glob("*.log")):
+            handle.write(f"===== {log.name}\n{log.read_text(errors='replace')}\n")
+    return table
+
+
+if __name__ == "__main__":
+    main()
