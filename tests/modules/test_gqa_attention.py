@@ -28,11 +28,13 @@ def reference_attention(
     return module.o_proj(torch.stack(heads, dim=2).reshape(b, t, -1))
 
 
+@pytest.mark.parametrize("repeat_kv_heads", [False, True], ids=["sdpa_gqa", "repeated_kv"])
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (4, 4), (4, 1)])
-def test_matches_reference(qk_norm: bool, heads: int, kv_heads: int) -> None:
+def test_matches_reference(qk_norm: bool, heads: int, kv_heads: int, repeat_kv_heads: bool) -> None:
     torch.manual_seed(0)
     attn = Attention(32, heads, kv_heads, 8, qk_norm=qk_norm)
+    attn.repeat_kv_heads = repeat_kv_heads
     if qk_norm:
         with torch.no_grad():
             assert attn.q_norm is not None and attn.k_norm is not None
