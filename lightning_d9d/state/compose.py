@@ -95,6 +95,49 @@ def per_layer(
     return Parallel(Scope(template.format(i=i), build(i)) for i in indices)
 
 
+class Subset(ModelStateMapper):
+    """The groups of ``mapper`` that lie within ``keys`` on one ``side``: ``"outputs"`` to load a part of a model
+    (one pipeline stage holds some layers), ``"inputs"`` to save one. A group partly inside is an error: a part of
+    a model cannot split a group (fused q·k·v, stacked experts) between two owners. With ``side="outputs"``,
+    groups that write nothing (``Drop``) are left out too: no part needs them read.
+    """
+
+    def __init__(self, mapper: ModelStateMapper, keys: Iterable[str], *, side: str = "outputs") -> None:
+        if side not in ("inputs", "outputs"):
+            raise MapperError(f"Subset: side must be 'inputs' or 'outputs', not {side!r}")
+        self.mapper, self.side, self._keys = mapper, side, frozenset(keys)
+        kept: list[Group] = []
+        for group in mapper.groups():
+            names = group.outputs if side == "outputs" else group.inputs
+            inside = [name in self._keys for name in names]
+            if names and all(inside):
+                kept.append(group)
+            elif any(inside):
+                raise MapperError(
+                    f"Subset: a group of {mapper!r} is split: {format_keys(names)} are its {side}, of which only "
+                    f"{format_keys(n for n, i in zip(names, inside, strict=True) if i)} are here"
+                )
+        self._groups = kept
+
+    def groups(self) -> list[Group]:
+        return list(self._groups)
+
+    def apply(self, inputs: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return self.consume(dict(inputs))
+
+    def consume(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        self.group_index(inputs)  # one of the kept groups, exactly
+        return self.mapper.consume(inputs)
+
+    def inverse(self) -> Subset:
+        return Subset(
+            self.mapper.inverse(), self._keys, side="inputs" if self.side == "outputs" else "outputs"
+        )
+
+    def __repr__(self) -> str:
+        return f"Subset({self.mapper!r}, {len(self._keys)} {self.side})"
+
+
 def select_prefix(keys: Iterable[str], prefix: str, *, strip: bool = False) -> ModelStateMapper:
     """Keep the keys under ``prefix`` (without it if ``strip``) and drop the rest of ``keys``."""
     keys = list(keys)

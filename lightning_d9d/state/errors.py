@@ -85,3 +85,14 @@ class ShapeMismatchError(CheckpointError):
     def __init__(self, message: str, *, key: str) -> None:
         super().__init__(message)
         self.key = key
+
+
+class ConfigMismatchError(CheckpointError):
+    """A checkpoint's ``config.json`` describes another model than the one it is loaded into (another
+    ``model_type``, or the same family with other sizes). ``fields`` maps each differing field to
+    ``(value in the file, value expected)``."""
+
+    def __init__(self, message: str, *, path: str, fields: dict[str, tuple[object, object]]) -> None:
+        super().__init__(message)
+        self.path = path
+        self.fields = fields

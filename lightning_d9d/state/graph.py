@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
 
 from .errors import KeyCoverageError, format_keys
 from .mapper import ModelStateMapper
@@ -49,3 +51,16 @@ def check_coverage(
             missing_target=missing_target,
             unexpected_target=unexpected_target,
         )
+
+
+def infer_shapes(
+    mapper: ModelStateMapper, shapes: Mapping[str, Sequence[int]], dtype: torch.dtype = torch.float32
+) -> dict[str, tuple[int, ...]]:
+    """The shapes ``mapper`` writes, given the shapes of what it reads, computed on meta tensors (no memory, no
+    data): how a checkpoint in one layout can be checked against a config that describes another."""
+    inferred: dict[str, tuple[int, ...]] = {}
+    for group in mapper.groups():
+        inputs = {key: torch.empty(tuple(shapes[key]), dtype=dtype, device="meta") for key in group.inputs}
+        for key, value in mapper.consume(inputs).items():
+            inferred[key] = tuple(value.shape)
+    return inferred

@@ -214,22 +214,31 @@ class Transpose(_KeyWise):
 class Cast(_KeyWise):
     """Convert ``keys`` to ``dtype``. Invertible only if ``source_dtype`` says what to convert back to.
 
-    A down-cast followed by its inverse is of course not bit-exact; the inverse only restores the dtype.
+    ``floating_only`` leaves integer and boolean tensors as they are (casting a whole checkpoint to bf16 must not
+    turn an index buffer into floats). A down-cast followed by its inverse is of course not bit-exact; the inverse
+    only restores the dtype.
     """
 
     def __init__(
-        self, keys: Iterable[str], dtype: torch.dtype, source_dtype: torch.dtype | None = None
+        self,
+        keys: Iterable[str],
+        dtype: torch.dtype,
+        source_dtype: torch.dtype | None = None,
+        *,
+        floating_only: bool = False,
     ) -> None:
         super().__init__({key: key for key in keys})
-        self.dtype, self.source_dtype = dtype, source_dtype
+        self.dtype, self.source_dtype, self.floating_only = dtype, source_dtype, floating_only
 
     def _transform(self, key: str, tensor: Tensor) -> Tensor:
+        if self.floating_only and not tensor.is_floating_point():
+            return tensor
         return tensor.to(self.dtype)
 
     def inverse(self) -> Cast:
         if self.source_dtype is None:
             raise NotInvertibleError(f"{self!r} has no inverse: give source_dtype to cast back")
-        return Cast(self._mapping, self.source_dtype, self.dtype)
+        return Cast(self._mapping, self.source_dtype, self.dtype, floating_only=self.floating_only)
 
     def __repr__(self) -> str:
         return f"Cast({self._keys_repr()}, {self.dtype})"

@@ -5,11 +5,10 @@ headers sound, keys where the index says) runs before the first tensor is read. 
 (from whichever shards hold them), handed to the mapper, and dropped; what stays in memory is one group plus
 whatever the consumer keeps.
 
-Memory, honestly counted: ``safe_open`` memory-maps the file and ``get_tensor`` returns a view of the mapping, so
-pages it touches count in the process RSS for as long as the file is open. Each tensor is therefore copied out
-(``clone``), a file is closed as soon as nothing more is needed from it, and all files are closed whenever
-``handle_budget_bytes`` were read since the last time: mapped pages never exceed about that budget plus one
-tensor. (Reopening costs a header parse, a few milliseconds, which is why files are not closed after every key.)
+Memory, honestly counted: each tensor is read with ``readinto`` straight into a tensor of its own, so nothing
+but the tensors themselves counts in the process RSS. (``safe_open``'s ``get_tensor`` would return a view of a
+memory map, whose touched pages stay resident as long as the file is open, and need a copy besides; it is used
+only to validate each file's header up front, and to read the rare dtypes torch has no name for.)
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
@@ -39,7 +39,29 @@ from .mapper import Group, ModelStateMapper
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
-DEFAULT_HANDLE_BUDGET_BYTES = 64 * 2**20
+# safetensors' dtype names; those torch lacks in older versions are looked up by name.
+_DTYPES = {
+    name: getattr(torch, attribute)
+    for name, attribute in {
+        "F64": "float64",
+        "F32": "float32",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I64": "int64",
+        "I32": "int32",
+        "I16": "int16",
+        "I8": "int8",
+        "U8": "uint8",
+        "U16": "uint16",
+        "U32": "uint32",
+        "U64": "uint64",
+        "BOOL": "bool",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+        "C64": "complex64",
+    }.items()
+    if hasattr(torch, attribute)
+}
 
 
 @dataclass(frozen=True)
@@ -75,47 +97,100 @@ class ReadPlan:
         return sum(self.input_bytes)
 
 
-def _tensor_spans(path: Path) -> dict[str, tuple[int, int]]:
-    """``key -> (start, end)`` of each tensor's bytes, from the header alone (which safe_open has validated)."""
+@dataclass(frozen=True)
+class TensorInfo:
+    """What a safetensors header says about one tensor: where it is, its dtype and shape."""
+
+    file: str
+    dtype: str  # safetensors' name: "F32", "BF16", ...
+    shape: tuple[int, ...]
+    start: int  # byte offsets within the data section, as the header gives them
+    end: int
+    data_offset: int  # where the data section starts in the file (after the header)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+def _header(path: Path) -> dict[str, TensorInfo]:
+    """Every tensor's entry in the header alone (which safe_open has validated)."""
     with open(path, "rb") as file:
         (length,) = struct.unpack("<Q", file.read(8))
         header: dict[str, Any] = json.loads(file.read(length))
     header.pop("__metadata__", None)
-    return {key: (int(info["data_offsets"][0]), int(info["data_offsets"][1])) for key, info in header.items()}
+    return {
+        key: TensorInfo(
+            path.name,
+            str(info["dtype"]),
+            tuple(int(n) for n in info["shape"]),
+            int(info["data_offsets"][0]),
+            int(info["data_offsets"][1]),
+            8 + length,
+        )
+        for key, info in header.items()
+    }
 
 
-class _Handles:
-    """Open ``safe_open`` handles. A file is closed when nothing more is needed from it, and all are closed
-    whenever ``budget`` bytes were read since the last time: the mapped pages we touched stay below that."""
+class _Files:
+    """The open files of a checkpoint. Each tensor is read with ``readinto`` into a tensor of its own; a file is
+    closed as soon as nothing more is needed from it (``remaining`` counts the reads still to come per file)."""
 
-    def __init__(self, directory: Path, remaining: Counter[str], budget: int) -> None:
-        self.directory, self.remaining, self.budget = directory, remaining, budget
+    def __init__(self, directory: Path, info: dict[str, TensorInfo], remaining: Counter[str]) -> None:
+        self.directory, self.info, self.remaining = directory, info, remaining
         self.open: dict[str, Any] = {}
-        self.read_since_close = 0
 
-    def read(self, name: str, key: str) -> Tensor:
-        handle = self.open.get(name)
-        if handle is None:
-            handle = self.open[name] = _open(self.directory / name)
-        try:
-            view = handle.get_tensor(key)
-        except SafetensorError as error:
-            raise CorruptShardError(
-                f"{self.directory / name}: cannot read {key!r}: {error}", path=str(self.directory / name)
-            ) from error
-        tensor = view.clone()  # own the bytes: the view pins mapped pages of the file (see module docstring)
-        del view, handle
-        self.read_since_close += tensor.nbytes
-        self.remaining[name] -= 1
-        if self.remaining[name] <= 0:
-            del self.open[name]  # dropping the last reference unmaps the file, and its pages leave our RSS
-        if self.read_since_close >= self.budget:
-            self.close()
+    def read(self, key: str) -> Tensor:
+        entry = self.info[key]
+        path = self.directory / entry.file
+        dtype = _DTYPES.get(entry.dtype)
+        tensor = (
+            self._read_into(path, key, entry, dtype) if dtype is not None else self._read_other(path, key)
+        )
+        self.remaining[entry.file] -= 1
+        if self.remaining[entry.file] <= 0 and entry.file in self.open:
+            self.open.pop(entry.file).close()
         return tensor
 
+    def _file(self, path: Path) -> Any:
+        file = self.open.get(path.name)
+        if file is None:
+            file = self.open[path.name] = open(path, "rb")  # noqa: SIM115 - closed in read() or close()
+        return file
+
+    def _read_into(self, path: Path, key: str, entry: TensorInfo, dtype: torch.dtype) -> Tensor:
+        tensor = torch.empty(entry.shape, dtype=dtype)
+        if tensor.nbytes != entry.nbytes:
+            raise CorruptShardError(
+                f"{path}: the header gives {key!r} {entry.nbytes} bytes, but shape {entry.shape} {dtype} needs "
+                f"{tensor.nbytes}",
+                path=str(path),
+            )
+        if tensor.nbytes:
+            file = self._file(path)
+            file.seek(entry.data_offset + entry.start)
+            # A writable byte view of the tensor's own storage: the file's bytes land in place, no copy. (Any:
+            # numpy's stubs do not declare the buffer protocol.)
+            target: Any = tensor.reshape(-1).view(torch.uint8).numpy()
+            got = file.readinto(target)
+            if got != tensor.nbytes:
+                raise CorruptShardError(
+                    f"{path}: {key!r} is cut short ({got} of {tensor.nbytes} bytes); the file may be truncated",
+                    path=str(path),
+                )
+        return tensor
+
+    def _read_other(self, path: Path, key: str) -> Tensor:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_tensor(key).clone()  # own the bytes, not a view of the memory map
+        except SafetensorError as error:
+            raise CorruptShardError(f"{path}: cannot read {key!r}: {error}", path=str(path)) from error
+
     def close(self) -> None:
+        for file in self.open.values():
+            file.close()
         self.open.clear()
-        self.read_since_close = 0
 
 
 def _open(path: Path, keys: Iterable[str] = ()) -> Any:
@@ -140,11 +215,9 @@ class CheckpointReader:
     before the key sets are checked and the needed shards' headers validated.
     """
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, handle_budget_bytes: int = DEFAULT_HANDLE_BUDGET_BYTES
-    ):
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
         self.directory = Path(directory)
-        self.handle_budget_bytes = handle_budget_bytes
+        self._info: dict[str, TensorInfo] | None = None
         index = self.directory / INDEX_NAME
         single = self.directory / SINGLE_FILE_NAME
         if index.is_file():
@@ -181,19 +254,43 @@ class CheckpointReader:
         *,
         target_keys: Iterable[str] | None = None,
         target_name: str = "the target",
+        ignore: Iterable[str] = (),
     ) -> ReadPlan:
-        """Check everything that can be checked without reading a tensor; return the reading order."""
+        """Check everything that can be checked without reading a tensor; return the reading order.
+
+        ``ignore``: keys of the checkpoint deliberately not read (another pipeline stage's layers).
+        """
+        skipped = set(ignore)
         check_coverage(
             mapper,
-            source_keys=self.weight_map,
+            source_keys=[key for key in self.weight_map if key not in skipped],
             target_keys=target_keys,
             source_name=f"checkpoint {self.name}",
             target_name=target_name,
         )
+        spans = self.tensor_info()
+        file_rank = {name: position for position, name in enumerate(dict.fromkeys(self.weight_map.values()))}
+
+        def position(key: str) -> tuple[int, int]:
+            return file_rank[self.weight_map[key]], spans[key].start
+
+        # Groups in the order of their first byte on disk: files are swept mostly front to back.
+        groups = sorted(mapper.groups(), key=lambda group: min(map(position, group.inputs)))
+        sizes = [sum(spans[key].nbytes for key in group.inputs) for group in groups]
+        return ReadPlan(groups=groups, input_bytes=sizes, files=list(file_rank))
+
+    def tensor_info(self) -> dict[str, TensorInfo]:
+        """Dtype, shape and location of every key, from the shards' headers (no tensor is read).
+
+        Checks on the way what can be checked without data: every file the index names exists and is a sound
+        safetensors file, and holds the keys the index says it holds.
+        """
+        if self._info is not None:
+            return self._info
         needed: dict[str, list[str]] = {}
         for key in self.weight_map:  # index order: deterministic, and usually the shards' own order
             needed.setdefault(self.weight_map[key], []).append(key)
-        spans: dict[str, tuple[int, int]] = {}
+        info: dict[str, TensorInfo] = {}
         for name, keys in needed.items():
             path = self.directory / name
             if not path.is_file():
@@ -212,16 +309,10 @@ class CheckpointReader:
                         path=str(path),
                         key=key,
                     )
-            spans.update(_tensor_spans(path))
-        file_rank = {name: position for position, name in enumerate(needed)}
-
-        def position(key: str) -> tuple[int, int]:
-            return file_rank[self.weight_map[key]], spans[key][0]
-
-        # Groups in the order of their first byte on disk: files are swept mostly front to back.
-        groups = sorted(mapper.groups(), key=lambda group: min(map(position, group.inputs)))
-        sizes = [sum(spans[key][1] - spans[key][0] for key in group.inputs) for group in groups]
-        return ReadPlan(groups=groups, input_bytes=sizes, files=list(needed))
+            header = _header(path)
+            info.update((key, header[key]) for key in keys)
+        self._info = info
+        return info
 
     def stream(
         self,
@@ -229,18 +320,19 @@ class CheckpointReader:
         *,
         target_keys: Iterable[str] | None = None,
         target_name: str = "the target",
+        ignore: Iterable[str] = (),
     ) -> Iterator[GroupResult]:
         """Yield each group's outputs as soon as its inputs are read; inputs are freed before the next group.
 
         Keep references to a result only as long as needed: whatever the consumer holds stays in memory.
         """
-        plan = self.plan(mapper, target_keys=target_keys, target_name=target_name)
+        plan = self.plan(mapper, target_keys=target_keys, target_name=target_name, ignore=ignore)
         remaining = Counter(self.weight_map[key] for group in plan.groups for key in group.inputs)
-        handles = _Handles(self.directory, remaining, self.handle_budget_bytes)
+        handles = _Files(self.directory, self.tensor_info(), remaining)
         try:
             for group in plan.groups:
                 files = {key: self.weight_map[key] for key in group.inputs}
-                inputs = {key: handles.read(files[key], key) for key in group.inputs}
+                inputs = {key: handles.read(key) for key in group.inputs}
                 try:
                     outputs = mapper.consume(inputs)  # empties ``inputs``: the mapper owns them now
                 except MapperError as error:
@@ -262,4 +354,17 @@ class CheckpointReader:
         """One tensor, copied out of its shard (for inspection and tests)."""
         if key not in self.weight_map:
             raise MissingKeyError(f"{self.name} has no key {key!r}", path=self.name, key=key)
-        return _Handles(self.directory, Counter(), 0).read(self.weight_map[key], key)
+        name = self.weight_map[key]
+        header = _header(self.directory / name) if key not in (self._info or {}) else self.tensor_info()
+        if key not in header:
+            path = self.directory / name
+            raise MissingKeyError(
+                f"{self.name} maps key {key!r} to {name}, but {path} does not contain it",
+                path=str(path),
+                key=key,
+            )
+        files = _Files(self.directory, {key: header[key]}, Counter())
+        try:
+            return files.read(key)
+        finally:
+            files.close()

@@ -8,6 +8,8 @@ existing checkpoint at the destination is replaced only once the new one is comp
 renamed in, old one deleted. (A crash between those two renames leaves the old one as ``.{name}.old-XXXX``.)
 
 One shard, as in ``transformers``' ``save_pretrained``, is written as ``model.safetensors`` without an index.
+``extra_files`` (``config.json``, tokenizer files) are written into the same temporary directory, so they appear
+together with the weights or not at all.
 
 Distributed mode (``distributed=True``): every rank writes the keys it was given into its own shards in a shared
 temporary directory; ``commit`` is collective, and rank 0 numbers the shards, writes the index and renames the
@@ -45,6 +47,26 @@ class _Shard:
     nbytes: int
 
 
+def parse_size(size: int | str) -> int:
+    """A byte count from ``5_000_000_000``, ``"5GB"``, ``"500MB"``, ``"2GiB"`` or ``"1024"``."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().replace("_", "")
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit) and text[: -len(unit)]:
+            try:
+                return int(float(text[: -len(unit)]) * factor)
+            except ValueError:
+                break
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(
+            f"cannot read a size from {size!r}: write e.g. 5GB, 500MB, 2GiB or a byte count"
+        ) from None
+
+
 def _fsync(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -59,6 +81,18 @@ def _looks_like_checkpoint(path: Path) -> bool:
         return False
     names = {entry.name for entry in path.iterdir()}
     return not names or INDEX_NAME in names or SINGLE_FILE_NAME in names
+
+
+def _as_bytes(content: bytes | str) -> bytes:
+    return content.encode() if isinstance(content, str) else bytes(content)
+
+
+def _check_extra_name(name: str) -> None:
+    """Extra files sit beside the shards: a plain name that cannot collide with a shard or the index."""
+    if not name or name != Path(name).name or name.startswith("."):
+        raise ValueError(f"extra file name {name!r} must be a plain file name (no directories, not hidden)")
+    if name.endswith(".safetensors") or name == INDEX_NAME:
+        raise ValueError(f"extra file name {name!r} would collide with the checkpoint's own files")
 
 
 def _owned(tensor: Tensor) -> Tensor:
@@ -93,12 +127,16 @@ class ShardedWriter:
         max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
         metadata: Mapping[str, str] | None = None,
         distributed: bool = False,
+        extra_files: Mapping[str, bytes | str] | None = None,
     ) -> None:
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
         self.directory = Path(directory).absolute()
         self.max_shard_bytes = max_shard_bytes
         self.metadata = {**FORMAT_METADATA, **(metadata or {})}
+        self.extra_files = {name: _as_bytes(content) for name, content in (extra_files or {}).items()}
+        for name in self.extra_files:
+            _check_extra_name(name)
         self.distributed = distributed
         self.rank, self.world_size = 0, 1
         if distributed:
@@ -268,6 +306,9 @@ class ShardedWriter:
             }
             (self._temp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
             _fsync(self._temp / INDEX_NAME)
+        for name, content in self.extra_files.items():
+            (self._temp / name).write_bytes(content)
+            _fsync(self._temp / name)
         _fsync(self._temp)
         self._check_destination()
         if self.directory.exists():

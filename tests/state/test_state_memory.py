@@ -1,4 +1,10 @@
-"""Peak memory of a streaming conversion of a 2 GiB checkpoint: a few groups plus one shard, never the model."""
+"""Peak memory of the command line converting a 2.25 GiB checkpoint: a few groups plus one shard, never the model.
+
+``python -m lightning_d9d.convert hf-to-hf`` re-shards and casts a random Qwen3 checkpoint written by the test, in a
+process of its own; ``--stats`` reports its RSS right before converting (after the imports and the header
+checks) and its peak (``getrusage``), and the growth between the two must stay under
+``3 x largest group + one output shard``.
+"""
 
 from __future__ import annotations
 
@@ -11,91 +17,117 @@ from pathlib import Path
 
 import pytest
 import torch
-from memory_probe import dense_key, expert_key
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from lightning_d9d.models import Qwen3Config
+from lightning_d9d.state.hf import qwen3_hf_shapes
+
 MiB = 2**20
-SIDE = 4096  # one fp32 tensor of SIDE x SIDE is 64 MiB
-LAYERS, EXPERTS, DENSE, FILES = 4, 4, 16, 16  # 32 tensors of 64 MiB = 2 GiB in 16 files
+# fp32: q/o 64 MiB, k/v 16 MiB, gate/up/down 128 MiB each (the largest groups), embedding and head 64 MiB.
+CONFIG = Qwen3Config(
+    vocab_size=4096,
+    hidden_size=4096,
+    intermediate_size=8192,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+)
+FILES = 12
 MAX_SHARD_BYTES = 256 * MiB
-PROBE = Path(__file__).with_name("memory_probe.py")
 
 
-def _tensor(seed: int) -> torch.Tensor:
+def _tensor(shape: tuple[int, ...], seed: int) -> torch.Tensor:
     # Cheap, distinct and not all zeros (pages of zeros could be shared and would flatter the measurement).
-    return torch.arange(SIDE * SIDE, dtype=torch.float32).add_(seed * 0.5).reshape(SIDE, SIDE)
+    numel = 1
+    for size in shape:
+        numel *= size
+    return torch.arange(numel, dtype=torch.float32).add_(seed * 0.5).reshape(shape)
 
 
-def _write_source(directory: Path) -> list[str]:
-    """Keys dealt round-robin over the files, so each stack group reads from several files."""
-    keys = [expert_key(i, e) for i in range(LAYERS) for e in range(EXPERTS)] + [
-        dense_key(j) for j in range(DENSE)
-    ]
+def _write_source(directory: Path) -> dict[str, tuple[int, ...]]:
+    """An HF directory: config.json, FILES shards (keys dealt round-robin, so files interleave), the index."""
+    shapes = qwen3_hf_shapes(CONFIG.to_hf_dict())
     names = [f"model-{n + 1:05d}-of-{FILES:05d}.safetensors" for n in range(FILES)]
-    weight_map = {key: names[position % FILES] for position, key in enumerate(keys)}
-    weight_map["norm.weight"] = names[0]
+    weight_map = {key: names[position % FILES] for position, key in enumerate(shapes)}
     directory.mkdir()
     for name in names:
-        shard = {key: _tensor(keys.index(key)) for key in keys if weight_map[key] == name}
-        if name == names[0]:
-            shard["norm.weight"] = torch.ones(SIDE)
-        save_file(shard, str(directory / name))
+        shard = {
+            key: _tensor(shape, seed)
+            for seed, (key, shape) in enumerate(shapes.items())
+            if weight_map[key] == name
+        }
+        save_file(shard, str(directory / name), metadata={"format": "pt"})
         del shard
-    index = {"metadata": {"total_size": len(keys) * SIDE * SIDE * 4 + SIDE * 4}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
-    return keys
+    total = sum(4 * torch.Size(shape).numel() for shape in shapes.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    (directory / "config.json").write_text(json.dumps(CONFIG.to_hf_dict()))
+    return shapes
 
 
 @pytest.mark.slow
-def test_conversion_peak_rss_is_a_few_groups_plus_a_shard(tmp_path: Path) -> None:
+def test_command_line_conversion_peak_rss_is_a_few_groups_plus_a_shard(tmp_path: Path) -> None:
     source, destination = tmp_path / "source", tmp_path / "destination"
-    paths = [str(Path(__file__).parents[2]), str(PROBE.parent), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path for path in paths if path))
-    # Started first: it imports while this process writes the checkpoint, and waits for its arguments.
-    probe = subprocess.Popen(
-        [sys.executable, str(PROBE)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            filter(None, [str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH")])
+        ),
     )
     try:
-        _write_source(source)
-        args = [str(source), str(destination), MAX_SHARD_BYTES, LAYERS, EXPERTS, DENSE]
-        stdout, stderr = probe.communicate(json.dumps(args) + "\n", timeout=300)
-        assert probe.returncode == 0, stderr[-3000:]
-        report = json.loads(stdout.strip().splitlines()[-1])
+        shapes = _write_source(source)
+        command = [
+            sys.executable,
+            "-m",
+            "lightning_d9d.convert",
+            "hf-to-hf",
+            str(source),
+            str(destination),
+            "--model",
+            "qwen3",
+            "--dtype",
+            "bfloat16",
+            "--max-shard-size",
+            str(MAX_SHARD_BYTES),
+            "--stats",
+        ]
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(done.stdout.strip().splitlines()[-1])
 
         largest = report["largest_group_bytes"]
-        assert largest == EXPERTS * SIDE * SIDE * 4
-        assert report["checkpoint_bytes"] >= 2 * 2**30
+        assert largest == 4 * CONFIG.intermediate_size * CONFIG.hidden_size
+        assert report["bytes_read"] >= 2 * 2**30
         # Against the RSS right before converting (not the import-time high-water mark, which may be higher and
         # would hide part of the conversion's own peak).
-        growth = report["peak"] - report["baseline_now"]
+        growth = report["peak_rss_bytes"] - report["rss_before_bytes"]
         bound = 3 * largest + MAX_SHARD_BYTES
         print(
-            f"\ncheckpoint {report['checkpoint_bytes'] / MiB:.0f} MiB in {FILES} files; largest group "
-            f"{largest / MiB:.0f} MiB; shard {MAX_SHARD_BYTES / MiB:.0f} MiB; converted in {report['seconds']:.1f} s\n"
-            f"RSS: baseline {report['baseline_now'] / MiB:.0f} MiB (import peak {report['baseline_peak'] / MiB:.0f}),"
-            f" peak {report['peak'] / MiB:.0f} MiB, growth {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"
+            f"\ncheckpoint {report['bytes_read'] / MiB:.0f} MiB in {FILES} files -> {report['bytes_written'] / MiB:.0f}"
+            f" MiB (bf16) in {report['shards']} shards; largest group {largest / MiB:.0f} MiB; shard "
+            f"{MAX_SHARD_BYTES / MiB:.0f} MiB; converted in {report['seconds']:.1f} s\n"
+            f"RSS: before {report['rss_before_bytes'] / MiB:.0f} MiB, peak {report['peak_rss_bytes'] / MiB:.0f} MiB,"
+            f" growth {growth / MiB:.0f} MiB, bound {bound / MiB:.0f} MiB"
         )
         assert growth < bound
 
-        # The output is right: spot-check a stacked expert and a transposed dense tensor (by slices, cheaply).
+        # The output is right: spot-check a few tensors by slices, cheaply.
         index = json.loads((destination / "model.safetensors.index.json").read_text())["weight_map"]
-        with safe_open(str(destination / index["layers.2.experts"]), framework="pt") as handle:
-            stacked = handle.get_slice("layers.2.experts")
-            assert stacked.get_shape() == [EXPERTS, SIDE, SIDE]
-            assert torch.equal(stacked[3, :2, :5], _tensor(2 * EXPERTS + 3)[:2, :5])
-        with safe_open(str(destination / index[dense_key(1)]), framework="pt") as handle:
-            row = handle.get_slice(dense_key(1))[:1, :5]
-            assert torch.equal(row, _tensor(LAYERS * EXPERTS + 1)[:5, :1].T)
-        assert sum(p.stat().st_size for p in destination.glob("*.safetensors")) >= report["checkpoint_bytes"]
+        assert set(index) == set(shapes)
+        for seed, (key, shape) in enumerate(shapes.items()):
+            if seed % 7:
+                continue
+            with safe_open(str(destination / index[key]), framework="pt") as handle:
+                stored = handle.get_slice(key)
+                assert tuple(stored.get_shape()) == shape
+                first = stored[:5] if len(shape) == 1 else stored[:1, :5]
+                expected = _tensor(shape, seed).to(torch.bfloat16)
+                assert torch.equal(first, expected[:5] if len(shape) == 1 else expected[:1, :5]), key
+        assert json.loads((destination / "config.json").read_text())["dtype"] == "bfloat16"
     finally:
-        if probe.poll() is None:
-            probe.kill()
-        # pytest keeps the last few runs' tmp directories: 4 GiB each time is too much to leave behind.
+        # pytest keeps the last few runs' tmp directories: 3.4 GiB each time is too much to leave behind.
         shutil.rmtree(source, ignore_errors=True)
         shutil.rmtree(destination, ignore_errors=True)

@@ -23,6 +23,7 @@ import lightning_d9d.state.reader as reader_module
 from lightning_d9d.state import (
     CheckpointReader,
     Drop,
+    Identity,
     KeyCoverageError,
     Parallel,
     Rename,
@@ -93,11 +94,23 @@ def test_reader_plan_orders_groups_and_counts_bytes(checkpoint: tuple[Path, dict
     assert len(plan.files) == 3
 
 
-def test_small_handle_budget_gives_the_same_result(checkpoint: tuple[Path, dict[str, torch.Tensor]]) -> None:
-    directory, disk = checkpoint
-    model = tiny_model()
-    load_into_module(model, directory, tiny_mapper(CFG), handle_budget_bytes=1)  # reopen a file for every key
-    assert_same_state(dict(model.state_dict()), module_state(CFG, disk))
+def test_every_dtype_reads_back_exactly(tmp_path: Path) -> None:
+    """Tensors are read straight into their own storage: every dtype, odd sizes, 0-d and empty tensors."""
+    state = {
+        "f32": torch.randn(3, 5),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, 1).to(torch.float16),
+        "i64": torch.arange(-4, 5),
+        "u8": torch.arange(9, dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+    write_checkpoint(tmp_path / "mixed", state, files=2)
+    reader = CheckpointReader(tmp_path / "mixed")
+    read = {result.group.inputs[0]: result.outputs for result in reader.stream(Identity(state))}
+    assert_same_state({key: outputs[key] for key, outputs in read.items()}, state)
+    assert_same_state({key: reader.read(key) for key in state}, state)
 
 
 class _NoOpen:

@@ -1,0 +1,146 @@
+"""Load a Hugging Face checkpoint into our module, and export our module as one, on any mesh.
+
+``load_hf`` checks the directory's ``config.json`` against the module's config (another model is refused with
+the differing fields named), then streams the weights group by group into the module's (possibly sharded)
+parameters. ``save_hf`` gathers DTensors group by group and writes shards, index and ``config.json`` atomically
+from rank 0 (under pipeline parallelism, from the first rank of each stage). Both are plain functions: the
+Lightning callbacks in ``lightning_d9d.callbacks`` call them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..compose import Parallel, chain
+from ..mapper import Cast, Drop, ModelStateMapper
+from ..module_io import load_into_module, module_tensors, save_from_module
+from ..reader import INDEX_NAME, CheckpointReader
+from ..writer import DEFAULT_MAX_SHARD_BYTES
+from .registry import (
+    CONFIG_NAME,
+    HFConfig,
+    HFFormat,
+    check_same_model,
+    hf_config_json,
+    hf_dict,
+    hf_format,
+    read_hf_config,
+)
+
+# Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+_WEIGHT_INDEXES = (INDEX_NAME, "pytorch_model.bin.index.json")
+
+
+def module_hf_config(module: nn.Module) -> dict[str, Any]:
+    """The HF config of a model whose ``config`` has ``to_hf_dict()`` (our models)."""
+    config = getattr(module, "config", None)
+    if config is None or not callable(getattr(config, "to_hf_dict", None)):
+        raise TypeError(
+            f"{type(module).__name__} has no config.to_hf_dict(): pass the Hugging Face config explicitly"
+        )
+    return hf_dict(config)
+
+
+def reading_mapper(
+    fmt: HFFormat, config: HFConfig, keys: Collection[str], layout: str | None = None
+) -> ModelStateMapper:
+    """HF → module for a file with ``keys``: the format's mapping in the file's layout, plus a ``Drop`` of tied
+    copies the file holds anyway (some tools write ``lm_head.weight`` for tied models)."""
+    mapper = fmt.from_hf(config, layout if layout is not None else fmt.layout_of(keys))
+    copies = [alias for alias in fmt.tied(config) if alias in keys and alias not in mapper.input_keys()]
+    return Parallel([mapper, Drop(copies)]) if copies else mapper
+
+
+def load_hf(
+    module: nn.Module,
+    directory: str | os.PathLike[str],
+    config: HFConfig | Any | None = None,
+    *,
+    cast: bool = True,
+    check_config: bool = True,
+    layout: str | None = None,
+    partial: bool = False,
+) -> None:
+    """Stream the HF checkpoint in ``directory`` into ``module`` (in place; DTensor parameters get their shards).
+
+    ``config`` describes ``module`` (default: ``module.config.to_hf_dict()``). With ``check_config`` the
+    directory's ``config.json`` must describe the same model (``ConfigMismatchError`` names the differing
+    fields). With ``cast`` floating-point tensors are converted to the parameters' dtypes (bf16 files into fp32
+    master weights). Every rank reads one group of full tensors at a time and keeps its shards. ``partial``: the
+    module holds part of the model (a pipeline stage), and only its part is read.
+    """
+    expected = module_hf_config(module) if config is None else hf_dict(config)
+    fmt = hf_format(expected)
+    if check_config:
+        found = read_hf_config(directory)
+        check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME))
+    keys = CheckpointReader(directory).keys()
+    mapper = reading_mapper(fmt, expected, keys, layout)
+    load_into_module(module, directory, mapper, cast=cast, partial=partial)
+
+
+def writing_mapper(
+    fmt: HFFormat, config: HFConfig, dtype: torch.dtype | None, layout: str | None = None
+) -> ModelStateMapper:
+    """Module → HF, then a cast of the floating-point tensors to ``dtype`` if given."""
+    mapper: ModelStateMapper = fmt.to_hf(config, layout)
+    if dtype is not None:
+        mapper = chain(mapper, Cast(mapper.output_keys(), dtype, floating_only=True))
+    return mapper
+
+
+def hf_side_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
+    """The files of an HF directory that are neither weights nor ``config.json`` (tokenizer, generation config,
+    chat template, README), to carry over into a converted copy."""
+    files: dict[str, bytes] = {}
+    for path in sorted(Path(directory).iterdir()):
+        name = path.name
+        if not path.is_file() or name.startswith(".") or name == CONFIG_NAME or name in _WEIGHT_INDEXES:
+            continue
+        if name.endswith(_WEIGHT_SUFFIXES):
+            continue
+        files[name] = path.read_bytes()
+    return files
+
+
+def _floating_dtype(module: nn.Module) -> torch.dtype | None:
+    tensors, _ = module_tensors(module)
+    return next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+
+
+def save_hf(
+    module: nn.Module,
+    directory: str | os.PathLike[str],
+    config: HFConfig | Any | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    layout: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    extra_files: Mapping[str, bytes | str] | None = None,
+    partial: bool = False,
+) -> Path:
+    """Write ``module`` as an HF checkpoint directory (shards, index, ``config.json``) that ``transformers``
+    loads with ``from_pretrained``.
+
+    A collective in a multi-rank run: every rank calls it, DTensors are gathered group by group, rank 0 writes,
+    and the directory appears complete or not at all (an existing export there is replaced only then).
+    ``config`` describes ``module`` (default: ``module.config.to_hf_dict()``); ``dtype`` casts floating-point
+    tensors (default: as they are). ``extra_files`` (name → content: tokenizer files, see ``hf_side_files``) go
+    into the same directory. ``partial``: each rank's module holds part of the model (pipeline stages); each part
+    is written by the lowest rank holding it, into the one directory.
+    """
+    hf = module_hf_config(module) if config is None else hf_dict(config)
+    fmt = hf_format(hf)
+    written_dtype = dtype if dtype is not None else _floating_dtype(module)
+    files = {**(extra_files or {}), CONFIG_NAME: hf_config_json(hf, dtype=written_dtype)}
+    mapper = writing_mapper(fmt, hf, dtype, layout)
+    return save_from_module(
+        module, directory, mapper, max_shard_bytes=max_shard_bytes, extra_files=files, partial=partial
+    )

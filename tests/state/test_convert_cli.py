@@ -1,0 +1,178 @@
+"""``python -m lightning_d9d.convert``: dcp-to-hf and hf-to-hf, called through ``main(argv)`` in this process
+(the same code path as the command line, without 10 s of ``import lightning`` per call)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, make_hf_checkpoint
+from state_helpers import read_checkpoint
+
+from lightning_d9d.convert import build_parser, main
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.state import INDEX_NAME
+
+pytest.importorskip("transformers")
+
+
+def test_help_lists_the_commands_and_says_why_there_is_no_hf_to_dcp() -> None:
+    text = build_parser().format_help()
+    for expected in (
+        "dcp-to-hf",
+        "hf-to-hf",
+        "There is no hf-to-dcp",
+        "LoadHFWeights",
+        "qwen3 (Qwen3ForCausalLM)",
+    ):
+        assert expected in text, expected
+    for command in ("dcp-to-hf", "hf-to-hf"):
+        with pytest.raises(SystemExit) as done:
+            main([command, "--help"])
+        assert done.value.code == 0
+
+
+def test_hf_to_hf_reshards_casts_and_copies_the_other_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')
+    code = main(
+        [
+            "hf-to-hf",
+            str(tmp_path / "hf"),
+            str(tmp_path / "out"),
+            "--dtype",
+            "bf16",
+            "--max-shard-size",
+            "20KB",
+        ]
+    )
+    assert code == 0
+    stats_free = capsys.readouterr().out
+    assert "hf-to-hf:" in stats_free and "tensors" in stats_free
+    out = tmp_path / "out"
+    names = sorted(p.name for p in out.iterdir())
+    assert {"config.json", "generation_config.json", "tokenizer.json", INDEX_NAME} <= set(names)
+    assert sum(name.endswith(".safetensors") for name in names) > 1
+    assert config_json(out)["dtype"] == "bfloat16" and config_json(out)["model_type"] == "qwen3"
+    written = read_checkpoint(out)
+    for key, value in hf.state_dict().items():
+        if key != "lm_head.weight" or key in written:
+            assert written[key].dtype == torch.bfloat16 and torch.equal(
+                written[key], value.to(torch.bfloat16)
+            ), key
+    back = load_transformers(out)
+    assert back.dtype == torch.bfloat16
+
+
+def _write_training_checkpoint(directory: Path, model: Qwen3ForCausalLM, prefix: str = "model.") -> None:
+    """What the strategy writes, in the small: DCP of {"state_dict": LightningModule keys, "optimizer_0": ...}
+    (both names of a tied head), without a process group."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {prefix + key: value for key, value in model.state_dict().items()}
+    optimizer = {f"state.{key}.exp_avg": torch.zeros_like(value) for key, value in state.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"state_dict": state, "optimizer_0": optimizer}, checkpoint_id=str(directory), no_dist=True)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dcp_to_hf(tied: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf", tie_word_embeddings=tied)
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(config_json(tmp_path / "hf")))
+    ours.load_state_dict(hf.state_dict())
+    _write_training_checkpoint(tmp_path / "ckpt", ours)
+
+    argv = ["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--config", str(tmp_path / "hf")]
+    assert main([*argv, "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert stats["tensors"] == len(hf.state_dict()) - tied and stats["peak_rss_bytes"] > 0
+    written = read_checkpoint(tmp_path / "out")
+    assert ("lm_head.weight" in written) is not tied
+    for key, value in written.items():
+        assert torch.equal(value, hf.state_dict()[key]), key
+    assert (tmp_path / "out" / "tokenizer.json").is_file()  # --config as a directory brings its tokenizer
+    ids = batch(SMALL["vocab_size"])
+    torch.testing.assert_close(hf_logits(load_transformers(tmp_path / "out"), ids), hf_logits(hf, ids))
+
+
+def test_dcp_to_hf_finds_the_config_recorded_by_the_callbacks(tmp_path: Path) -> None:
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    _write_training_checkpoint(tmp_path / "ckpt", ours, prefix="net.")
+    out = tmp_path / "out"
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out)]) == 1  # no config anywhere yet
+    recorded = {
+        "callbacks": {"LoadHFWeights{'path': 'x'}": {"hf_config": ours.config.to_hf_dict()}},
+        "epoch": 0,
+    }
+    torch.save(recorded, tmp_path / "ckpt" / "meta.pt")
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--dtype", "bfloat16"]) == 0  # prefix "net."
+    written = read_checkpoint(out)
+    assert torch.equal(written["model.norm.weight"], ours.model.norm.weight.detach().to(torch.bfloat16))
+    assert config_json(out)["hidden_size"] == SMALL["hidden_size"] and config_json(out)["dtype"] == "bfloat16"
+
+
+def test_dcp_to_hf_errors_name_the_checkpoint_and_the_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    _write_training_checkpoint(tmp_path / "ckpt", ours)
+    ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "out")
+
+    # a config of another size than the checkpoint: named by key, from the DCP metadata alone
+    (tmp_path / "wider.json").write_text(json.dumps({**ours.config.to_hf_dict(), "intermediate_size": 64}))
+    assert main(["dcp-to-hf", ckpt, out, "--config", str(tmp_path / "wider.json")]) == 1
+    error = capsys.readouterr().err
+    assert (
+        "'model.layers.0.mlp.up_proj.weight'" in error
+        and "'model.model.layers.0.mlp.up_proj.weight'" in error
+    )
+    assert str(tmp_path / "ckpt") in error and "(48, 32), the config implies (64, 32)" in error
+
+    # more layers in the config than in the checkpoint
+    (tmp_path / "deeper.json").write_text(json.dumps({**ours.config.to_hf_dict(), "num_hidden_layers": 3}))
+    assert main(["dcp-to-hf", ckpt, out, "--config", str(tmp_path / "deeper.json")]) == 1
+    error = capsys.readouterr().err
+    assert "under prefix 'model.'" in error and "'model.layers.2.input_layernorm.weight'" in error
+
+    # a prefix that holds nothing
+    assert main(["dcp-to-hf", ckpt, out, "--config", str(tmp_path / "wider.json"), "--prefix", "net."]) == 1
+    assert "missing from checkpoint" in capsys.readouterr().err
+
+    # not a checkpoint at all
+    assert main(["dcp-to-hf", str(tmp_path), out, "--config", str(tmp_path / "wider.json")]) == 1
+    assert "is not a torch.distributed.checkpoint directory" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_dcp_to_hf_with_a_damaged_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    _write_training_checkpoint(tmp_path / "ckpt", ours)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(ours.config.to_hf_dict()))
+    argv = ["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--config", str(config)]
+    (data,) = (tmp_path / "ckpt").glob("*.distcp")
+    content = data.read_bytes()
+    data.write_bytes(content[: len(content) // 5])  # truncated inside the model tensors
+    assert main(argv) == 1  # found from the sizes in .metadata, before reading
+    error = capsys.readouterr().err
+    assert f"{data} is truncated" in error and "'model.model." in error
+    cut = len(content) // 5
+    data.write_bytes(bytes(cut) + content[cut:])  # the model tensors zeroed out: same size, unreadable
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert f"{data}: cannot read 'model.model." in error
+    data.unlink()  # missing
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert f"in {data}, which does not exist" in error and "'model.model." in error
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"not a pickle")
+    assert main(argv) == 1
+    assert ".metadata cannot be read" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
