@@ -1,0 +1,222 @@
+"""Hugging Face weights in and out of a training run: ``LoadHFWeights`` and ``ExportHF``.
+
+Both work on any mesh and find the model inside the LightningModule: the submodule named by ``module_attr``, or
+by default the one child module whose ``config`` has ``to_hf_dict()`` (our models). Its parameter names must be
+those of the HF format's mapping (``lightning_d9d.state.hf``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
+from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
+
+
+def _pipelined(trainer: pl.Trainer) -> bool:
+    """Whether each rank holds only its pipeline stage's part of the model (then loads and writes only that)."""
+    try:
+        # The d9d strategy's degrees; other strategies have none (and no pipeline).
+        dims = getattr(trainer.strategy, "parallel_dims", None)
+    except RuntimeError:  # not set up yet: no mesh, no pipeline
+        return False
+    return bool(getattr(dims, "pp", 1) > 1)
+
+
+def find_hf_model(pl_module: pl.LightningModule, module_attr: str | None = None) -> tuple[str, nn.Module]:
+    """The model inside ``pl_module`` that maps to a Hugging Face format, and its attribute path.
+
+    ``module_attr`` names it (``"model"``, ``"backbone.lm"``; ``""`` for the LightningModule itself); by default
+    it is the only direct child with a ``config.to_hf_dict()``.
+    """
+    if module_attr is not None:
+        try:
+            module = pl_module.get_submodule(module_attr)
+        except AttributeError as error:
+            raise AttributeError(
+                f"{type(pl_module).__name__} has no submodule {module_attr!r} (module_attr): {error}"
+            ) from error
+        module_hf_config(module)  # fails early, with the reason, if it has no HF config
+        return module_attr, module
+    found = [
+        (name, child)
+        for name, child in pl_module.named_children()
+        if callable(getattr(getattr(child, "config", None), "to_hf_dict", None))
+    ]
+    if len(found) != 1:
+        what = "none" if not found else ", ".join(repr(name) for name, _ in found)
+        raise AttributeError(
+            f"{type(pl_module).__name__}: cannot tell which submodule holds the model to load or export: "
+            f"children with a config.to_hf_dict() are {what}. Build the model (e.g. self.model = "
+            "Qwen3ForCausalLM(...)) in __init__ or configure_model, or pass module_attr='...'"
+        )
+    return found[0]
+
+
+class LoadHFWeights(Callback):
+    """Load a Hugging Face checkpoint into the model when fitting starts, on any mesh.
+
+    The load happens once per ``fit``, at the first of ``on_sanity_check_start`` and ``on_train_start``: after
+    the strategy has sharded, materialised and initialised the model (``configure_model`` → ``strategy.setup``),
+    after Lightning has restored a checkpoint given as ``fit(ckpt_path=...)`` (the d9d strategy restores after
+    ``on_fit_start``), and before any forward pass. The loaded values overwrite the initialisation in place, so
+    the optimizer keeps its parameters. Each rank streams the files one group of tensors at a time and keeps only
+    its own shards: no rank ever holds the whole model. Under pipeline parallelism each rank reads only the
+    tensors of its stage.
+
+    The directory's ``config.json`` must describe the model being trained (sizes, layer count, vocabulary, RoPE,
+    ...); a checkpoint of another model fails with the differing fields named. Floating-point tensors are
+    converted to the parameters' dtype (bf16 files into fp32 master weights).
+
+    When the fit resumes from a checkpoint, nothing is loaded (the directory need not exist any more): the
+    checkpoint's weights are the ones to continue from.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, module_attr: str | None = None, check_config: bool = True
+    ) -> None:
+        self.path = Path(path)
+        self.module_attr = module_attr
+        self.check_config = check_config
+        self.hf_config: dict[str, Any] | None = None
+        self.loaded = False  # in this fit
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(path=str(self.path))
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Only find the model (a wrong module_attr fails before anything runs) and note its config, which the
+        # checkpoints of this run record. Loading waits: a checkpoint to resume from is not restored yet.
+        self.hf_config = module_hf_config(find_hf_model(pl_module, self.module_attr)[1])
+        self.loaded = False
+
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load_once(trainer, pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._load_once(trainer, pl_module)
+
+    def _load_once(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        if trainer.ckpt_path is not None:
+            rank_zero_info(f"LoadHFWeights: resumed from {trainer.ckpt_path}, so {self.path} is not loaded")
+            return
+        name, model = find_hf_model(pl_module, self.module_attr)
+        load_hf(model, self.path, self.hf_config, check_config=self.check_config, partial=_pipelined(trainer))
+        rank_zero_info(f"LoadHFWeights: loaded {self.path} into {type(pl_module).__name__}.{name}")
+
+    def state_dict(self) -> dict[str, Any]:
+        # Recorded in training checkpoints, so that ``python -m lightning_d9d.convert dcp-to-hf`` finds the config.
+        return {"source": str(self.path), "hf_config": self.hf_config}
+
+
+class ExportHF(Callback):
+    """Write the model as a Hugging Face directory that ``transformers`` loads with ``from_pretrained``.
+
+    Exports go to ``dirpath / filename.format(step=global_step, epoch=current_epoch)`` every
+    ``every_n_train_steps`` optimizer steps and when training ends (unless that step was just exported); a
+    ``filename`` without placeholders (``"latest"``) keeps replacing one export. Each export holds safetensors
+    shards of at most
+    ``max_shard_size`` (bytes, or ``"5GB"``), their index and ``config.json``, plus the non-weight files of
+    ``copy_files_from`` (an HF directory: tokenizer, generation config). ``dtype`` casts floating-point weights
+    (``torch.bfloat16`` halves the size; default: as trained).
+
+    Any mesh: every rank takes part (DTensors are gathered one group of tensors at a time) and rank 0 writes (under
+    pipeline parallelism, the first rank of each stage writes that stage's tensors). A directory appears complete
+    or not at all; an earlier export of the same name is replaced only then.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        every_n_train_steps: int | None = None,
+        on_train_end: bool = True,
+        *,
+        filename: str = "step={step}",
+        dtype: torch.dtype | None = None,
+        max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+        copy_files_from: str | os.PathLike[str] | None = None,
+        module_attr: str | None = None,
+    ) -> None:
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(
+                f"every_n_train_steps ({every_n_train_steps}) must be a positive integer or None"
+            )
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.export_on_train_end = on_train_end
+        self.filename = filename
+        self.dtype = dtype
+        self.max_shard_bytes = parse_size(max_shard_size)
+        self.copy_files_from = None if copy_files_from is None else Path(copy_files_from)
+        self.module_attr = module_attr
+        self.hf_config: dict[str, Any] | None = None
+        self.last_step: int | None = None  # the step last exported (never twice)
+        self.exported: list[Path] = []
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Fail before training, not at the first export, when the directory cannot be one.
+        if self.copy_files_from is not None and not self.copy_files_from.is_dir():
+            raise FileNotFoundError(
+                f"ExportHF(copy_files_from={str(self.copy_files_from)!r}) is not a directory"
+            )
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Known from the start, so that a training checkpoint saved before the first export records it too.
+        self.hf_config = module_hf_config(find_hf_model(pl_module, self.module_attr)[1])
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        step = trainer.global_step
+        # Called on every micro-batch; global_step only moves on optimizer steps, so this fires once per step.
+        if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
+            self.export(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.export_on_train_end:
+            self.export(trainer, pl_module)
+
+    def export(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> Path | None:
+        """Export now (all ranks must call it); ``None`` if this step was already exported."""
+        step = trainer.global_step
+        if step == self.last_step:
+            return None
+        _, model = find_hf_model(pl_module, self.module_attr)
+        self.hf_config = module_hf_config(model)
+        extra = hf_side_files(self.copy_files_from) if self.copy_files_from is not None else None
+        target = self.dirpath / self.filename.format(step=step, epoch=trainer.current_epoch)
+        path = save_hf(
+            model,
+            target,
+            self.hf_config,
+            dtype=self.dtype,
+            max_shard_bytes=self.max_shard_bytes,
+            extra_files=extra,
+            partial=_pipelined(trainer),
+        )
+        self.last_step = step
+        self.exported.append(path)
+        rank_zero_info(f"ExportHF: step {step} written to {path}")
+        return path
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"last_step": self.last_step, "hf_config": self.hf_config}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.last_step = state_dict.get("last_step")

@@ -1,0 +1,429 @@
+"""Convert checkpoints on any machine, without GPUs or a process group: ``python -m lightning_d9d.convert``.
+
+Every conversion streams: one group of tensors is read, mapped and queued for the current output shard at a
+time, so memory stays near a few of the largest tensors plus one shard, whatever the size of the model. Every
+check that needs no data (keys, shapes, config) runs before the first tensor is read, and the output directory
+appears complete or not at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_d9d.state import (
+    DEFAULT_MAX_SHARD_BYTES,
+    CheckpointError,
+    CheckpointReader,
+    ConfigMismatchError,
+    DCPReader,
+    GroupResult,
+    KeyCoverageError,
+    ReadPlan,
+    Sequential,
+    ShapeMismatchError,
+    ShardedWriter,
+    infer_shapes,
+    parse_size,
+)
+from lightning_d9d.state.errors import format_keys
+from lightning_d9d.state.hf import (
+    CONFIG_NAME,
+    HFFormat,
+    hf_config_json,
+    hf_format,
+    hf_formats,
+    hf_side_files,
+    read_hf_config,
+    reading_mapper,
+    writing_mapper,
+)
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+# safetensors' names of the dtypes a config.json states
+_SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+}
+# What the d9d strategy writes beside the DCP files: loops, callbacks, hyper-parameters.
+META_NAME = "meta.pt"
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _rss_now() -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_rss() -> int | None:
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, kilobytes on Linux
+
+
+def _check_model_type(fmt: HFFormat, model: str | None, config_path: str) -> None:
+    if model is not None and hf_format(model) is not fmt:
+        raise ConfigMismatchError(
+            f"{config_path} describes another model: model_type {fmt.model_type!r}, not {model!r} (--model)",
+            path=config_path,
+            fields={"model_type": (fmt.model_type, model)},
+        )
+
+
+def _check_shapes(
+    found: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]],
+    where: Callable[[str], str],
+    config: str,
+) -> None:
+    """Every tensor has the shape the config implies; the first few that do not are named, with their file."""
+    wrong = [key for key in sorted(expected) if key in found and tuple(found[key]) != tuple(expected[key])]
+    if wrong:
+        lines = "\n".join(
+            f"  {key!r} in {where(key)}: shape {tuple(found[key])}, the config implies {tuple(expected[key])}"
+            for key in wrong[:5]
+        )
+        more = f"\n  ... and {len(wrong) - 5} more" if len(wrong) > 5 else ""
+        raise ShapeMismatchError(
+            f"{len(wrong)} tensors do not match {config} (a checkpoint of another model?):\n{lines}{more}",
+            key=wrong[0],
+        )
+
+
+def detect_prefix(keys: Collection[str], expected: Collection[str], checkpoint: str) -> str:
+    """The prefix under which ``checkpoint`` holds every key of the model (``"model."`` for a LightningModule
+    whose model is ``self.model``)."""
+    present = set(keys)
+    anchor = min(expected)
+    candidates = sorted({key[: -len(anchor)] for key in present if key.endswith(anchor)}, key=len)
+    complete = [prefix for prefix in candidates if all(prefix + key in present for key in expected)]
+    if len(complete) == 1:
+        return complete[0]
+    if complete:
+        raise CheckpointError(
+            f"{checkpoint} holds the model under several prefixes ({', '.join(map(repr, complete))}): "
+            "choose one with --prefix"
+        )
+    if candidates:
+        best = min(candidates, key=lambda prefix: sum(prefix + key not in present for key in expected))
+        missing = [key for key in expected if best + key not in present]
+        raise KeyCoverageError(
+            f"{checkpoint} does not hold the model the config describes: under prefix {best!r} "
+            f"{len(missing)} keys are missing: {format_keys(missing)}",
+            missing_source=[best + key for key in missing],
+        )
+    raise KeyCoverageError(
+        f"{checkpoint} does not hold the model the config describes: no key ends with {anchor!r}; it holds "
+        f"{format_keys(present, limit=5)}. Check --config, or give --prefix",
+        missing_source=[anchor],
+    )
+
+
+def _config_from_meta(checkpoint: Path) -> dict[str, Any] | None:
+    """The HF config that ``LoadHFWeights`` / ``ExportHF`` recorded in the checkpoint's callback states."""
+    meta = checkpoint / META_NAME
+    if not meta.is_file():
+        return None
+    try:
+        data = torch.load(meta, map_location="cpu", weights_only=True)
+    except Exception:  # an unpicklable custom object in the hyper-parameters: then --config is needed
+        return None
+    for state in (data.get("callbacks") or {}).values() if isinstance(data, dict) else ():
+        if isinstance(state, dict) and isinstance(state.get("hf_config"), dict):
+            return dict(state["hf_config"])
+    return None
+
+
+class _Progress:
+    """Counts what went through, and reports it (``--stats`` adds a JSON line with the memory numbers)."""
+
+    def __init__(self, command: str, output: Path, plan: ReadPlan) -> None:
+        self.command, self.output, self.plan = command, output, plan
+        self.rss_before = _rss_now()
+        self.start = time.perf_counter()
+        self.tensors = self.bytes_written = 0
+
+    def written(self, outputs: dict[str, torch.Tensor]) -> None:
+        self.tensors += len(outputs)
+        self.bytes_written += sum(tensor.nbytes for tensor in outputs.values())
+
+    def report(self, writer: ShardedWriter, stats: bool) -> None:
+        seconds = time.perf_counter() - self.start
+        files = sorted(path.name for path in self.output.iterdir() if path.suffix == ".safetensors")
+        print(
+            f"{self.command}: {self.tensors} tensors, {self.bytes_written / 2**30:.2f} GiB in {len(files)} "
+            f"files -> {self.output} ({seconds:.1f} s)"
+        )
+        if stats:
+            record = {
+                "command": self.command,
+                "output": str(self.output),
+                "seconds": round(seconds, 3),
+                "groups": len(self.plan.groups),
+                "tensors": self.tensors,
+                "bytes_read": self.plan.total_bytes,
+                "bytes_written": self.bytes_written,
+                "largest_group_bytes": self.plan.largest_group_bytes,
+                "max_shard_bytes": writer.max_shard_bytes,
+                "shards": len(files),
+                "rss_before_bytes": self.rss_before,
+                "peak_rss_bytes": _peak_rss(),
+            }
+            print(json.dumps(record))
+
+
+def _write(
+    results: Iterator[GroupResult],
+    writer: ShardedWriter,
+    progress: _Progress,
+    expected: dict[str, tuple[int, ...]] | None,
+    config_path: str,
+) -> None:
+    with writer:
+        for result in results:
+            if expected is not None:
+                found = {key: tuple(value.shape) for key, value in result.outputs.items()}
+                origin = result.origin()
+                _check_shapes(found, expected, lambda key: origin, config_path)  # noqa: B023 (called right here)
+            for key, value in result.outputs.items():
+                writer.add(key, value)
+            progress.written(result.outputs)
+            del result  # free this group before the next one is read
+
+
+# ---------------------------------------------------------------------------------------------- commands
+def dcp_to_hf(args: argparse.Namespace) -> None:
+    checkpoint = Path(args.checkpoint)
+    reader = DCPReader(checkpoint)
+    side: dict[str, bytes] = {}
+    if args.config is not None:
+        config = read_hf_config(args.config)
+        config_path = str(Path(args.config) / CONFIG_NAME if Path(args.config).is_dir() else args.config)
+        if Path(args.config).is_dir():
+            side = hf_side_files(args.config)
+    else:
+        found = _config_from_meta(checkpoint)
+        if found is None:
+            raise CheckpointError(
+                f"{checkpoint} records no Hugging Face config (runs with LoadHFWeights or ExportHF record one): "
+                "pass --config with the model's config.json or its Hugging Face directory"
+            )
+        config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
+    fmt = hf_format(config)
+    _check_model_type(fmt, args.model, config_path)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    mapper = writing_mapper(fmt, config, dtype, args.layout)
+    module_keys = mapper.input_keys()
+    aliases = set(fmt.tied(config))
+    prefix = (
+        args.prefix
+        if args.prefix is not None
+        else detect_prefix(reader.all_keys(), module_keys, str(checkpoint))
+    )
+    reader = reader.with_prefix(prefix)
+    ignore = aliases & reader.keys()  # a tied head is saved under both names; read it once
+    if fmt.hf_shapes is not None:
+        layout = fmt.resolve_layout(args.layout)
+        module_shapes = infer_shapes(fmt.from_hf(config, layout), fmt.hf_shapes(config, layout))
+        _check_shapes(
+            reader.shapes(), module_shapes, lambda key: f"{checkpoint} (as {prefix + key!r})", config_path
+        )
+    plan = reader.plan(mapper, ignore=ignore)
+    output = Path(args.output).absolute()
+    written = dtype if dtype is not None else next(iter(reader.dtypes().values()), None)
+    extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=written)}
+    writer = ShardedWriter(output, max_shard_bytes=args.max_shard_size, extra_files=extra)
+    progress = _Progress("dcp-to-hf", output, plan)
+    expected = fmt.hf_shapes(config, fmt.resolve_layout(args.layout)) if fmt.hf_shapes is not None else None
+    _write(reader.stream(mapper, ignore=ignore), writer, progress, expected, config_path)
+    progress.report(writer, args.stats)
+
+
+def hf_to_hf(args: argparse.Namespace) -> None:
+    source = Path(args.source)
+    config = read_hf_config(source)
+    config_path = str(source / CONFIG_NAME)
+    fmt = hf_format(config)
+    _check_model_type(fmt, args.model, config_path)
+    reader = CheckpointReader(source)
+    keys = reader.keys()
+    layout_in = fmt.layout_of(keys)
+    if fmt.hf_shapes is not None:
+        info = reader.tensor_info()
+        found = {key: value.shape for key, value in info.items()}
+        _check_shapes(
+            found, fmt.hf_shapes(config, layout_in), lambda key: str(source / info[key].file), config_path
+        )
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    mapper = Sequential(
+        [reading_mapper(fmt, config, keys, layout_in), writing_mapper(fmt, config, dtype, args.layout)]
+    )
+    plan = reader.plan(mapper)
+    output = Path(args.output).absolute()
+    if output == source.absolute():
+        raise CheckpointError(f"hf-to-hf: the output {output} is the source; write elsewhere")
+    written = dtype
+    if written is None:
+        first = next(iter(reader.tensor_info().values()), None)
+        written = _SAFETENSORS_DTYPES.get(first.dtype) if first is not None else None
+    extra: dict[str, bytes | str] = {
+        **hf_side_files(source),
+        CONFIG_NAME: hf_config_json(config, dtype=written),
+    }
+    writer = ShardedWriter(output, max_shard_bytes=args.max_shard_size, extra_files=extra)
+    progress = _Progress("hf-to-hf", output, plan)
+    _write(reader.stream(mapper), writer, progress, None, config_path)
+    progress.report(writer, args.stats)
+
+
+# ------------------------------------------------------------------------------------------- command line
+DESCRIPTION = """\
+Convert model checkpoints without GPUs or a process group, streaming: memory stays near a few of the largest
+tensors plus one output shard, whatever the size of the model. Keys, shapes and the config are checked before
+the first tensor is read; the output directory appears complete or not at all.
+
+commands:
+  dcp-to-hf   a training checkpoint written by Trainer(strategy="d9d") (a directory with .metadata, *.distcp and
+              meta.pt; any mesh) -> a Hugging Face directory (safetensors shards, index, config.json) that
+              transformers loads with from_pretrained
+  hf-to-hf    a Hugging Face directory -> another one: re-shard (--max-shard-size), cast (--dtype), or change
+              the file layout where a model family has several (--layout); every key and shape is checked
+              against config.json on the way, and tokenizer and other non-weight files are copied
+
+There is no hf-to-dcp: a training checkpoint also holds optimizer and loop state, which an HF directory does
+not have, so Trainer.fit(ckpt_path=...) could not resume from it. To start training from Hugging Face weights,
+add the LoadHFWeights callback (lightning_d9d.callbacks), which streams them into the sharded model at fit start;
+ExportHF writes Hugging Face directories during and after training.
+"""
+
+EPILOG = """\
+examples:
+  python -m lightning_d9d.convert dcp-to-hf runs/ckpt/step=1000.ckpt exports/step1000 --config ~/models/Qwen3-0.6B
+  python -m lightning_d9d.convert hf-to-hf Qwen3-8B Qwen3-8B-bf16 --dtype bfloat16 --max-shard-size 2GB
+
+models: {models}
+"""
+
+
+def _add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        metavar="DTYPE",
+        help="cast floating-point tensors to float32, bfloat16 or float16 (also: fp32, bf16, fp16); default: "
+        "keep the checkpoint's",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        default=DEFAULT_MAX_SHARD_BYTES,
+        metavar="SIZE",
+        help="largest output shard, e.g. 5GB (default), 500MB, 2GiB; one shard is written as model.safetensors",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="TYPE",
+        help="the model_type expected (e.g. qwen3); a checkpoint of another model is refused. Default: the "
+        "config's model_type",
+    )
+    parser.add_argument(
+        "--layout",
+        help="the file layout to write, for model families with several (default: the current one)",
+    )
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="print a last line of JSON: seconds, bytes, largest group, shard size, RSS before converting and "
+        "peak RSS (getrusage)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    models = ", ".join(
+        f"{name} ({', '.join(fmt.architectures)})" for name, fmt in sorted(hf_formats().items())
+    )
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_d9d.convert",
+        description=DESCRIPTION,
+        epilog=EPILOG.format(models=models),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(
+        dest="command",
+        required=True,
+        metavar="COMMAND",
+        help="dcp-to-hf or hf-to-hf (see above); COMMAND --help lists its options",
+    )
+
+    dcp = commands.add_parser(
+        "dcp-to-hf",
+        description="Convert a training checkpoint of Trainer(strategy='d9d') (written on any mesh) to a "
+        "Hugging Face directory. Reads only the model tensors (not the optimizer state), one group at a time.",
+    )
+    dcp.add_argument("checkpoint", help="the checkpoint directory (holds .metadata, *.distcp, meta.pt)")
+    dcp.add_argument("output", help="the Hugging Face directory to write (replaced only once complete)")
+    dcp.add_argument(
+        "--config",
+        metavar="PATH",
+        help="the model's config.json, or a Hugging Face directory holding one (its tokenizer and other "
+        "non-weight files are copied too). Default: the config recorded in the checkpoint by LoadHFWeights or "
+        "ExportHF",
+    )
+    dcp.add_argument(
+        "--prefix",
+        help="where the model sits in the LightningModule's state dict, e.g. 'model.' for self.model "
+        "(default: found from the keys)",
+    )
+    _add_common(dcp)
+    dcp.set_defaults(run=dcp_to_hf)
+
+    hf = commands.add_parser(
+        "hf-to-hf",
+        description="Copy a Hugging Face directory through the model's mapping: re-shard, cast, change layout. "
+        "Every key and shape is checked against its config.json first.",
+    )
+    hf.add_argument("source", help="a Hugging Face directory (config.json and safetensors weights)")
+    hf.add_argument("output", help="the directory to write (replaced only once complete)")
+    _add_common(hf)
+    hf.set_defaults(run=hf_to_hf)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.run(args)
+    except CheckpointError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
