@@ -37,8 +37,10 @@ def resolve_schedule_name(name: str) -> str:
 
 
 # Schedules that split backward into input and weight gradients. With FSDP over dp > 1 they give wrong
-# gradients in torch 2.11-2.13 (measured: the loss after the first step is 5e-4 off), so that combination is
-# refused until it is fixed; with dp == 1 they match one process exactly.
+# gradients in torch 2.13 (CPU, gloo; the loss after the first step is 5e-4 off), so that combination is
+# refused until it is fixed; with dp == 1 they match one process. Found so far: with nested FSDP units
+# (one per layer inside a stage) even a stack of Linear layers gets gradients up to 4x off; with one unit
+# per stage the Qwen3 stages are still ~1e-4 off, cause not found.
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
