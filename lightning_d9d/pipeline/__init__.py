@@ -2,10 +2,10 @@
 
 from lightning_d9d.pipeline.schedules import (
     SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     PipelineConfig,
     build_schedule,
     check_pipeline_config,
-    check_schedule_with_data_parallel,
     resolve_schedule_name,
 )
 from lightning_d9d.pipeline.split import balanced_stage_layers, rank_of_stage, stages_of_rank
@@ -13,12 +13,12 @@ from lightning_d9d.pipeline.traits import PipelineSplittable
 
 __all__ = [
     "SCHEDULES",
+    "SPLIT_BACKWARD_SCHEDULES",
     "PipelineConfig",
     "PipelineSplittable",
     "balanced_stage_layers",
     "build_schedule",
     "check_pipeline_config",
-    "check_schedule_with_data_parallel",
     "rank_of_stage",
     "resolve_schedule_name",
     "stages_of_rank",

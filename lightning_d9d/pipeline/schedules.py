@@ -36,21 +36,11 @@ def resolve_schedule_name(name: str) -> str:
     return canonical
 
 
-# Schedules that split backward into input and weight gradients. With FSDP over dp > 1 they give wrong
-# gradients in torch 2.13 (CPU, gloo; the loss after the first step is 5e-4 off), so that combination is
-# refused until it is fixed; with dp == 1 they match one process. Found so far: with nested FSDP units
-# (one per layer inside a stage) even a stack of Linear layers gets gradients up to 4x off; with one unit
-# per stage the Qwen3 stages are still ~1e-4 off, cause not found.
+# Schedules that split backward into an input-gradient and a later weight-gradient pass. FSDP must keep
+# their parameters unsharded from forward to backward (reshard_after_forward=False): when it frees and
+# re-gathers them in between, the weight pass gives wrong gradients (torch 2.13, measured 5e-4 off in the
+# loss after one step with dp=2; exact with the parameters kept).
 SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-
-
-def check_schedule_with_data_parallel(schedule: str, dp: int) -> None:
-    if dp > 1 and schedule in SPLIT_BACKWARD_SCHEDULES:
-        raise ValueError(
-            f"pipeline_schedule={schedule!r} with data parallelism (dp={dp}) is not supported yet: its split "
-            "weight-gradient pass does not compose with FSDP's gradient reduction in torch's pipelining. Use "
-            "1F1B, Interleaved1F1B, GPipe or LoopedBFS with dp > 1, or dp=1 with this schedule."
-        )
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,10 @@ from torch.optim import Optimizer
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.pipeline import (
+    SPLIT_BACKWARD_SCHEDULES,
     PipelineSplittable,
     balanced_stage_layers,
     check_pipeline_config,
-    check_schedule_with_data_parallel,
     stages_of_rank,
 )
 from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
@@ -151,10 +151,7 @@ class D9DStrategy(ModelParallelStrategy):
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
 
     def _resolve_dims(self) -> ParallelDims:
-        dims = self._requested_dims.resolve(self.num_nodes * self.num_processes)
-        if dims.pp_enabled:
-            check_schedule_with_data_parallel(self.pipeline.schedule, dims.dp)
-        return dims
+        return self._requested_dims.resolve(self.num_nodes * self.num_processes)
 
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
@@ -219,7 +216,9 @@ class D9DStrategy(ModelParallelStrategy):
     def parallel_options(self) -> ParallelOptions:
         return ParallelOptions(
             mp_policy=self.precision_plugin.mixed_precision_policy(),
-            reshard_after_forward=self._reshard_after_forward,
+            # Split-backward schedules compute weight gradients after FSDP would have freed the parameters.
+            reshard_after_forward=self._reshard_after_forward
+            and not (self._requested_dims.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES),
             activation_checkpointing=self._activation_checkpointing,
             compile=self._compile,
         )

@@ -58,6 +58,20 @@ FOUR_RANKS = {
         **ACCUMULATE_CLIP,
         "validate": True,
     },
+    "pp2_dp2_ZBV_acc": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "ZBVZeroBubble", "microbatches": 4},
+        "dp": 2,
+        **ACCUMULATE_CLIP,
+    },
+    "pp2_dp2_DualPipeV": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "DualPipeV", "microbatches": 4},
+        "dp": 2,
+        "validate": True,
+    },
+    "pp2_dp2_InterleavedZeroBubble": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "InterleavedZeroBubble", "microbatches": 4},
+        "dp": 2,
+    },
     "pp2_dp2_Interleaved1F1B": {
         "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 4},
         "dp": 2,

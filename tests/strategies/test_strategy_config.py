@@ -99,7 +99,6 @@ def test_v_schedules_default_to_two_stages_per_rank() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
-def test_split_backward_schedules_refuse_data_parallelism(schedule: str) -> None:
-    with pytest.raises(ValueError, match=rf"pipeline_schedule='{schedule}' with data parallelism \(dp=2\)"):
-        make_trainer(D9DStrategy(pp=2, pipeline_schedule=schedule), devices=4)
-    assert not dist.is_initialized()
+def test_split_backward_schedules_keep_parameters_gathered_until_backward(schedule: str) -> None:
+    assert not D9DStrategy(pp=2, pipeline_schedule=schedule).parallel_options().reshard_after_forward
+    assert D9DStrategy(pp=2, pipeline_schedule="1F1B").parallel_options().reshard_after_forward
