@@ -72,6 +72,15 @@ FOUR_RANKS = {
         "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "InterleavedZeroBubble", "microbatches": 4},
         "dp": 2,
     },
+    "pp2_dp2_GPipe": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "GPipe", "microbatches": 2},
+        "dp": 2,
+    },
+    "pp2_dp2_LoopedBFS_acc": {
+        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "LoopedBFS", "microbatches": 4},
+        "dp": 2,
+        **ACCUMULATE_CLIP,
+    },
     "pp2_dp2_Interleaved1F1B": {
         "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 4},
         "dp": 2,
