@@ -147,10 +147,9 @@ class DCPReader:
             target_name=target_name,
         )
         order = {key: position for position, key in enumerate(self._entries)}
-        groups = sorted(mapper.groups(), key=lambda group: min(order[key] for key in group.inputs))
-        self._check_files({key for group in groups for key in group.inputs})
-        sizes = [sum(self._nbytes(key) for key in group.inputs) for group in groups]
-        return ReadPlan(groups=groups, input_bytes=sizes, files=list(self._files))
+        plan = ReadPlan.in_order(mapper, position=order.__getitem__, nbytes=self._nbytes, files=self._files)
+        self._check_files({key for group in plan.groups for key in group.inputs})
+        return plan
 
     def read(self, keys: Iterable[str]) -> dict[str, Tensor]:
         """Full tensors of ``keys``, assembled from every rank's shards."""

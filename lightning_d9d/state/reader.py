@@ -17,7 +17,7 @@ import json
 import os
 import struct
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +87,19 @@ class ReadPlan:
     groups: list[Group]
     input_bytes: list[int]
     files: list[str]
+
+    @classmethod
+    def in_order(
+        cls,
+        mapper: ModelStateMapper,
+        *,
+        position: Callable[[str], Any],
+        nbytes: Callable[[str], int],
+        files: Iterable[str],
+    ) -> ReadPlan:
+        """The mapper's groups sorted by where their first input lies, so storage is swept front to back."""
+        groups = sorted(mapper.groups(), key=lambda group: min(map(position, group.inputs)))
+        return cls(groups=groups, input_bytes=[sum(map(nbytes, g.inputs)) for g in groups], files=list(files))
 
     @property
     def largest_group_bytes(self) -> int:
@@ -271,13 +284,12 @@ class CheckpointReader:
         spans = self.tensor_info()
         file_rank = {name: position for position, name in enumerate(dict.fromkeys(self.weight_map.values()))}
 
-        def position(key: str) -> tuple[int, int]:
-            return file_rank[self.weight_map[key]], spans[key].start
-
-        # Groups in the order of their first byte on disk: files are swept mostly front to back.
-        groups = sorted(mapper.groups(), key=lambda group: min(map(position, group.inputs)))
-        sizes = [sum(spans[key].nbytes for key in group.inputs) for group in groups]
-        return ReadPlan(groups=groups, input_bytes=sizes, files=list(file_rank))
+        return ReadPlan.in_order(
+            mapper,
+            position=lambda key: (file_rank[self.weight_map[key]], spans[key].start),
+            nbytes=lambda key: spans[key].nbytes,
+            files=file_rank,
+        )
 
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Dtype, shape and location of every key, from the shards' headers (no tensor is read).

@@ -6,17 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from lightning_d9d.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from lightning_d9d.pipeline.timeline import draw_schedule, schedule_timeline
 
-SCHEDULES = [
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-]
+SCHEDULES = list(PIPELINE_SCHEDULES)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -12,15 +12,9 @@ import pytest
 from reference import reference_run
 from test_trainer_parity import BASE, assert_same_training, run_trainer
 
-SCHEDULES = [
-    "GPipe",
-    "1F1B",
-    "Interleaved1F1B",
-    "LoopedBFS",
-    "InterleavedZeroBubble",
-    "ZBVZeroBubble",
-    "DualPipeV",
-]
+from lightning_d9d.pipeline import SCHEDULES as PIPELINE_SCHEDULES
+
+SCHEDULES = list(PIPELINE_SCHEDULES)
 # lr 1e-3: AdamW turns tiny summation-order differences of near-zero gradients into parameter differences
 # proportional to lr; microbatching changes the summation order.
 COMMON = {**BASE, "lr": 1e-3, "max_steps": 5, "model": {"num_hidden_layers": 4}}
@@ -34,57 +28,26 @@ def pp2(schedule: str, accumulate_clip: bool) -> dict:
     return {**COMMON, **extra, "devices": 2, "dp": 1, "dims": dims, "validate": validate}
 
 
+def four_ranks(pp: int, schedule: str, microbatches: int, **extra: object) -> dict:
+    dims = {"pp": pp, "dp_shard": 4 // pp, "pipeline_schedule": schedule, "microbatches": microbatches}
+    return {"dims": dims, "dp": 4 // pp, **extra}
+
+
 FOUR_RANKS = {
-    "pp4_1F1B": {"dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "1F1B", "microbatches": 4}, "dp": 1},
-    "pp4_1F1B_acc": {
-        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "1F1B", "microbatches": 4},
-        "dp": 1,
-        **ACCUMULATE_CLIP,
-    },
-    "pp4_Interleaved1F1B": {
-        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "Interleaved1F1B", "microbatches": 8},
-        "dp": 1,
-        "model": {"num_hidden_layers": 8},
-    },
-    "pp4_Interleaved1F1B_acc": {
-        "dims": {"pp": 4, "dp_shard": 1, "pipeline_schedule": "Interleaved1F1B", "microbatches": 8},
-        "dp": 1,
-        "model": {"num_hidden_layers": 8},
-        **ACCUMULATE_CLIP,
-    },
-    "pp2_dp2_1F1B_acc": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
-        "dp": 2,
-        **ACCUMULATE_CLIP,
-        "validate": True,
-    },
-    "pp2_dp2_ZBV_acc": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "ZBVZeroBubble", "microbatches": 4},
-        "dp": 2,
-        **ACCUMULATE_CLIP,
-    },
-    "pp2_dp2_DualPipeV": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "DualPipeV", "microbatches": 4},
-        "dp": 2,
-        "validate": True,
-    },
-    "pp2_dp2_InterleavedZeroBubble": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "InterleavedZeroBubble", "microbatches": 4},
-        "dp": 2,
-    },
-    "pp2_dp2_GPipe": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "GPipe", "microbatches": 2},
-        "dp": 2,
-    },
-    "pp2_dp2_LoopedBFS_acc": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "LoopedBFS", "microbatches": 4},
-        "dp": 2,
-        **ACCUMULATE_CLIP,
-    },
-    "pp2_dp2_Interleaved1F1B": {
-        "dims": {"pp": 2, "dp_shard": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 4},
-        "dp": 2,
-    },
+    "pp4_1F1B": four_ranks(4, "1F1B", 4),
+    "pp4_1F1B_acc": four_ranks(4, "1F1B", 4, **ACCUMULATE_CLIP),
+    "pp4_Interleaved1F1B": four_ranks(4, "Interleaved1F1B", 8, model={"num_hidden_layers": 8}),
+    "pp4_Interleaved1F1B_acc": four_ranks(
+        4, "Interleaved1F1B", 8, model={"num_hidden_layers": 8}, **ACCUMULATE_CLIP
+    ),
+    # pp=2 x dp_shard=2: every schedule
+    "pp2_dp2_GPipe": four_ranks(2, "GPipe", 2),
+    "pp2_dp2_1F1B_acc": four_ranks(2, "1F1B", 2, validate=True, **ACCUMULATE_CLIP),
+    "pp2_dp2_Interleaved1F1B": four_ranks(2, "Interleaved1F1B", 4),
+    "pp2_dp2_LoopedBFS_acc": four_ranks(2, "LoopedBFS", 4, **ACCUMULATE_CLIP),
+    "pp2_dp2_InterleavedZeroBubble": four_ranks(2, "InterleavedZeroBubble", 4),
+    "pp2_dp2_ZBV_acc": four_ranks(2, "ZBVZeroBubble", 4, **ACCUMULATE_CLIP),
+    "pp2_dp2_DualPipeV": four_ranks(2, "DualPipeV", 4, validate=True),
 }
 
 

@@ -102,3 +102,18 @@ def test_v_schedules_default_to_two_stages_per_rank() -> None:
 def test_split_backward_schedules_keep_parameters_gathered_until_backward(schedule: str) -> None:
     assert not D9DStrategy(pp=2, pipeline_schedule=schedule).parallel_options().reshard_after_forward
     assert D9DStrategy(pp=2, pipeline_schedule="1F1B").parallel_options().reshard_after_forward
+
+
+def test_every_torch_schedule_is_accepted() -> None:
+    from lightning_d9d.pipeline import SCHEDULES
+
+    torch_schedules = {
+        "GPipe",
+        "1F1B",
+        "Interleaved1F1B",
+        "LoopedBFS",
+        "InterleavedZeroBubble",
+        "ZBVZeroBubble",
+        "DualPipeV",
+    }
+    assert set(SCHEDULES) == torch_schedules
