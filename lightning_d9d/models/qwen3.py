@@ -33,12 +33,7 @@ from lightning_d9d.modules import (
     zeros_fill,
 )
 from lightning_d9d.modules.init import Fill
-from lightning_d9d.plans import (
-    ParallelOptions,
-    apply_activation_checkpointing,
-    apply_compile,
-    parallelize_data,
-)
+from lightning_d9d.plans import DATA_PARALLEL, ParallelOptions, parallelize_blocks, require_degrees
 
 
 @dataclass
@@ -262,12 +257,10 @@ class Qwen3Stage(nn.Module):
         return self.lm_head(hidden) if self.lm_head is not None else hidden
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """The data-parallel part of the model's plan, per stage: each stage is its own FSDP root."""
-        if options.activation_checkpointing:
-            apply_activation_checkpointing(self.layers)
-        if options.compile:
-            apply_compile(self.layers)
-        parallelize_data(self, dims, options, blocks=list(self.layers.values()))
+        """The model's plan for one pipeline stage: each stage is its own FSDP root."""
+        require_degrees(dims, supported=("pp", *DATA_PARALLEL), owner="Qwen3Stage")
+        # TP / CP plans go here, before the layers are wrapped. No dropout in the layers: no RNG state to keep.
+        parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -347,15 +340,15 @@ class Qwen3ForCausalLM(nn.Module):
         The root FSDP unit holds the embedding, final norm and LM head; with tied embeddings embedding and
         head share one Parameter, which FSDP2 shards once and all-gathers once per root unit.
         """
-        for name in ("tp", "cp", "ep", "pp"):  # pp: the strategy parallelizes each Qwen3Stage instead
-            degree = getattr(dims, name)
-            if degree > 1:
-                raise NotImplementedError(f"Qwen3ForCausalLM: {name}={degree} is not implemented yet")
-        if options.activation_checkpointing:
-            apply_activation_checkpointing(self.model.layers)
-        if options.compile:
-            apply_compile(self.model.layers)
-        parallelize_data(self, dims, options, blocks=list(self.model.layers.values()))
+        require_degrees(
+            dims,
+            supported=DATA_PARALLEL,
+            owner="Qwen3ForCausalLM",
+            alternatives={"pp": "call Qwen3Stage.parallelize on each pipeline stage (the d9d strategy does)"},
+        )
+        # TP / CP plans go here, before the layers are wrapped. The decoder layers have no dropout (Qwen3's
+        # attention_dropout is 0), so activation checkpointing need not save and restore the RNG state.
+        parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 
     # ------------------------------------------------------------------------------------------ pipeline
     @property

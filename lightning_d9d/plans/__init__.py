@@ -1,23 +1,29 @@
 """Parallel plans: plain functions that change a module in place with torch's own distributed APIs."""
 
+from lightning_d9d.plans.blocks import parallelize_blocks
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
 from lightning_d9d.plans.compile import apply_compile
 from lightning_d9d.plans.data_parallel import parallelize_data
 from lightning_d9d.plans.default import parallelize_default, repeated_blocks
+from lightning_d9d.plans.degrees import DATA_PARALLEL, IMPLEMENTED, require_degrees
 from lightning_d9d.plans.fsdp import parallelize_fsdp
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
 from lightning_d9d.plans.traits import Parallelizable, SeededInit
 
 __all__ = [
+    "DATA_PARALLEL",
+    "IMPLEMENTED",
     "ParallelOptions",
     "Parallelizable",
     "SeededInit",
     "apply_activation_checkpointing",
     "apply_compile",
+    "parallelize_blocks",
     "parallelize_data",
     "parallelize_default",
     "parallelize_fsdp",
     "parallelize_replicate",
     "repeated_blocks",
+    "require_degrees",
 ]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 
 def apply_compile(blocks: nn.ModuleList | nn.ModuleDict) -> None:
-    """Compile every block of ``blocks`` in place (``Module.compile`` keeps parameter names unchanged)."""
+    """Compile every block of ``blocks`` in place (``Module.compile`` keeps parameter names unchanged).
+
+    Blocks share one code object and dynamo inlines ``nn.Module``s (``inline_inbuilt_nn_modules``: on in every
+    torch this package supports, deprecated as a setting in 2.13), so the graph is not recompiled per block.
+    """
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
         block.compile(fullgraph=True)
-    # Blocks share one code object; without this, dynamo recompiles per block id.
-    torch._dynamo.config.inline_inbuilt_nn_modules = True

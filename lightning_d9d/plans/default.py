@@ -5,9 +5,8 @@ from __future__ import annotations
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
-from lightning_d9d.plans.compile import apply_compile
-from lightning_d9d.plans.data_parallel import parallelize_data
+from lightning_d9d.plans.blocks import parallelize_blocks
+from lightning_d9d.plans.degrees import DATA_PARALLEL, FEATURES, require_degrees
 from lightning_d9d.plans.options import ParallelOptions
 
 
@@ -26,19 +25,22 @@ def repeated_blocks(module: nn.Module) -> list[nn.ModuleList]:
     return found
 
 
-def parallelize_default(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
-    """FSDP/HSDP over the data dims: one unit per element of each repeated block list, then ``module``."""
-    unsupported = {name: getattr(dims, name) for name in ("pp", "tp", "cp", "ep") if getattr(dims, name) > 1}
-    if unsupported:
-        degree, value = next(iter(unsupported.items()))
-        raise ValueError(
-            f"{type(module).__name__} has no parallelize(dims, options) method, and the default plan only "
-            f"does data parallelism: {degree}={value} needs a model plan (see lightning_d9d.models)."
-        )
-    block_lists = repeated_blocks(module)
-    for blocks in block_lists:
-        if options.activation_checkpointing:
-            apply_activation_checkpointing(blocks)
-        if options.compile:
-            apply_compile(blocks)
-    parallelize_data(module, dims, options, blocks=[block for blocks in block_lists for block in blocks])
+def parallelize_default(
+    module: nn.Module, dims: ParallelDims, options: ParallelOptions, *, pipeline_stage: bool = False
+) -> None:
+    """FSDP/HSDP over the data dims: one unit per element of each repeated block list, then ``module``.
+
+    Refuses every other degree. pp is refused too, unless ``module`` is a pipeline stage that the strategy
+    carved (``pipeline_stage=True``): a stage is data-parallel within its pp rank like any module. Random ops
+    in user blocks (dropout) are kept exact under activation checkpointing: the RNG state is preserved.
+    """
+    name = type(module).__name__
+    require_degrees(
+        dims,
+        supported=(*DATA_PARALLEL, "pp") if pipeline_stage else DATA_PARALLEL,
+        owner=f"the default plan for {name} (data parallelism only)",
+        alternatives=dict.fromkeys(
+            FEATURES, f"give {name} a parallelize(dims, options) method (see lightning_d9d.models)"
+        ),
+    )
+    parallelize_blocks(module, repeated_blocks(module), dims, options)

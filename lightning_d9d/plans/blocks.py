@@ -1,0 +1,48 @@
+"""The part of every model's plan that follows TP/CP/EP: activation checkpointing, compile, data parallelism."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
+from lightning_d9d.plans.compile import apply_compile
+from lightning_d9d.plans.data_parallel import parallelize_data
+from lightning_d9d.plans.options import ParallelOptions
+
+BlockList = nn.ModuleList | nn.ModuleDict
+
+
+def parallelize_blocks(
+    module: nn.Module,
+    block_lists: Sequence[BlockList],
+    dims: ParallelDims,
+    options: ParallelOptions,
+    *,
+    preserve_rng_state: bool = True,
+) -> None:
+    """Checkpoint and compile each block of ``block_lists`` (as ``options`` ask), then apply data parallelism:
+    one FSDP unit per block, then ``module`` for the rest.
+
+    The order is torchtitan's and matters: a model applies its TP/CP/EP plans before calling this (they
+    rewrite the blocks' layers); checkpointing wraps a block before compile, so one compiled graph covers
+    forward and recompute; FSDP goes last, around the wrapped and compiled blocks.
+
+    ``preserve_rng_state=False`` skips saving and restoring the RNG state around each recompute. Only a model
+    whose blocks draw no random numbers (no dropout) may pass it; otherwise recompute draws other dropout
+    masks than forward did and the gradients are silently wrong.
+    """
+    for blocks in block_lists:
+        if options.activation_checkpointing:
+            apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state)
+        if options.compile:
+            apply_compile(blocks)
+    # Read the blocks after wrapping: the FSDP units are the checkpoint wrappers, not the modules inside.
+    units = [block for blocks in block_lists for block in _blocks_of(blocks)]
+    parallelize_data(module, dims, options, blocks=units)
+
+
+def _blocks_of(blocks: BlockList) -> list[nn.Module]:
+    return list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
