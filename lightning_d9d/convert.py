@@ -45,6 +45,13 @@ from lightning_d9d.state.hf import (
     reading_mapper,
     writing_mapper,
 )
+from lightning_d9d.state.training import (
+    DCP_METADATA_NAME,
+    META_NAME,
+    MODEL_SECTION,
+    read_meta,
+    recorded_hf_config,
+)
 
 DTYPES = {
     "float32": torch.float32,
@@ -61,8 +68,6 @@ _SAFETENSORS_DTYPES = {
     "F16": torch.float16,
     "F64": torch.float64,
 }
-# What the d9d strategy writes beside the DCP files: loops, callbacks, hyper-parameters.
-META_NAME = "meta.pt"
 
 
 # ------------------------------------------------------------------------------------------------ helpers
@@ -146,17 +151,11 @@ def detect_prefix(keys: Collection[str], expected: Collection[str], checkpoint: 
 
 def _config_from_meta(checkpoint: Path) -> dict[str, Any] | None:
     """The HF config that ``LoadHFWeights`` / ``ExportHF`` recorded in the checkpoint's callback states."""
-    meta = checkpoint / META_NAME
-    if not meta.is_file():
-        return None
     try:
-        data = torch.load(meta, map_location="cpu", weights_only=True)
-    except Exception:  # an unpicklable custom object in the hyper-parameters: then --config is needed
+        meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
+    except CheckpointError:  # missing, or a custom object in the hyper-parameters: then --config is needed
         return None
-    for state in (data.get("callbacks") or {}).values() if isinstance(data, dict) else ():
-        if isinstance(state, dict) and isinstance(state.get("hf_config"), dict):
-            return dict(state["hf_config"])
-    return None
+    return recorded_hf_config(meta)
 
 
 class _Progress:
@@ -219,7 +218,7 @@ def _write(
 # ---------------------------------------------------------------------------------------------- commands
 def dcp_to_hf(args: argparse.Namespace) -> None:
     checkpoint = Path(args.checkpoint)
-    reader = DCPReader(checkpoint)
+    reader = DCPReader(checkpoint, section=MODEL_SECTION)
     side: dict[str, bytes] = {}
     if args.config is not None:
         config = read_hf_config(args.config)
@@ -385,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Convert a training checkpoint of Trainer(strategy='d9d') (written on any mesh) to a "
         "Hugging Face directory. Reads only the model tensors (not the optimizer state), one group at a time.",
     )
-    dcp.add_argument("checkpoint", help="the checkpoint directory (holds .metadata, *.distcp, meta.pt)")
+    dcp.add_argument(
+        "checkpoint", help=f"the checkpoint directory (holds {DCP_METADATA_NAME}, *.distcp, {META_NAME})"
+    )
     dcp.add_argument("output", help="the Hugging Face directory to write (replaced only once complete)")
     dcp.add_argument(
         "--config",

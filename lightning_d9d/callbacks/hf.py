@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
 from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
+from lightning_d9d.state.training import HF_CONFIG_KEY
 
 
 def _pipelined(trainer: pl.Trainer) -> bool:
@@ -118,7 +119,7 @@ class LoadHFWeights(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         # Recorded in training checkpoints, so that ``python -m lightning_d9d.convert dcp-to-hf`` finds the config.
-        return {"source": str(self.path), "hf_config": self.hf_config}
+        return {"source": str(self.path), HF_CONFIG_KEY: self.hf_config}
 
 
 class ExportHF(Callback):
@@ -216,7 +217,7 @@ class ExportHF(Callback):
         return path
 
     def state_dict(self) -> dict[str, Any]:
-        return {"last_step": self.last_step, "hf_config": self.hf_config}
+        return {"last_step": self.last_step, HF_CONFIG_KEY: self.hf_config}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_step = state_dict.get("last_step")

@@ -4,8 +4,11 @@ A ``ModelStateMapper`` declares groups of keys read together and the keys they b
 (``Sequential``, ``Parallel``, ``Scope``, ``per_layer``) build one graph from the disk layout to the module
 layout, and ``inverse()`` gives the way back. ``CheckpointReader`` streams a checkpoint through a graph group by
 group; ``ShardedWriter`` writes HF-style shards atomically; ``load_into_module``, ``save_from_module`` and
-``convert`` put them together; ``DCPReader`` reads the model state of a training checkpoint the same way.
-``lightning_d9d.state.hf`` holds the Hugging Face formats of the shipped models.
+``convert`` put them together; ``DCPReader`` reads the model state of a training checkpoint the same way (both
+readers share one loop, ``stream.MappedReader``). ``lightning_d9d.state.training`` owns the training checkpoint
+format (file names, sections, atomic save, checked load); ``atomic.AtomicDirectory`` makes both kinds of
+checkpoint directory appear complete or not at all. ``lightning_d9d.state.hf`` holds the Hugging Face formats of
+the shipped models.
 """
 
 from .compose import Parallel, Scope, Sequential, Subset, chain, per_layer, select_prefix

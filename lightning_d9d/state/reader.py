@@ -17,8 +17,9 @@ import json
 import os
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,14 @@ from torch import Tensor
 from .errors import (
     CorruptIndexError,
     CorruptShardError,
-    MapperError,
     MissingKeyError,
     MissingShardError,
     format_keys,
 )
-from .graph import check_coverage
-from .mapper import Group, ModelStateMapper
+from .mapper import ModelStateMapper
+from .stream import GroupResult, MappedReader, ReadKeys, ReadPlan
+
+__all__ = ["INDEX_NAME", "SINGLE_FILE_NAME", "CheckpointReader", "GroupResult", "ReadPlan", "TensorInfo"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
@@ -62,52 +64,6 @@ _DTYPES = {
     }.items()
     if hasattr(torch, attribute)
 }
-
-
-@dataclass(frozen=True)
-class GroupResult:
-    """The outputs of one group, with the files its inputs came from (for error messages)."""
-
-    group: Group
-    outputs: dict[str, Tensor]
-    files: dict[str, str] = field(default_factory=dict)  # input key -> shard file name
-
-    def origin(self) -> str:
-        """``'a', 'b' in model-00001-of-00002.safetensors``: where this group's inputs were read."""
-        by_file: dict[str, list[str]] = {}
-        for key, name in self.files.items():
-            by_file.setdefault(name, []).append(key)
-        return "; ".join(f"{format_keys(keys, limit=3)} in {name}" for name, keys in by_file.items())
-
-
-@dataclass(frozen=True)
-class ReadPlan:
-    """Groups in reading order, with the bytes each one reads, and the files that will be opened."""
-
-    groups: list[Group]
-    input_bytes: list[int]
-    files: list[str]
-
-    @classmethod
-    def in_order(
-        cls,
-        mapper: ModelStateMapper,
-        *,
-        position: Callable[[str], Any],
-        nbytes: Callable[[str], int],
-        files: Iterable[str],
-    ) -> ReadPlan:
-        """The mapper's groups sorted by where their first input lies, so storage is swept front to back."""
-        groups = sorted(mapper.groups(), key=lambda group: min(map(position, group.inputs)))
-        return cls(groups=groups, input_bytes=[sum(map(nbytes, g.inputs)) for g in groups], files=list(files))
-
-    @property
-    def largest_group_bytes(self) -> int:
-        return max(self.input_bytes, default=0)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(self.input_bytes)
 
 
 @dataclass(frozen=True)
@@ -221,7 +177,7 @@ def _open(path: Path, keys: Iterable[str] = ()) -> Any:
         ) from error
 
 
-class CheckpointReader:
+class CheckpointReader(MappedReader):
     """A safetensors checkpoint directory, read through mappers.
 
     ``CheckpointReader(d).stream(mapper)`` yields one ``GroupResult`` per group of ``mapper``. Nothing is read
@@ -261,35 +217,30 @@ class CheckpointReader:
     def keys(self) -> frozenset[str]:
         return frozenset(self.weight_map)
 
-    def plan(
-        self,
-        mapper: ModelStateMapper,
-        *,
-        target_keys: Iterable[str] | None = None,
-        target_name: str = "the target",
-        ignore: Iterable[str] = (),
-    ) -> ReadPlan:
-        """Check everything that can be checked without reading a tensor; return the reading order.
+    def _stored_keys(self) -> Iterable[str]:
+        return self.weight_map  # index order: deterministic, and usually the shards' own order
 
-        ``ignore``: keys of the checkpoint deliberately not read (another pipeline stage's layers).
-        """
-        skipped = set(ignore)
-        check_coverage(
-            mapper,
-            source_keys=[key for key in self.weight_map if key not in skipped],
-            target_keys=target_keys,
-            source_name=f"checkpoint {self.name}",
-            target_name=target_name,
-        )
-        spans = self.tensor_info()
+    def _order(self, mapper: ModelStateMapper) -> ReadPlan:
+        spans = self.tensor_info()  # checks every shard's header on the way
         file_rank = {name: position for position, name in enumerate(dict.fromkeys(self.weight_map.values()))}
-
         return ReadPlan.in_order(
             mapper,
             position=lambda key: (file_rank[self.weight_map[key]], spans[key].start),
             nbytes=lambda key: spans[key].nbytes,
             files=file_rank,
         )
+
+    def _file_of(self, key: str) -> str:
+        return self.weight_map[key]
+
+    @contextmanager
+    def _reading(self, plan: ReadPlan) -> Iterator[ReadKeys]:
+        remaining = Counter(self.weight_map[key] for group in plan.groups for key in group.inputs)
+        handles = _Files(self.directory, self.tensor_info(), remaining)
+        try:
+            yield lambda keys: {key: handles.read(key) for key in keys}
+        finally:
+            handles.close()
 
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Dtype, shape and location of every key, from the shards' headers (no tensor is read).
@@ -325,42 +276,6 @@ class CheckpointReader:
             info.update((key, header[key]) for key in keys)
         self._info = info
         return info
-
-    def stream(
-        self,
-        mapper: ModelStateMapper,
-        *,
-        target_keys: Iterable[str] | None = None,
-        target_name: str = "the target",
-        ignore: Iterable[str] = (),
-    ) -> Iterator[GroupResult]:
-        """Yield each group's outputs as soon as its inputs are read; inputs are freed before the next group.
-
-        Keep references to a result only as long as needed: whatever the consumer holds stays in memory.
-        """
-        plan = self.plan(mapper, target_keys=target_keys, target_name=target_name, ignore=ignore)
-        remaining = Counter(self.weight_map[key] for group in plan.groups for key in group.inputs)
-        handles = _Files(self.directory, self.tensor_info(), remaining)
-        try:
-            for group in plan.groups:
-                files = {key: self.weight_map[key] for key in group.inputs}
-                inputs = {key: handles.read(key) for key in group.inputs}
-                try:
-                    outputs = mapper.consume(inputs)  # empties ``inputs``: the mapper owns them now
-                except MapperError as error:
-                    origin = GroupResult(group, {}, files).origin()
-                    raise MapperError(f"{error} (while mapping {origin})") from error
-                if outputs.keys() != set(group.outputs):
-                    raise MapperError(
-                        f"{mapper!r} returned {format_keys(outputs)} for a group that declares "
-                        f"{format_keys(group.outputs)}"
-                    )
-                result = GroupResult(group, outputs, files)
-                del outputs
-                yield result
-                del result
-        finally:
-            handles.close()
 
     def read(self, key: str) -> Tensor:
         """One tensor, copied out of its shard (for inspection and tests)."""

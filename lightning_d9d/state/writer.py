@@ -3,9 +3,9 @@
 Tensors arrive one at a time and fill a shard up to ``max_shard_bytes``; a full shard is written and forgotten, so
 at most one shard is held in memory. Files go to a hidden sibling directory (``.{name}.tmp-XXXX``) and get their
 final names (``model-00001-of-0000N.safetensors``, N known only at the end) on commit; the index is written last,
-and the directory is then renamed into place. A reader therefore finds the checkpoint complete or absent. An
-existing checkpoint at the destination is replaced only once the new one is complete: renamed aside, new one
-renamed in, old one deleted. (A crash between those two renames leaves the old one as ``.{name}.old-XXXX``.)
+and the directory is then renamed into place (``AtomicDirectory``, shared with the training checkpoint). A reader
+therefore finds the checkpoint complete or absent. An existing checkpoint at the destination is replaced only once
+the new one is complete, and only if it is a safetensors checkpoint; leftovers of crashed saves are cleaned up.
 
 One shard, as in ``transformers``' ``save_pretrained``, is written as ``model.safetensors`` without an index.
 ``extra_files`` (``config.json``, tokenizer files) are written into the same temporary directory, so they appear
@@ -13,15 +13,14 @@ together with the weights or not at all.
 
 Distributed mode (``distributed=True``): every rank writes the keys it was given into its own shards in a shared
 temporary directory; ``commit`` is collective, and rank 0 numbers the shards, writes the index and renames the
-directory. The destination must be on a file system all ranks see.
+directory. A failure on any rank in ``commit`` (its last shard, rank 0's index or rename) raises on every rank.
+The destination must be on a file system all ranks see.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import secrets
-import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +30,9 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from .atomic import AtomicDirectory, fsync
 from .dtensor import is_dtensor
-from .errors import CheckpointError, CheckpointFileError
+from .errors import CheckpointError
 from .reader import INDEX_NAME, SINGLE_FILE_NAME
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default shard size
@@ -65,14 +65,6 @@ def parse_size(size: int | str) -> int:
         raise ValueError(
             f"cannot read a size from {size!r}: write e.g. 5GB, 500MB, 2GiB or a byte count"
         ) from None
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _looks_like_checkpoint(path: Path) -> bool:
@@ -113,6 +105,17 @@ def _owned(tensor: Tensor) -> Tensor:
     return tensor
 
 
+def _check_disjoint(shards: list[_Shard]) -> list[_Shard]:
+    """No key was written by two ranks (every rank checks the same gathered list, so all raise together)."""
+    seen: dict[str, int] = {}
+    for shard in shards:
+        for key in shard.keys:
+            if key in seen:
+                raise CheckpointError(f"{key!r} was written by ranks {seen[key]} and {shard.rank}")
+            seen[key] = shard.rank
+    return shards
+
+
 class ShardedWriter:
     """``with ShardedWriter(directory, max_shard_bytes=...) as writer: writer.add(key, tensor)``.
 
@@ -138,13 +141,13 @@ class ShardedWriter:
         for name in self.extra_files:
             _check_extra_name(name)
         self.distributed = distributed
-        self.rank, self.world_size = 0, 1
-        if distributed:
-            import torch.distributed as dist
-
-            if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError("ShardedWriter(distributed=True) needs an initialised torch.distributed")
-            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self._atomic = AtomicDirectory(
+            self.directory,
+            is_ours=_looks_like_checkpoint,
+            kind=f"a safetensors checkpoint (no {INDEX_NAME} or {SINGLE_FILE_NAME})",
+            distributed=distributed,
+        )
+        self.rank = self._atomic.rank
         self._temp: Path | None = None
         self._buffer: dict[str, Tensor] = {}
         self._buffer_bytes = 0
@@ -168,34 +171,8 @@ class ShardedWriter:
 
     def open(self) -> None:
         """Create the temporary directory (collective in distributed mode). Called by ``__enter__``."""
-        if self._temp is not None:
-            return
-        self._check_destination()
-        name = f".{self.directory.name}.tmp-{secrets.token_hex(4)}"
-        if self.distributed:
-            import torch.distributed as dist
-
-            # All ranks must write into the same directory: rank 0 picks the name and creates it.
-            shared = [name]
-            dist.broadcast_object_list(shared, src=0)
-            name = shared[0]
-        temp = self.directory.parent / name
-        if self.rank == 0:
-            self.directory.parent.mkdir(parents=True, exist_ok=True)
-            temp.mkdir()
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.barrier()
-        self._temp = temp
-
-    def _check_destination(self) -> None:
-        if self.directory.exists() and not _looks_like_checkpoint(self.directory):
-            raise CheckpointFileError(
-                f"refusing to replace {self.directory}: it exists and is not a safetensors checkpoint "
-                f"(no {INDEX_NAME} or {SINGLE_FILE_NAME})",
-                path=str(self.directory),
-            )
+        if self._temp is None:
+            self._temp = self._atomic.open()  # all ranks write into the directory rank 0 creates
 
     # ---------------------------------------------------------------------------------------------- data
     def add(self, key: str, tensor: Tensor) -> None:
@@ -229,7 +206,7 @@ class ShardedWriter:
         temp_name = f"part-{self.rank:05d}-{len(self._shards):05d}.safetensors"
         path = self._temp / temp_name
         save_file(self._buffer, str(path), metadata=self.metadata)
-        _fsync(path)
+        fsync(path)
         self._shards.append(_Shard(self.rank, temp_name, tuple(self._buffer), self._buffer_bytes))
         self._buffer = {}
         self._buffer_bytes = 0
@@ -240,85 +217,44 @@ class ShardedWriter:
         """Write the last shard, name the shards, write the index and move the directory into place."""
         if self._done:
             raise RuntimeError(f"ShardedWriter for {self.directory} is already closed")
-        if self._temp is None:
-            self.open()
-        assert self._temp is not None
+        self.open()
         try:
-            self._flush()
-            shards = self._all_shards()
-            failure: BaseException | None = None
-            if self.rank == 0:
-                try:
-                    self._finish(shards)
-                except BaseException as error:
-                    failure = error
-            self._agree(failure)
+            # Every rank's shards, once every rank has written its last one (or all raise if one could not).
+            per_rank = self._atomic.gather(self._flush_last)
+            shards = _check_disjoint([shard for rank_shards in per_rank for shard in rank_shards])
+            self._atomic.commit(lambda temp: self._finish(temp, shards))
         except BaseException:
             self.abort()
             raise
         self._done = True
         return self.directory
 
-    def _agree(self, failure: BaseException | None) -> None:
-        """Every rank learns whether rank 0 finished (and none returns before the checkpoint is in place), so no
-        rank waits forever for a rank 0 that failed."""
-        if self.distributed:
-            import torch.distributed as dist
+    def _flush_last(self) -> list[_Shard]:
+        self._flush()
+        return self._shards
 
-            status = [None if failure is None else f"{type(failure).__name__}: {failure}"]
-            dist.broadcast_object_list(status, src=0)
-            if failure is None and status[0] is not None:
-                raise CheckpointError(f"rank 0 could not finish {self.directory}: {status[0]}")
-        if failure is not None:
-            raise failure
-
-    def _all_shards(self) -> list[_Shard]:
-        if not self.distributed:
-            return self._shards
-        import torch.distributed as dist
-
-        gathered: list[list[_Shard] | None] = [None] * self.world_size
-        dist.all_gather_object(gathered, self._shards)
-        shards = [shard for rank_shards in gathered for shard in rank_shards or []]
-        seen: dict[str, int] = {}
-        for shard in shards:
-            for key in shard.keys:
-                if key in seen:
-                    raise CheckpointError(f"{key!r} was written by ranks {seen[key]} and {shard.rank}")
-                seen[key] = shard.rank
-        return shards
-
-    def _finish(self, shards: list[_Shard]) -> None:
-        assert self._temp is not None
+    def _finish(self, temp: Path, shards: list[_Shard]) -> None:
+        """Rank 0: give the shards their final names and write the index and the extra files."""
         if not shards:  # an empty checkpoint is still a valid checkpoint: one empty file
-            save_file({}, str(self._temp / SINGLE_FILE_NAME), metadata=self.metadata)
+            save_file({}, str(temp / SINGLE_FILE_NAME), metadata=self.metadata)
+            fsync(temp / SINGLE_FILE_NAME)
         elif len(shards) == 1:
-            os.rename(self._temp / shards[0].temp_name, self._temp / SINGLE_FILE_NAME)
-        elif shards:
+            os.rename(temp / shards[0].temp_name, temp / SINGLE_FILE_NAME)
+        else:
             weight_map: dict[str, str] = {}
             for number, shard in enumerate(shards, start=1):
                 final = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-                os.rename(self._temp / shard.temp_name, self._temp / final)
+                os.rename(temp / shard.temp_name, temp / final)
                 weight_map.update(dict.fromkeys(shard.keys, final))
             index = {
                 "metadata": {"total_size": sum(shard.nbytes for shard in shards)},
                 "weight_map": dict(sorted(weight_map.items())),
             }
-            (self._temp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
-            _fsync(self._temp / INDEX_NAME)
+            (temp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+            fsync(temp / INDEX_NAME)
         for name, content in self.extra_files.items():
-            (self._temp / name).write_bytes(content)
-            _fsync(self._temp / name)
-        _fsync(self._temp)
-        self._check_destination()
-        if self.directory.exists():
-            old = self.directory.parent / f".{self.directory.name}.old-{secrets.token_hex(4)}"
-            os.rename(self.directory, old)
-            os.rename(self._temp, self.directory)
-            shutil.rmtree(old)
-        else:
-            os.rename(self._temp, self.directory)
-        _fsync(self.directory.parent)
+            (temp / name).write_bytes(content)
+            fsync(temp / name)
 
     def abort(self) -> None:
         """Forget everything written so far; the destination is left as it was."""
@@ -327,8 +263,7 @@ class ShardedWriter:
         self._done = True
         if self._temp is None:
             return
-        if self.distributed and self.rank != 0:
+        if self.rank != 0:  # rank 0 removes the directory; other ranks may still be writing into it
             for shard in self._shards:
                 (self._temp / shard.temp_name).unlink(missing_ok=True)
-        else:
-            shutil.rmtree(self._temp, ignore_errors=True)
+        self._atomic.abort()

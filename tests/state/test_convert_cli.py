@@ -9,14 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # noqa: F401 (a test dependency: a broken install must fail, not skip)
 from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, make_hf_checkpoint
 from state_helpers import read_checkpoint
 
 from lightning_d9d.convert import build_parser, main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.state import INDEX_NAME
-
-pytest.importorskip("transformers")
 
 
 def test_help_lists_the_commands_and_says_why_there_is_no_hf_to_dcp() -> None:

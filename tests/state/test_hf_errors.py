@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import transformers  # noqa: F401 (a test dependency: a broken install must fail, not skip)
 from hf_helpers import SMALL, config_json, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -24,7 +25,6 @@ from lightning_d9d.state import (
 )
 from lightning_d9d.state.hf import load_hf
 
-pytest.importorskip("transformers")
 KEY = "model.layers.1.mlp.up_proj.weight"
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 from distributed import run_distributed
 from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, make_hf_checkpoint
 
@@ -25,7 +26,6 @@ from lightning_d9d.state.hf import (
     save_hf,
 )
 
-transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-5
 
 

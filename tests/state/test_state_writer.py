@@ -117,3 +117,11 @@ def test_writer_rejects_duplicate_keys_and_dtensors(tmp_path: Path) -> None:
         writer.add("a", torch.zeros(1))
         writer.add("a", torch.zeros(1))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_write_cleans_up_after_crashed_writes_of_the_same_directory(tmp_path: Path) -> None:
+    (tmp_path / ".ckpt.tmp-0badf00d").mkdir()  # a write that crashed midway
+    (tmp_path / ".ckpt.tmp-0badf00d" / "part-00000-00000.safetensors").write_bytes(b"half")
+    (tmp_path / ".other.tmp-0badf00d").mkdir()  # another directory's: left alone
+    write(tmp_path / "ckpt", tensors(2))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-0badf00d", "ckpt"]

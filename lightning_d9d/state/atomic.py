@@ -1,0 +1,217 @@
+"""A checkpoint directory that appears complete or not at all, written by one rank or by many.
+
+Files go to a hidden sibling ``.{name}.tmp-XXXXXXXX``. ``commit`` fsyncs it and renames it into place. Something
+already at the destination is replaced only if it is one of ours (``is_ours``), and only once the new directory
+is complete: it is renamed aside to ``.{name}.old-XXXXXXXX``, the new one renamed in, the old one deleted. The
+next save of the same target cleans up after a crashed one: it deletes ``.tmp-`` directories, and an ``.old-``
+one is put back if the crash came between the two renames (the destination is missing), else deleted. (So two
+jobs must not save to the same path at the same time; Lightning's checkpoint names differ per save.)
+
+Distributed (``distributed=True``): every rank calls ``open``, ``gather`` and ``commit`` in that order. Rank 0
+creates, finishes and moves the directory; every step ends in an exchange of each rank's failure, so when one
+rank fails (rank 0 writing its files or renaming, any rank writing its part) every rank raises promptly with
+that rank's reason, instead of waiting in a barrier for the process-group timeout, and the temporary directory
+is removed. The destination must be on a file system all ranks see.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from .errors import CheckpointError, CheckpointFileError
+
+T = TypeVar("T")
+
+
+def fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to stable storage: a rename is durable only once its directory is."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temporary_prefix(final: Path) -> str:
+    return f".{final.name}.tmp-"
+
+
+def aside_prefix(final: Path) -> str:
+    return f".{final.name}.old-"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def interrupted_replacement(final: Path) -> Path | None:
+    """The previous ``final`` left aside by a save that crashed between its two renames, if any (the next save
+    of ``final`` puts it back)."""
+    if final.exists() or not final.parent.is_dir():
+        return None
+    aside = [entry for entry in final.parent.iterdir() if entry.name.startswith(aside_prefix(final))]
+    return max(aside, key=lambda path: path.stat().st_mtime, default=None)
+
+
+class AtomicDirectory:
+    """``open()`` → each rank writes into the returned temporary directory inside ``gather(write)`` →
+    ``commit(finish)``. Any failure removes the temporary directory and leaves the destination as it was.
+
+    ``is_ours(path)``: whether an existing ``path`` may be replaced; ``kind`` names what ours is, in the refusal.
+    """
+
+    def __init__(
+        self, final: str | os.PathLike[str], *, is_ours: Callable[[Path], bool], kind: str, distributed: bool
+    ) -> None:
+        self.final = Path(final).absolute()
+        self.is_ours, self.kind = is_ours, kind
+        self.distributed = distributed
+        self.rank, self.world_size = 0, 1
+        if distributed:
+            import torch.distributed as dist
+
+            if not (dist.is_available() and dist.is_initialized()):
+                raise RuntimeError(
+                    f"writing {self.final} with distributed=True needs an initialised torch.distributed"
+                )
+            self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.temp: Path | None = None
+
+    # ------------------------------------------------------------------------------------------ the steps
+    def open(self) -> Path:
+        """Create the temporary directory (rank 0) and return it on every rank."""
+        if self.temp is not None:
+            return self.temp
+        name = [f"{temporary_prefix(self.final)}{secrets.token_hex(4)}"]
+        if self.distributed:
+            import torch.distributed as dist
+
+            dist.broadcast_object_list(name, src=0)  # all ranks write into the directory rank 0 creates
+        temp = self.final.parent / name[0]
+        self._exchange(f"creating {temp}", None, self._on_rank_zero(lambda: self._prepare(temp)))
+        self.temp = temp
+        return temp
+
+    def gather(self, write: Callable[[], T]) -> list[T]:
+        """Run this rank's part of the writing (``write`` fsyncs what it writes); return every rank's result in
+        rank order, or raise on every rank if any rank failed."""
+        self._require_open()
+        result: T | None = None
+        failure: BaseException | None = None
+        try:
+            result = write()
+        except BaseException as error:
+            failure = error
+        return self._exchange(f"writing {self.final}", result, failure)  # type: ignore[return-value]
+
+    def commit(self, finish: Callable[[Path], None] | None = None) -> Path:
+        """Rank 0 runs ``finish(temp)`` (the files only it writes; fsync them), then fsyncs the directory and
+        moves it into place; every rank returns once it is there, or raises rank 0's reason."""
+        temp = self._require_open()
+
+        def complete() -> None:
+            if finish is not None:
+                finish(temp)
+            fsync(temp)
+            self._check_destination()  # again: something may have appeared there while the ranks wrote
+            self._move_into_place(temp)
+
+        self._exchange(f"finishing {self.final}", None, self._on_rank_zero(complete))
+        self.temp = None
+        return self.final
+
+    def abort(self) -> None:
+        """Remove the temporary directory (rank 0: others may still write into it until they abort too).
+        Not collective; the destination is left as it was."""
+        if self.temp is not None and self.rank == 0:
+            _remove(self.temp)
+        self.temp = None
+
+    # ---------------------------------------------------------------------------------------- internals
+    def _require_open(self) -> Path:
+        if self.temp is None:
+            raise RuntimeError(f"the temporary directory of {self.final} is not open (call open() first)")
+        return self.temp
+
+    def _on_rank_zero(self, step: Callable[[], None]) -> BaseException | None:
+        if self.rank != 0:
+            return None
+        try:
+            step()
+        except BaseException as error:
+            return error
+        return None
+
+    def _exchange(self, step: str, result: Any, failure: BaseException | None) -> list[Any]:
+        """Every rank's result, or (when any rank failed) the temporary directory removed and an error raised on
+        every rank: the failed rank's own, the others one naming it and its reason."""
+        if self.distributed:
+            import torch.distributed as dist
+
+            gathered: list[Any] = [None] * self.world_size
+            mine = (None, _describe(failure)) if failure is not None else (result, None)
+            dist.all_gather_object(gathered, mine)
+        else:
+            gathered = [(result, None if failure is None else _describe(failure))]
+        failed = [(rank, reason) for rank, (_, reason) in enumerate(gathered) if reason is not None]
+        if not failed:
+            return [value for value, _ in gathered]
+        self.abort()
+        if failure is not None:
+            raise failure
+        rank, reason = failed[0]
+        raise CheckpointError(f"{step} failed on rank {rank}: {reason}")
+
+    def _check_destination(self) -> None:
+        if (self.final.exists() or self.final.is_symlink()) and not self.is_ours(self.final):
+            raise CheckpointFileError(
+                f"refusing to replace {self.final}: it exists and is not {self.kind}. Move it away or choose "
+                "another path",
+                path=str(self.final),
+            )
+
+    def _siblings(self, prefix: str) -> list[Path]:
+        if not self.final.parent.is_dir():
+            return []
+        return sorted(entry for entry in self.final.parent.iterdir() if entry.name.startswith(prefix))
+
+    def _prepare(self, temp: Path) -> None:
+        """Clean up after crashed saves of this target, check the destination, create ``temp``."""
+        for stale in self._siblings(temporary_prefix(self.final)):
+            _remove(stale)
+        previous = interrupted_replacement(self.final)
+        if previous is not None:
+            # A crash between the two renames: the old checkpoint is the last complete one, so it comes back.
+            os.rename(previous, self.final)
+        for old in self._siblings(aside_prefix(self.final)):  # a crash after the new one was in place
+            _remove(old)
+        self._check_destination()
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        temp.mkdir()
+
+    def _move_into_place(self, temp: Path) -> None:
+        if not (self.final.exists() or self.final.is_symlink()):
+            os.rename(temp, self.final)
+            fsync(self.final.parent)
+            return
+        aside = self.final.parent / f"{aside_prefix(self.final)}{secrets.token_hex(4)}"
+        os.rename(self.final, aside)
+        try:
+            os.rename(temp, self.final)
+        except BaseException:
+            os.rename(aside, self.final)
+            raise
+        fsync(self.final.parent)  # the new checkpoint is durable before the old one goes
+        _remove(aside)

@@ -1,0 +1,247 @@
+"""The training checkpoint of ``Trainer(strategy="d9d")``: its files, its layout, how it is saved and loaded.
+
+Layout (the same as Lightning's ``ModelParallelStrategy``, so its tools still read it): a directory holding the
+``torch.distributed.checkpoint`` (DCP) files (``.metadata`` plus ``*.distcp``) of ``{"state_dict": ...,
+"optimizer_0": ...}``, and ``meta.pt`` with everything else (loops, callbacks, hyper-parameters) as
+``torch.save`` wrote it. Optimizer state is flattened (``state.<fqn>.exp_avg``) so that every pipeline stage's
+entries survive DCP's de-duplication of non-tensor values. Callbacks' states sit in ``meta["callbacks"]`` under
+their state keys; ``LoadHFWeights`` and ``ExportHF`` record the model's Hugging Face config there as
+``"hf_config"``, which ``python -m lightning_d9d.convert dcp-to-hf`` reads.
+
+Saving is atomic and agreed across ranks (``AtomicDirectory``): the directory appears complete or not at all,
+and replaces only a training checkpoint (or a checkpoint file Lightning overwrites), never other data. Loading
+checks every file before it touches the model: ``meta.pt`` is read first, then ``.metadata``, and every chunk it
+lists must lie within an existing ``.distcp`` file.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.optim import Optimizer
+
+from .atomic import AtomicDirectory, fsync, interrupted_replacement
+from .errors import (
+    CheckpointError,
+    CheckpointFileError,
+    CorruptIndexError,
+    CorruptShardError,
+    MissingShardError,
+    format_keys,
+)
+
+META_NAME = "meta.pt"  # everything but the tensors: loops, callbacks, hyper-parameters
+DCP_METADATA_NAME = ".metadata"  # DCP's own index of the tensors and where their chunks lie
+MODEL_SECTION = "state_dict"
+CALLBACKS_SECTION = "callbacks"
+HF_CONFIG_KEY = "hf_config"  # in a callback's state: the model's Hugging Face config (a dict)
+OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
+
+
+def optimizer_section(index: int) -> str:
+    return f"optimizer_{index}"
+
+
+def is_training_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / META_NAME).is_file() and (path / DCP_METADATA_NAME).is_file()
+
+
+def _replaceable(path: Path) -> bool:
+    """What a save may replace: a training checkpoint, an empty directory, or a checkpoint file (Lightning
+    overwrites ``last.ckpt`` in place when the strategy saved files before)."""
+    return path.is_file() or is_training_checkpoint(path) or (path.is_dir() and not any(path.iterdir()))
+
+
+def recorded_hf_config(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The Hugging Face config a callback recorded in ``meta`` (the content of ``meta.pt``), if any."""
+    for state in (meta.get(CALLBACKS_SECTION) or {}).values():
+        if isinstance(state, Mapping) and isinstance(state.get(HF_CONFIG_KEY), dict):
+            return dict(state[HF_CONFIG_KEY])
+    return None
+
+
+def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
+    return get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
+
+
+# --------------------------------------------------------------------------------------------------- saving
+def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
+    """Write Lightning's ``checkpoint`` dict to ``path``; every rank of the default process group calls it (or
+    one process without one). Returns once the directory is in place on every rank, or raises on every rank."""
+    meta = dict(checkpoint)
+    sections = {MODEL_SECTION: meta.pop("state_dict")}
+    sections.update({optimizer_section(i): state for i, state in enumerate(meta.pop("optimizer_states", []))})
+    directory = AtomicDirectory(
+        path,
+        is_ours=_replaceable,
+        kind=f"a training checkpoint (a directory with {META_NAME} and {DCP_METADATA_NAME})",
+        distributed=dist.is_available() and dist.is_initialized(),
+    )
+    temp = directory.open()
+
+    def write_tensors() -> None:
+        # DCP writes (and fsyncs) every rank's files and .metadata; a rank's failure reaches all through DCP.
+        try:
+            dcp.save(sections, checkpoint_id=temp)
+        except CheckpointException as error:
+            raise CheckpointFileError(
+                f"writing the model and optimizer state of {directory.final} failed on ranks "
+                f"{sorted(error.failures)}: {dcp_failure_reason(error)}",
+                path=str(temp),
+            ) from error
+
+    directory.gather(write_tensors)
+
+    def write_meta(temp: Path) -> None:
+        torch.save(meta, temp / META_NAME)
+        fsync(temp / META_NAME)
+
+    return directory.commit(write_meta)
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None = None) -> dict[str, Any]:
+    """The content of ``meta.pt``, with an error naming the file if it is missing or cannot be read."""
+    meta_path = path / META_NAME
+    if not meta_path.is_file():
+        raise MissingShardError(
+            f"checkpoint {path} is incomplete: {META_NAME} is missing. It was not written by the d9d strategy, "
+            "or its save was interrupted; choose another checkpoint",
+            path=str(meta_path),
+        )
+    try:
+        meta = torch.load(meta_path, map_location=map_location, weights_only=weights_only)
+    except Exception as error:  # a truncated zip, or a pickle weights_only refuses: the reason says which
+        raise CheckpointFileError(
+            f"{meta_path} cannot be read ({type(error).__name__}: {error}); if it is truncated, choose another "
+            "checkpoint",
+            path=str(meta_path),
+        ) from error
+    if not isinstance(meta, dict):
+        raise CheckpointFileError(
+            f"{meta_path} holds a {type(meta).__name__}, not the dict of a Lightning checkpoint",
+            path=str(meta_path),
+        )
+    return meta
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint at ``path``, with errors naming the file."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    name = path / DCP_METADATA_NAME
+    if not name.is_file():
+        raise MissingShardError(
+            f"{path} is not a torch.distributed.checkpoint directory: it has no {DCP_METADATA_NAME}",
+            path=str(name),
+        )
+    try:
+        metadata: Metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as error:  # a pickle of DCP classes: anything can go wrong in a damaged file
+        raise CorruptIndexError(f"{name} cannot be read: {error!r}", path=str(name)) from error
+    return metadata
+
+
+def check_chunks(path: Path, metadata: Metadata, names: Mapping[str, str] | None = None) -> None:
+    """Every chunk ``.metadata`` lists lies within an existing file, so a missing or truncated ``.distcp`` file
+    fails here, naming file and entry, before any tensor is read.
+
+    ``names``: check only these entries (DCP's flat key → the name errors give it); default: all, by flat key.
+    """
+    sizes: dict[str, int] = {}
+    for index, info in metadata.storage_data.items():
+        name = index.fqn if names is None else names.get(index.fqn)
+        if name is None:
+            continue
+        file = path / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
+        size = sizes[info.relative_path]
+        if size < 0:
+            raise MissingShardError(
+                f"{path / DCP_METADATA_NAME} stores {name!r} in {file}, which does not exist", path=str(file)
+            )
+        if size < info.offset + info.length:
+            raise CorruptShardError(
+                f"{file} is truncated: it has {size} bytes, but {name!r} is stored up to byte "
+                f"{info.offset + info.length}",
+                path=str(file),
+            )
+
+
+def dcp_failure_reason(error: BaseException) -> str:
+    """What went wrong in a failed ``dcp.load``: its ``CheckpointException`` carries whole tracebacks of the
+    ranks' failures, whose last line says it."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
+
+
+def _check_sections(path: Path, metadata: Metadata, optimizers: int) -> None:
+    held = {flat.partition(".")[0] for flat in metadata.state_dict_metadata}
+    missing = [MODEL_SECTION] if MODEL_SECTION not in held else []
+    missing += [optimizer_section(i) for i in range(optimizers) if optimizer_section(i) not in held]
+    if missing:
+        raise CheckpointError(
+            f"{path / DCP_METADATA_NAME} has no {format_keys(missing)} entries (it holds {format_keys(held)}): "
+            "a checkpoint of another LightningModule, or saved with save_weights_only?"
+        )
+
+
+def load(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    optimizers: Mapping[int, Optimizer],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+) -> dict[str, Any]:
+    """Load model and optimizer state in place (any mesh: DCP reshards) and return the rest (``meta.pt``).
+
+    Every file is checked first; a damaged checkpoint raises an error naming the file with the model and the
+    optimizers untouched.
+    """
+    path = Path(path).absolute()
+    if not path.is_dir():
+        previous = interrupted_replacement(path)
+        if previous is not None:
+            raise FileNotFoundError(
+                f"checkpoint {str(path)!r} does not exist: a save replacing it was interrupted, and the previous "
+                f"checkpoint is {str(previous)!r}. Rename it back to {path.name!r} to resume from it"
+            )
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
+    meta = read_meta(path, weights_only=weights_only)
+    metadata = read_dcp_metadata(path)
+    _check_sections(path, metadata, len(optimizers))
+    check_chunks(path, metadata)
+    state: dict[str, Any] = {MODEL_SECTION: get_model_state_dict(module)}
+    state.update({optimizer_section(i): optimizer_state(module, opt) for i, opt in optimizers.items()})
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as error:  # DCP wraps the ranks' failures in a BaseException
+        raise CheckpointFileError(
+            f"{path}: cannot load its model and optimizer state ({dcp_failure_reason(error)}). If it is a checkpoint of this model, "
+            "a .distcp file is damaged",
+            path=str(path),
+        ) from error
+    set_model_state_dict(module, state[MODEL_SECTION], options=StateDictOptions(strict=strict))
+    for i, opt in optimizers.items():
+        set_optimizer_state_dict(
+            module, opt, optim_state_dict=state[optimizer_section(i)], options=OPTIMIZER_OPTIONS
+        )
+    return meta
