@@ -11,6 +11,8 @@ from math import prod
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from lightning_d9d.compat import flatten_mesh
+
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Views made by flattening several mesh dims into one. "batch" is an alias of "dp" (see ``mesh_for``).
@@ -130,7 +132,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         # Keep the flattened meshes themselves: slicing flattened dims out of the root mesh is deprecated.
         views = {name: mesh[name] for name in MESH_DIM_NAMES}
-        views.update({view: mesh[dims]._flatten(view) for view, dims in _FLATTENED_VIEWS.items()})
+        views.update({view: flatten_mesh(mesh, dims, view) for view, dims in _FLATTENED_VIEWS.items()})
         views["batch"] = views["dp"]
         views["hsdp"] = mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "fsdp"]
         return replace(self, mesh=mesh, _views=views)

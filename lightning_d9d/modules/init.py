@@ -15,15 +15,14 @@ from collections.abc import Callable
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-# Wrappers that insert a component into parameter names; the seed must not depend on them.
-_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+from lightning_d9d.compat import WRAPPER_PREFIXES
 
 Fill = Callable[[torch.Tensor, torch.Generator], None]
 
 
 def canonical_param_name(name: str) -> str:
     """``name`` without the components that activation checkpointing / compile / FSDP1 wrappers add."""
-    for prefix in _WRAPPER_PREFIXES:
+    for prefix in WRAPPER_PREFIXES:  # the seed must not depend on wrappers
         name = name.replace(prefix, "")
     return name
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_d9d.compat import pipeline_action_types, schedule_ops
 from lightning_d9d.pipeline.schedules import check_pipeline_config
 
 # computation type -> (legend label, colour)
@@ -66,12 +67,12 @@ def _produces(action: Any) -> list[tuple[str, int, int]]:
 
 def _single_stage_order(schedule: str, pp: int, microbatches: int) -> list[list[Any]]:
     """GPipe and 1F1B orders (torch 2.13's visual order for its single-stage schedules is off by one)."""
-    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    Action, ComputationType = pipeline_action_types()
 
     orders = []
     for rank in range(pp):
-        forward = [_Action(rank, _ComputationType.FORWARD, mb) for mb in range(microbatches)]
-        backward = [_Action(rank, _ComputationType.FULL_BACKWARD, mb) for mb in range(microbatches)]
+        forward = [Action(rank, ComputationType.FORWARD, mb) for mb in range(microbatches)]
+        backward = [Action(rank, ComputationType.FULL_BACKWARD, mb) for mb in range(microbatches)]
         if schedule == "GPipe":
             orders.append(forward + backward)
             continue
@@ -88,26 +89,25 @@ def schedule_timeline(
 ) -> list[TimelineBlock]:
     """The blocks of one training step of ``schedule``: torch's per-rank action order, placed in time by
     simulating it (each action starts when its rank is free and its inputs exist)."""
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-
     config = check_pipeline_config(pp, schedule, microbatches, stages_per_rank)
     if config.stages_per_rank == 1:
         ops = _single_stage_order(config.schedule, pp, microbatches)
     else:
-        ops = get_schedule_ops(config.schedule, pp, microbatches, config.stages_per_rank)
+        ops = schedule_ops(config.schedule, pp, microbatches, config.stages_per_rank)
     queues = [
         [a for a in row if a is not None and (a.computation_type.value in _DURATION or a.sub_actions)]
         for row in ops
     ]
+    num_stages = config.num_stages(pp)
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * pp
     blocks: list[TimelineBlock] = []
     while any(queues):
         progressed = False
         for rank, queue in enumerate(queues):
-            while queue and all(need in done for need in _needs(queue[0], config.num_stages)):
+            while queue and all(need in done for need in _needs(queue[0], num_stages)):
                 action = queue.pop(0)
-                start = max([free[rank], *(done[n] for n in _needs(action, config.num_stages))])
+                start = max([free[rank], *(done[n] for n in _needs(action, num_stages))])
                 length = _duration(action, config.stages_per_rank)
                 free[rank] = start + length
                 for made in _produces(action):

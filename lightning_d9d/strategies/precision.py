@@ -8,7 +8,6 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -16,6 +15,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_d9d.compat import DtypeContextManager, convert_fp_tensor
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
@@ -64,7 +64,7 @@ class D9DPrecision(Precision):
 
     def tensor_init_context(self) -> AbstractContextManager:
         if self.precision == "bf16-true":
-            return _DtypeContextManager(torch.bfloat16)
+            return DtypeContextManager(torch.bfloat16)
         return nullcontext()
 
     def module_init_context(self) -> AbstractContextManager:
@@ -78,7 +78,7 @@ class D9DPrecision(Precision):
     def convert_input(self, data: Any) -> Any:
         if self.precision == "bf16-true":
             return apply_to_collection(
-                data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
+                data, function=convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
             )
         return data
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers  # noqa: F401 (a test dependency: a broken install must fail, not skip)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "state"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
@@ -26,7 +27,6 @@ from state_helpers import read_checkpoint
 from lightning_d9d.convert import main as convert_main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 
-pytest.importorskip("transformers")
 SCRIPT = Path(__file__).with_name("trainer_runs.py")
 TOLERANCE = 1e-5
 HF_RUN = {"seed": 3, "max_steps": 2, "lr": 3e-3, "seq_len": 16, "global_batch": 8, "save_every": 2}

@@ -1,12 +1,11 @@
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from lightning_d9d.mesh import ParallelDims  # noqa: E402
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
-from lightning_d9d.modules import causal_lm_loss  # noqa: E402
-from lightning_d9d.plans import ParallelOptions  # noqa: E402
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.modules import causal_lm_loss
+from lightning_d9d.plans import ParallelOptions
 
 GRAD_CHECKED = (
     "model.embed_tokens.weight",

@@ -1,0 +1,436 @@
+"""Every private Lightning and torch name lightning_d9d depends on, in one place, and the tested versions.
+
+Private names (a leading underscore, or a module path with one) can change in any release without notice. So:
+
+- :data:`PRIVATE_NAMES` lists each one: where it lives, which of our files use it, and why;
+- code imports them from here (typed aliases below) or calls the small helpers below for attribute accesses,
+  never from Lightning or torch directly;
+- a missing name raises :class:`PrivateAPIError` (an ``ImportError``) that names the missing names, the installed
+  versions and the tested ones, instead of a bare ``ImportError`` from deep inside the package;
+- :func:`check_versions` (called by ``import lightning_d9d``) warns once when torch or Lightning is outside the
+  tested range, and ``tests/test_compat.py`` pins every entry, including the closure order we rely on.
+
+A leaf module: it imports only Lightning and torch, so every layer may use it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import lightning
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+# ------------------------------------------------------------------------------------------- versions
+# Half-open ranges [low, high): the same bounds as pyproject.toml's dependencies (tests/test_compat.py checks).
+TORCH_RANGE = ((2, 11), (2, 14))
+LIGHTNING_RANGE = ((2, 6, 4), (2, 7))
+# What "tested" means: the whole suite ran on these.
+TESTED = "torch 2.11 (GPU machine) and 2.13 (CPU), lightning 2.6.4 to 2.6.6"
+INSTALL_HINT = "pip install 'torch>=2.11,<2.14' 'lightning>=2.6.4,<2.7'"
+
+
+class PrivateAPIError(ImportError):
+    """A private Lightning or torch name that lightning_d9d needs is missing from the installed version."""
+
+
+class UntestedVersionWarning(UserWarning):
+    """torch or Lightning is outside the range lightning_d9d was tested with."""
+
+
+def installed_versions() -> dict[str, str]:
+    return {"torch": str(torch.__version__), "lightning": str(lightning.__version__)}
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; ``"2.14.0.dev20260101"`` -> ``(2, 14, 0)``."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"cannot read the version number {version!r}")
+    return tuple(int(part) for part in match.group().split("."))
+
+
+def spell_range(bounds: tuple[tuple[int, ...], tuple[int, ...]]) -> str:
+    low, high = (".".join(map(str, bound)) for bound in bounds)
+    return f">={low},<{high}"
+
+
+TESTED_RANGES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "torch": TORCH_RANGE,
+    "lightning": LIGHTNING_RANGE,
+}
+
+
+def untested_versions(versions: Mapping[str, str] | None = None) -> list[str]:
+    """``["torch 2.14.0 (tested: >=2.11,<2.14)"]`` for each package outside its tested range."""
+    versions = installed_versions() if versions is None else versions
+    untested = []
+    for package, (low, high) in TESTED_RANGES.items():
+        release = _release(versions[package])
+        if not low <= release < high:
+            untested.append(f"{package} {versions[package]} (tested: {spell_range((low, high))})")
+    return untested
+
+
+# ------------------------------------------------------------------------------------- private names
+@dataclass(frozen=True)
+class PrivateName:
+    """One private name: ``module`` (importable) and ``path`` inside it (``Class.attribute`` for attributes)."""
+
+    module: str
+    path: str
+    users: tuple[str, ...]  # files under lightning_d9d/ (or examples/) that depend on it
+    why: str
+    # An attribute that ``__init__`` sets, so not visible on the class: tests/test_compat.py checks an instance.
+    instance: bool = False
+    # Needed only by an optional feature (the schedule timeline): resolved when used, not at import.
+    optional: bool = False
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.module}.{self.path}"
+
+    @property
+    def library(self) -> str:
+        return self.module.split(".")[0]
+
+    def resolve(self) -> Any:
+        """The object, or the class that owns it for an ``instance`` attribute; raises if it is missing."""
+        obj: Any = importlib.import_module(self.module)
+        parts = self.path.split(".")
+        for part in parts[:-1] if self.instance else parts:
+            obj = getattr(obj, part)
+        return obj
+
+
+_AUTOMATIC = "lightning.pytorch.loops.optimization.automatic"
+_PIPELINING = ("strategies/pipelining.py",)
+_STRATEGY = ("strategies/d9d.py",)
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    # ------------------------------------------------------------------ Lightning: the optimization loop
+    PrivateName(
+        _AUTOMATIC,
+        "_AutomaticOptimization",
+        _PIPELINING + _STRATEGY,
+        "subclassed as ZeroGradFirstOptimization and swapped into the fit loop (its __class__) under pp",
+    ),
+    PrivateName(
+        _AUTOMATIC,
+        "_AutomaticOptimization._make_closure",
+        _PIPELINING,
+        "overridden to build the zero-grad-first closure; Lightning's run() must still call it",
+    ),
+    PrivateName(_AUTOMATIC, "_AutomaticOptimization._make_step_fn", _PIPELINING, "wraps training_step"),
+    PrivateName(
+        _AUTOMATIC, "_AutomaticOptimization._make_backward_fn", _PIPELINING, "the strategy's backward"
+    ),
+    PrivateName(
+        _AUTOMATIC,
+        "_AutomaticOptimization._make_zero_grad_fn",
+        _PIPELINING,
+        "zero_grad on the first micro-step of an accumulation window (None on the others)",
+    ),
+    PrivateName(
+        _AUTOMATIC,
+        "Closure._step_fn",
+        _PIPELINING,
+        "ZeroGradFirstClosure re-orders the three callables Lightning's Closure holds",
+        instance=True,
+    ),
+    PrivateName(_AUTOMATIC, "Closure._backward_fn", _PIPELINING, "as Closure._step_fn", instance=True),
+    PrivateName(_AUTOMATIC, "Closure._zero_grad_fn", _PIPELINING, "as Closure._step_fn", instance=True),
+    PrivateName(
+        "lightning.pytorch.loops.fit_loop",
+        "_FitLoop._should_accumulate",
+        ("examples/pretrain_qwen3.py",),
+        "log only on optimizer steps, not on accumulation micro-steps",
+    ),
+    # ------------------------------------------------------------------------- Lightning: the strategy
+    PrivateName(
+        "lightning.fabric.strategies.registry",
+        "_StrategyRegistry",
+        _STRATEGY,
+        "the type of the registry register_strategies() is given",
+    ),
+    PrivateName("lightning.fabric.utilities.types", "_PATH", _STRATEGY, "checkpoint-path type of the hooks"),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel",
+        "ModelParallelStrategy._setup_distributed",
+        _STRATEGY,
+        "creates the process group; setup_environment builds our own mesh after it",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel",
+        "ModelParallelStrategy._configure_launcher",
+        _STRATEGY,
+        "overridden to reject a mesh that does not tile the world before any process is launched",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel",
+        "ModelParallelStrategy._device_mesh",
+        _STRATEGY,
+        "set to our 6-D mesh so Lightning's device_mesh users see it",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel",
+        "ModelParallelStrategy._save_distributed_checkpoint",
+        _STRATEGY,
+        "the save_distributed_checkpoint flag: sharded DCP or one full file",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.strategy",
+        "Strategy._precision_plugin",
+        _STRATEGY,
+        "the precision_plugin property is overridden to store a D9DPrecision",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.core.module",
+        "LightningModule._device_mesh",
+        _STRATEGY,
+        "backs LightningModule.device_mesh (set_module_device_mesh)",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.core.module",
+        "LightningModule._trainer",
+        ("strategies/loss.py", "strategies/d9d.py"),
+        "model_loss and reduce() work outside a Trainer: .trainer raises there (trainer_of)",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.core.optimizer",
+        "LightningOptimizer._optimizer",
+        _STRATEGY,
+        "the torch optimizer inside Lightning's wrapper, for its DCP state dict (unwrap_optimizer)",
+        instance=True,
+    ),
+    # ------------------------------------------------------------------------ Lightning: precision
+    PrivateName(
+        "lightning.fabric.plugins.precision.utils",
+        "_convert_fp_tensor",
+        ("strategies/precision.py",),
+        "casts floating inputs for bf16-true, as Lightning's HalfPrecision does",
+    ),
+    PrivateName(
+        "lightning.fabric.plugins.precision.utils",
+        "_DtypeContextManager",
+        ("strategies/precision.py",),
+        "default dtype bf16 while modules are built under bf16-true, as HalfPrecision does",
+    ),
+    # ---------------------------------------------------------------------------------------- torch
+    PrivateName(
+        "torch.distributed.device_mesh",
+        "DeviceMesh._flatten",
+        ("mesh/parallel_dims.py",),
+        "the flattened views (dp, fsdp, loss, ...) of the N-D mesh; torch has no public way yet (flatten_mesh)",
+    ),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_PipelineSchedule",
+        ("pipeline/schedules.py",),
+        "the common base class of every schedule (return type of build_schedule)",
+    ),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_Action",
+        ("pipeline/timeline.py",),
+        "one scheduled action, for the schedule timeline",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_ComputationType",
+        ("pipeline/timeline.py",),
+        "F / B / I / W kinds of an _Action",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.distributed.pipelining._schedule_visualizer",
+        "get_schedule_ops",
+        ("pipeline/timeline.py",),
+        "torch's per-rank action order of a multi-stage schedule, for the timeline",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "checkpoint_wrapper",
+        ("plans/checkpointing.py",),
+        "activation checkpointing per block that keeps parameter names readable by DCP",
+    ),
+    PrivateName(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+        "_CHECKPOINT_PREFIX",
+        ("modules/init.py",),
+        "the name component checkpoint_wrapper adds; the init seed ignores it (WRAPPER_PREFIXES)",
+    ),
+    PrivateName(
+        "torch.distributed.fsdp._common_utils",
+        "FSDP_PREFIX",
+        ("modules/init.py",),
+        "the name component FSDP1 adds; the init seed ignores it (WRAPPER_PREFIXES)",
+    ),
+    PrivateName(
+        "torch._dynamo.eval_frame",
+        "OptimizedModule._orig_mod",
+        ("modules/init.py",),
+        "the name component torch.compile(module) adds; the init seed ignores it (WRAPPER_PREFIXES)",
+        instance=True,
+    ),
+    PrivateName(
+        "torch.nn",
+        "Module._apply",
+        ("models/qwen3.py",),
+        "overridden to re-tie lm_head to the embedding after to_empty() / .to() replace parameters",
+    ),
+)
+
+
+def _tested_message(missing: list[PrivateName]) -> str:
+    versions = installed_versions()
+    lines = [
+        f"  {entry.qualname} ({entry.library} {versions[entry.library]}), used by "
+        f"{', '.join(entry.users)}: {entry.why}"
+        for entry in missing
+    ]
+    return (
+        "lightning_d9d depends on private Lightning/torch names that the installed versions do not have:\n"
+        + "\n".join(lines)
+        + f"\nInstalled: torch {versions['torch']}, lightning {versions['lightning']}. Tested: {TESTED}. "
+        f"Fix: {INSTALL_HINT}"
+    )
+
+
+def missing_private_names(*, include_optional: bool = False) -> list[PrivateName]:
+    """The entries of :data:`PRIVATE_NAMES` that do not resolve (instance attributes: their class only)."""
+    missing = []
+    for entry in PRIVATE_NAMES:
+        if entry.optional and not include_optional:
+            continue
+        try:
+            entry.resolve()
+        except (ImportError, AttributeError):
+            missing.append(entry)
+    return missing
+
+
+def import_private(module: str, path: str) -> Any:
+    """The private name ``module.path``, which must be listed in :data:`PRIVATE_NAMES`.
+
+    Raises :class:`PrivateAPIError` naming every missing required name (not only this one), the installed and
+    the tested versions."""
+    entry = next((e for e in PRIVATE_NAMES if (e.module, e.path) == (module, path)), None)
+    if entry is None:
+        raise LookupError(
+            f"{module}.{path} is not listed in lightning_d9d.compat.PRIVATE_NAMES: add it there"
+        )
+    try:
+        return entry.resolve()
+    except (ImportError, AttributeError) as error:
+        missing = missing_private_names() if not entry.optional else []
+        raise PrivateAPIError(_tested_message(missing if entry in missing else [entry, *missing])) from error
+
+
+def check_versions() -> None:
+    """Called by ``import lightning_d9d``: a readable error if a required private name is missing, a warning if
+    torch or Lightning is outside the tested range (it may work; nothing has checked it)."""
+    missing = missing_private_names()
+    if missing:
+        raise PrivateAPIError(_tested_message(missing))
+    untested = untested_versions()
+    if untested:
+        warnings.warn(
+            f"lightning_d9d is untested with {' and '.join(untested)}. It relies on private Lightning/torch "
+            f"internals (lightning_d9d/compat.py), which may have changed. Tested: {TESTED}. To be safe: "
+            f"{INSTALL_HINT}",
+            UntestedVersionWarning,
+            stacklevel=2,
+        )
+
+
+# ------------------------------------------------------------------------ the names, typed for mypy
+if TYPE_CHECKING:
+    from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
+    from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
+    from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
+    from lightning.fabric.utilities.types import _PATH as FilePath
+    from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization as AutomaticOptimization
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
+else:
+    convert_fp_tensor = import_private("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
+    DtypeContextManager = import_private("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
+    StrategyRegistryType = import_private("lightning.fabric.strategies.registry", "_StrategyRegistry")
+    FilePath = import_private("lightning.fabric.utilities.types", "_PATH")
+    AutomaticOptimization = import_private(_AUTOMATIC, "_AutomaticOptimization")
+    checkpoint_wrapper = import_private(
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"
+    )
+    PipelineSchedule = import_private("torch.distributed.pipelining.schedules", "_PipelineSchedule")
+
+# Name components that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1).
+WRAPPER_PREFIXES: tuple[str, ...] = (
+    import_private("torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "_CHECKPOINT_PREFIX"),
+    "_orig_mod.",  # an attribute of OptimizedModule, not a constant torch exports (pinned by tests/test_compat.py)
+    import_private("torch.distributed.fsdp._common_utils", "FSDP_PREFIX"),
+)
+
+
+# --------------------------------------------------------------------- helpers for attribute accesses
+def flatten_mesh(mesh: DeviceMesh, dims: str | tuple[str, ...], name: str) -> DeviceMesh:
+    """``mesh[dims]`` as one dimension called ``name`` (``DeviceMesh._flatten``: torch has no public API yet)."""
+    return mesh[dims]._flatten(name)
+
+
+def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself)."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def trainer_of(module: LightningModule) -> Trainer | None:
+    """The Trainer ``module`` is attached to, or None (``module.trainer`` raises outside a Trainer)."""
+    trainer: Trainer | None = module._trainer
+    return trainer
+
+
+def set_module_device_mesh(module: LightningModule, mesh: DeviceMesh) -> None:
+    """What ``module.device_mesh`` returns (Lightning sets it the same way in ModelParallelStrategy)."""
+    module._device_mesh = mesh
+
+
+def should_accumulate(trainer: Trainer) -> bool:
+    """True on an accumulation micro-step (no optimizer step after this batch)."""
+    return bool(trainer.fit_loop._should_accumulate())
+
+
+def use_automatic_optimization(trainer: Trainer, loop_class: type[AutomaticOptimization]) -> None:
+    """Make the fit loop's automatic optimization an instance of ``loop_class`` (a subclass of Lightning's,
+    adding no state): swapping ``__class__`` keeps the progress counters Lightning checkpoints."""
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    if not issubclass(loop_class, AutomaticOptimization):
+        raise TypeError(f"{loop_class.__name__} must subclass Lightning's _AutomaticOptimization")
+    loop.__class__ = loop_class
+
+
+def schedule_ops(schedule: str, pp: int, microbatches: int, stages_per_rank: int) -> list[list[Any]]:
+    """torch's per-rank ``_Action`` order of a multi-stage schedule (``None`` for idle slots)."""
+    get_schedule_ops = import_private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
+    ops: list[list[Any]] = get_schedule_ops(schedule, pp, microbatches, stages_per_rank)
+    return ops
+
+
+def pipeline_action_types() -> tuple[Any, Any]:
+    """torch's ``(_Action, _ComputationType)``, to build single-stage schedule orders for the timeline."""
+    schedules = "torch.distributed.pipelining.schedules"
+    return import_private(schedules, "_Action"), import_private(schedules, "_ComputationType")

@@ -1,0 +1,351 @@
+"""The private Lightning/torch names lightning_d9d depends on (``lightning_d9d/compat.py``) still exist and still
+behave as we assume: the closure order above all, which no error would reveal if Lightning changed it."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import inspect
+import re
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+import lightning_d9d
+from lightning_d9d import compat
+from lightning_d9d.strategies.pipelining import ZeroGradFirstClosure, ZeroGradFirstOptimization
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------- every name resolves
+@pytest.mark.parametrize("entry", compat.PRIVATE_NAMES, ids=lambda entry: entry.qualname)
+def test_private_name_resolves(entry: compat.PrivateName) -> None:
+    entry.resolve()
+
+
+def _trainer() -> L.Trainer:
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+# Instance attributes are set in __init__: build one instance of each owner to see them.
+INSTANCES: dict[str, Callable[[], object]] = {
+    "lightning.pytorch.loops.optimization.automatic.Closure": lambda: Closure(
+        step_fn=lambda: ClosureResult(None)
+    ),
+    "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy": ModelParallelStrategy,
+    "lightning.pytorch.strategies.strategy.Strategy": ModelParallelStrategy,
+    "lightning.pytorch.core.module.LightningModule": L.LightningModule,
+    "lightning.pytorch.core.optimizer.LightningOptimizer": lambda: LightningOptimizer(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    ),
+    "torch._dynamo.eval_frame.OptimizedModule": lambda: torch.compile(nn.Linear(2, 2), backend="eager"),
+}
+
+
+@pytest.mark.parametrize(
+    "entry", [e for e in compat.PRIVATE_NAMES if e.instance], ids=lambda entry: entry.qualname
+)
+def test_instance_attribute_exists(entry: compat.PrivateName) -> None:
+    owner, attribute = entry.qualname.rsplit(".", 1)
+    assert owner in INSTANCES, f"add a factory for {owner} to INSTANCES"
+    instance = INSTANCES[owner]()
+    assert isinstance(instance, entry.resolve())
+    assert hasattr(instance, attribute), f"{type(instance).__name__}() has no attribute {attribute}"
+
+
+def test_every_listed_user_file_exists() -> None:
+    for entry in compat.PRIVATE_NAMES:
+        for user in entry.users:
+            path = ROOT / user if user.startswith("examples/") else ROOT / "lightning_d9d" / user
+            assert path.is_file(), (
+                f"{entry.qualname}: user {user} does not exist; update compat.PRIVATE_NAMES"
+            )
+
+
+def _private_imports(path: Path) -> list[str]:
+    """``module.name`` of every import of a private Lightning/torch name in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] in ("torch", "lightning")
+        ):
+            private_module = any(part.startswith("_") for part in node.module.split("."))
+            found += [
+                f"{node.module}.{alias.name}"
+                for alias in node.names
+                if private_module or (alias.name.startswith("_") and not alias.name.startswith("__"))
+            ]
+        elif isinstance(node, ast.Import):
+            found += [
+                alias.name
+                for alias in node.names
+                if alias.name.split(".")[0] in ("torch", "lightning")
+                and any(part.startswith("_") for part in alias.name.split("."))
+            ]
+    return found
+
+
+def test_private_names_are_imported_only_through_compat() -> None:
+    files = [*(ROOT / "lightning_d9d").rglob("*.py"), *(ROOT / "examples").rglob("*.py")]
+    offenders = {
+        str(path.relative_to(ROOT)): names
+        for path in files
+        if path.name != "compat.py" and (names := _private_imports(path))
+    }
+    assert not offenders, f"import these from lightning_d9d.compat (list them in PRIVATE_NAMES): {offenders}"
+
+
+# --------------------------------------------------------------------------------------- closure order
+def _recording_callables(log: list[str]) -> dict[str, Any]:
+    loss = torch.tensor(1.0, requires_grad=True)
+
+    def step_fn() -> ClosureResult:
+        log.append("step")
+        return ClosureResult(loss)
+
+    def backward_fn(closure_loss: torch.Tensor) -> None:
+        assert closure_loss is loss
+        log.append("backward")
+
+    def zero_grad_fn() -> None:
+        log.append("zero_grad")
+
+    return {"step_fn": step_fn, "backward_fn": backward_fn, "zero_grad_fn": zero_grad_fn}
+
+
+def test_lightning_closure_zeroes_gradients_after_the_training_step() -> None:
+    # Why ZeroGradFirstClosure exists: a pipeline schedule computes gradients inside training_step, and
+    # Lightning's zero_grad after it would erase them. If this order changes, revisit pipelining.py.
+    log: list[str] = []
+    Closure(**_recording_callables(log))()
+    assert log == ["step", "zero_grad", "backward"]
+
+
+def test_zero_grad_first_closure_zeroes_before_the_training_step() -> None:
+    log: list[str] = []
+    result = ZeroGradFirstClosure(**_recording_callables(log))()
+    assert log == ["zero_grad", "step", "backward"]
+    assert result is not None and result.item() == 1.0
+
+
+def test_zero_grad_first_closure_without_zero_grad_or_loss() -> None:
+    log: list[str] = []
+    callables = _recording_callables(log)
+    ZeroGradFirstClosure(step_fn=callables["step_fn"], backward_fn=callables["backward_fn"])()
+    assert log == ["step", "backward"]  # an accumulation micro-step: Lightning passes no zero_grad_fn
+
+    log.clear()
+    ZeroGradFirstClosure(step_fn=lambda: ClosureResult(None), backward_fn=callables["backward_fn"])()
+    assert log == []  # training_step returned None: nothing to back-propagate
+
+
+def test_make_closure_signature_is_the_one_we_override() -> None:
+    lightning_params = list(inspect.signature(compat.AutomaticOptimization._make_closure).parameters)
+    assert lightning_params == ["self", "kwargs", "optimizer", "batch_idx"]
+    assert list(inspect.signature(ZeroGradFirstOptimization._make_closure).parameters) == lightning_params
+    for factory, params in {
+        "_make_step_fn": ["self", "kwargs"],
+        "_make_backward_fn": ["self", "optimizer"],
+        "_make_zero_grad_fn": ["self", "batch_idx", "optimizer"],
+    }.items():
+        assert list(inspect.signature(getattr(compat.AutomaticOptimization, factory)).parameters) == params
+
+
+def _recording_loop(log: list[str], calls: list[tuple[Any, ...]]) -> ZeroGradFirstOptimization:
+    """A ZeroGradFirstOptimization on a stand-in trainer whose fit loop is accumulating (no optimizer step)."""
+    trainer = SimpleNamespace(
+        strategy=SimpleNamespace(handles_gradient_accumulation=False),
+        fit_loop=SimpleNamespace(_should_accumulate=lambda: True),
+    )
+    loop = ZeroGradFirstOptimization(trainer)  # type: ignore[arg-type]
+    callables = _recording_callables(log)
+
+    def make(name: str, result: Any) -> Callable[..., Any]:
+        def factory(*args: Any) -> Any:
+            calls.append((name, *args))
+            return result
+
+        return factory
+
+    loop._make_step_fn = make("step", callables["step_fn"])  # type: ignore[method-assign]
+    loop._make_backward_fn = make("backward", callables["backward_fn"])  # type: ignore[method-assign]
+    loop._make_zero_grad_fn = make("zero_grad", callables["zero_grad_fn"])  # type: ignore[method-assign]
+    return loop
+
+
+def test_lightning_run_builds_the_closure_through_make_closure() -> None:
+    # Lightning's own run(), unchanged: it must call our _make_closure override, whose closure then runs
+    # zero_grad -> training_step -> backward with the callables Lightning's factories build.
+    log: list[str] = []
+    calls: list[tuple[Any, ...]] = []
+    loop = _recording_loop(log, calls)
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    kwargs = OrderedDict(batch=torch.zeros(1), batch_idx=4)
+    output = loop.run(optimizer, 4, kwargs)
+    assert calls == [("step", kwargs), ("backward", optimizer), ("zero_grad", 4, optimizer)]
+    assert log == ["zero_grad", "step", "backward"]
+    assert output["loss"].item() == 1.0
+
+
+def test_use_automatic_optimization_swaps_the_fit_loop_class_and_keeps_its_state() -> None:
+    trainer = _trainer()
+    loop = trainer.fit_loop.epoch_loop.automatic_optimization
+    loop.optim_progress.optimizer.step.total.completed = 7
+    compat.use_automatic_optimization(trainer, ZeroGradFirstOptimization)
+    assert trainer.fit_loop.epoch_loop.automatic_optimization is loop
+    assert type(loop) is ZeroGradFirstOptimization
+    assert loop.optim_progress.optimizer.step.total.completed == 7
+    with pytest.raises(TypeError, match="must subclass Lightning's _AutomaticOptimization"):
+        compat.use_automatic_optimization(trainer, object)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def test_attribute_helpers() -> None:
+    module = L.LightningModule()
+    assert compat.trainer_of(module) is None
+    trainer = _trainer()
+    module.trainer = trainer
+    assert compat.trainer_of(module) is trainer
+
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert compat.unwrap_optimizer(optimizer) is optimizer
+
+    trainer.accumulate_grad_batches = 2
+    trainer.fit_loop.epoch_loop.batch_progress.current.ready = 1  # the first of two micro-steps
+    assert compat.should_accumulate(trainer) is True
+    trainer.fit_loop.epoch_loop.batch_progress.current.ready = 2
+    assert compat.should_accumulate(trainer) is False
+
+
+def test_wrapper_prefixes_are_what_the_wrappers_insert() -> None:
+    # As a block inside a model (the wrapper's own named_parameters() strips its prefix; the parent's does not).
+    linear = nn.Linear(2, 2, bias=False)
+    model = nn.Sequential(compat.checkpoint_wrapper(linear), torch.compile(linear, backend="eager"))
+    assert [name for name, _ in model.named_parameters(remove_duplicate=False)] == [
+        "0._checkpoint_wrapped_module.weight",
+        "1._orig_mod.weight",
+    ]
+    assert compat.WRAPPER_PREFIXES == ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def test_dynamo_inlines_nn_modules_by_default() -> None:
+    # plans/compile.py relies on it (one graph for all repeated blocks) without setting the flag (deprecated).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # reading a deprecated flag warns on torch 2.13
+        assert importlib.import_module("torch._dynamo").config.inline_inbuilt_nn_modules is True
+
+
+def test_schedule_ops_of_a_multi_stage_schedule() -> None:
+    action, computation_type = compat.pipeline_action_types()
+    ops = compat.schedule_ops("Interleaved1F1B", 2, 2, 2)
+    actions = [op for row in ops for op in row if op is not None]
+    assert len(ops) == 2 and all(isinstance(op, action) for op in actions)
+    # 2 ranks x 2 stages x 2 microbatches: each (stage, microbatch) has one forward and one backward.
+    forwards = {
+        (a.stage_index, a.microbatch_index) for a in actions if a.computation_type == computation_type.FORWARD
+    }
+    assert forwards == {(stage, mb) for stage in range(4) for mb in range(2)}
+
+
+# ----------------------------------------------------------------------------- versions and messages
+def test_installed_versions_are_tested_and_give_no_warning() -> None:
+    assert compat.untested_versions() == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compat.check_versions()
+
+
+@pytest.mark.parametrize(
+    ("versions", "expected"),
+    [
+        ({"torch": "2.14.0", "lightning": "2.6.6"}, ["torch 2.14.0 (tested: >=2.11,<2.14)"]),
+        ({"torch": "2.10.1+cu128", "lightning": "2.6.6"}, ["torch 2.10.1+cu128 (tested: >=2.11,<2.14)"]),
+        ({"torch": "2.13.0+cpu", "lightning": "2.7.0"}, ["lightning 2.7.0 (tested: >=2.6.4,<2.7)"]),
+        ({"torch": "2.11.0", "lightning": "2.6.3"}, ["lightning 2.6.3 (tested: >=2.6.4,<2.7)"]),
+        ({"torch": "2.13.0.dev20260101", "lightning": "2.6.4"}, []),
+        ({"torch": "2.11.0", "lightning": "2.6.6"}, []),
+    ],
+)
+def test_untested_versions(versions: dict[str, str], expected: list[str]) -> None:
+    assert compat.untested_versions(versions) == expected
+
+
+def test_import_warns_about_an_untested_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compat, "installed_versions", lambda: {"torch": "2.14.1", "lightning": "2.7.0"})
+    with pytest.warns(compat.UntestedVersionWarning) as caught:
+        importlib.reload(lightning_d9d)
+    (message,) = [str(w.message) for w in caught]
+    assert (
+        "untested with torch 2.14.1 (tested: >=2.11,<2.14) and lightning 2.7.0 (tested: >=2.6.4,<2.7)"
+        in message
+    )
+    assert "pip install 'torch>=2.11,<2.14' 'lightning>=2.6.4,<2.7'" in message
+
+
+def test_import_fails_readably_when_a_private_name_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = compat.PrivateName(
+        "lightning.pytorch.loops.optimization.automatic",
+        "_AutomaticOptimization._make_closure_renamed",
+        ("strategies/pipelining.py",),
+        "a stand-in for a name a new Lightning removed",
+    )
+    monkeypatch.setattr(compat, "PRIVATE_NAMES", (*compat.PRIVATE_NAMES, gone))
+    with pytest.raises(ImportError) as raised:
+        importlib.reload(lightning_d9d)
+    assert isinstance(raised.value, compat.PrivateAPIError)
+    message = str(raised.value)
+    lightning_version = compat.installed_versions()["lightning"]
+    assert (
+        f"_AutomaticOptimization._make_closure_renamed (lightning {lightning_version}), used by "
+        "strategies/pipelining.py: a stand-in for a name a new Lightning removed"
+    ) in message
+    assert f"Installed: torch {torch.__version__}, lightning {lightning_version}. " in message
+    assert "Tested: torch 2.11 (GPU machine) and 2.13 (CPU), lightning 2.6.4 to 2.6.6" in message
+
+
+def test_import_private_names_the_missing_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    gone = compat.PrivateName(
+        "torch.distributed.device_mesh", "DeviceMesh._flatten_v2", ("mesh/x.py",), "why"
+    )
+    monkeypatch.setattr(compat, "PRIVATE_NAMES", (*compat.PRIVATE_NAMES, gone))
+    with pytest.raises(
+        compat.PrivateAPIError, match=r"torch\.distributed\.device_mesh\.DeviceMesh\._flatten_v2 \(torch"
+    ):
+        compat.import_private("torch.distributed.device_mesh", "DeviceMesh._flatten_v2")
+    with pytest.raises(LookupError, match=r"not listed in lightning_d9d\.compat\.PRIVATE_NAMES"):
+        compat.import_private("torch.distributed.device_mesh", "DeviceMesh._unlisted")
+
+
+def test_pyproject_bounds_are_the_tested_ranges() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    dependencies = re.search(r"^dependencies = \[(.*?)^\]", text, re.S | re.M)
+    assert dependencies is not None
+    specs = re.findall(r'"(torch|lightning)([<>=!~,.0-9]*)"', dependencies.group(1))
+    assert dict(specs) == {
+        "torch": ">=2.11,<2.14",
+        "lightning": ">=2.6.4,<2.7",
+    }
+    assert compat.INSTALL_HINT == "pip install 'torch>=2.11,<2.14' 'lightning>=2.6.4,<2.7'"
+    assert {name: compat.spell_range(bounds) for name, bounds in compat.TESTED_RANGES.items()} == dict(specs)
