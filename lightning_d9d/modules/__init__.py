@@ -9,13 +9,15 @@ from lightning_d9d.modules.init import (
     param_seed,
     zeros_fill,
 )
-from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.loss import CausalLMLoss, CountedLoss, causal_lm_loss
 from lightning_d9d.modules.mlp import SwiGLU
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import RotaryEmbedding, apply_rotary, rope_inverse_frequencies, rotate_half
 
 __all__ = [
     "Attention",
+    "CausalLMLoss",
+    "CountedLoss",
     "RMSNorm",
     "RotaryEmbedding",
     "SwiGLU",

@@ -1,12 +1,30 @@
-"""Losses for language modelling."""
+"""Losses for language modelling.
+
+A loss that is a mean over counted items (tokens) can say so: :class:`CountedLoss` adds ``count(target)``. The
+d9d strategy then weights each microbatch and each data-parallel rank by its count, so that the loss and the
+gradients are the mean over every counted item of the global batch, as one process would compute it, even when
+padding (``ignore_index``) leaves ranks and microbatches with different numbers of tokens. A plain
+``loss_fn(output, target)`` is averaged per microbatch and per rank instead (a mean of means).
+"""
 
 from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+@runtime_checkable
+class CountedLoss(Protocol):
+    """``loss(output, target)`` is the mean over ``count(target)`` items (a 0-d integer tensor)."""
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
+
+    def count(self, target: torch.Tensor) -> torch.Tensor: ...
+
+
+class CausalLMLoss:
     """Mean next-token cross-entropy over the tokens whose label is not ``ignore_index``.
 
     ``labels`` are already shifted by the caller: ``logits[:, t]`` is scored against ``labels[:, t]``. The
@@ -14,13 +32,33 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int
     A batch with no valid label gives 0 with zero gradients instead of NaN, so a fully padded microbatch
     does not poison the step.
     """
-    if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]")
-    total = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        labels.reshape(-1),
-        ignore_index=ignore_index,
-        reduction="sum",
-    )
-    count = (labels != ignore_index).sum().clamp(min=1)
-    return total / count
+
+    def __init__(self, ignore_index: int = -100) -> None:
+        self.ignore_index = ignore_index
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        """The number of scored tokens (on the labels' device: reading it would synchronise the host)."""
+        return (labels != self.ignore_index).sum()
+
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None = None
+    ) -> torch.Tensor:
+        """The mean loss; ``ignore_index`` overrides the instance's for this call only."""
+        skip = self.ignore_index if ignore_index is None else ignore_index
+        if logits.shape[:-1] != labels.shape:
+            raise ValueError(
+                f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]"
+            )
+        total = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            labels.reshape(-1),
+            ignore_index=skip,
+            reduction="sum",
+        )
+        return total / (labels != skip).sum().clamp(min=1)
+
+    def __repr__(self) -> str:
+        return f"CausalLMLoss(ignore_index={self.ignore_index})"
+
+
+causal_lm_loss = CausalLMLoss()

@@ -1,5 +1,8 @@
-"""Pipeline parallelism on ``torch.distributed.pipelining``: schedules, stage split, forward-only runs."""
+"""Pipeline parallelism on ``torch.distributed.pipelining``: schedules, stage carving, the runner, forward-only
+runs. The Lightning-facing side (the closure that zeroes gradients first, ``backward``) is in ``strategies/``."""
 
+from lightning_d9d.pipeline.carve import StageLayout, carve_stages, find_splittable
+from lightning_d9d.pipeline.runner import PipelineRunner, check_microbatch_split
 from lightning_d9d.pipeline.schedules import (
     SCHEDULES,
     SPLIT_BACKWARD_SCHEDULES,
@@ -15,10 +18,15 @@ __all__ = [
     "SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES",
     "PipelineConfig",
+    "PipelineRunner",
     "PipelineSplittable",
+    "StageLayout",
     "balanced_stage_layers",
     "build_schedule",
+    "carve_stages",
+    "check_microbatch_split",
     "check_pipeline_config",
+    "find_splittable",
     "rank_of_stage",
     "resolve_schedule_name",
     "stages_of_rank",

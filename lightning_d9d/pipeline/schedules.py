@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleSingle,
-    _PipelineSchedule,
-    get_schedule_class,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+
+from lightning_d9d.compat import PipelineSchedule
 
 # name -> (stages per rank: fixed number or None for "any, default 2", V-shaped placement)
 SCHEDULES: dict[str, tuple[int | None, bool]] = {
@@ -45,16 +43,18 @@ SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV
 
 @dataclass(frozen=True)
 class PipelineConfig:
-    """A validated pipeline configuration (checked before any process group exists)."""
+    """A validated pipeline configuration (checked before any process group exists).
 
-    pp: int
+    The number of pipeline ranks is not part of it: ``pp`` lives in :class:`~lightning_d9d.mesh.ParallelDims`
+    alone, and whatever needs the stage count asks ``num_stages(pp)``.
+    """
+
     schedule: str
     microbatches: int
     stages_per_rank: int
 
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.stages_per_rank
+    def num_stages(self, pp: int) -> int:
+        return pp * self.stages_per_rank
 
     @property
     def v_shape(self) -> bool:
@@ -87,14 +87,14 @@ def check_pipeline_config(
         )
     if pp > 1 and name in ("Interleaved1F1B", "InterleavedZeroBubble") and microbatches % pp:
         raise ValueError(f"{name} needs microbatches ({microbatches}) to be a multiple of pp ({pp})")
-    return PipelineConfig(pp=pp, schedule=name, microbatches=microbatches, stages_per_rank=stages_per_rank)
+    return PipelineConfig(schedule=name, microbatches=microbatches, stages_per_rank=stages_per_rank)
 
 
 def build_schedule(
     config: PipelineConfig,
-    stages: list[PipelineStage],
+    stages: Sequence[PipelineStage],
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-) -> _PipelineSchedule:
+) -> PipelineSchedule:
     """The torch schedule over this rank's stages. ``scale_grads=False``: the loss is scaled instead, because
     the schedule would otherwise divide the whole accumulated ``.grad`` after every step, which breaks
     gradient accumulation across steps."""
@@ -102,4 +102,4 @@ def build_schedule(
     if issubclass(schedule_class, PipelineScheduleSingle):
         (stage,) = stages
         return schedule_class(stage, config.microbatches, loss_fn=loss_fn, scale_grads=False)
-    return schedule_class(stages, config.microbatches, loss_fn=loss_fn, scale_grads=False)
+    return schedule_class(list(stages), config.microbatches, loss_fn=loss_fn, scale_grads=False)

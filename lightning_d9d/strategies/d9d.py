@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import uuid
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -13,12 +12,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
@@ -26,29 +22,41 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
+from typing_extensions import override
 
+from lightning_d9d.compat import (
+    FilePath,
+    StrategyRegistryType,
+    set_module_device_mesh,
+    trainer_of,
+    unwrap_optimizer,
+    use_automatic_optimization,
+)
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
-    PipelineSplittable,
-    balanced_stage_layers,
+    PipelineRunner,
+    StageLayout,
+    carve_stages,
     check_pipeline_config,
-    stages_of_rank,
+    find_splittable,
 )
-from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
-from lightning_d9d.strategies import checkpoint as ckpt
-from lightning_d9d.strategies.pipelining import LossFn, PipelineRunner, ZeroGradFirstOptimization
+from lightning_d9d.pipeline.runner import LossFn
+from lightning_d9d.plans import (
+    IMPLEMENTED,
+    Parallelizable,
+    ParallelOptions,
+    SeededInit,
+    parallelize_default,
+    require_degrees,
+)
+from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-# Degrees whose plans have not landed yet, and what to do instead.
-_NOT_YET = {
-    "cp": "context parallelism",
-    "tp": "tensor parallelism",
-    "ep": "expert parallelism",
-}
 
 
 class D9DStrategy(ModelParallelStrategy):
@@ -109,23 +117,22 @@ class D9DStrategy(ModelParallelStrategy):
         )
         self.pipeline = check_pipeline_config(pp, pipeline_schedule, microbatches, stages_per_rank)
         self.pipeline_schedule = self.pipeline.schedule
-        self._layers_per_stage = None if layers_per_stage is None else list(layers_per_stage)
-        self._stage_weights = (stage_embedding_weight, stage_head_weight)
+        self._stage_layout = StageLayout(
+            None if layers_per_stage is None else tuple(layers_per_stage),
+            stage_embedding_weight,
+            stage_head_weight,
+        )
         self._runner: PipelineRunner | None = None
-        self._pipelined_model: nn.Module | None = None
-        for degree, feature in _NOT_YET.items():
-            value = getattr(self._requested_dims, degree)
-            if value > 1:
-                raise NotImplementedError(
-                    f"{degree}={value}: {feature} is not implemented yet in lightning_d9d; use {degree}=1"
-                )
+        # Refuse degrees without plans (tp, cp, ep for now) before any process group exists.
+        require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
         self._activation_checkpointing = activation_checkpointing
         self._compile = compile
         self._reshard_after_forward = reshard_after_forward
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
         if cls.strategy_name not in strategy_registry:  # importing twice must not fail
             strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
 
@@ -146,6 +153,7 @@ class D9DStrategy(ModelParallelStrategy):
         return mesh
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         dp_mesh = self.parallel_dims.mesh_for("dp")
         return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
@@ -153,12 +161,14 @@ class D9DStrategy(ModelParallelStrategy):
     def _resolve_dims(self) -> ParallelDims:
         return self._requested_dims.resolve(self.num_nodes * self.num_processes)
 
+    @override
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
         self._resolve_dims()
         super()._configure_launcher()
 
+    @override
     def setup_environment(self) -> None:
         # Validate again (the cluster environment may have changed the world size), still before any collective.
         dims = self._resolve_dims()
@@ -166,52 +176,69 @@ class D9DStrategy(ModelParallelStrategy):
         self._dims = dims.build_mesh(self.root_device.type)
         self._device_mesh = self._dims.mesh
         assert self.lightning_module is not None
-        self.lightning_module._device_mesh = self._device_mesh
+        set_module_device_mesh(self.lightning_module, self.device_mesh)
 
     # ---------------------------------------------------------------------------------------- precision
     @property  # type: ignore[override]
     def precision_plugin(self) -> D9DPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, D9DPrecision) else D9DPrecision()
+        if not isinstance(self._precision_plugin, D9DPrecision):
+            # Kept, not made anew on each access: the strategy sets state on it (the norm-reduce groups).
+            self._precision_plugin = _as_d9d_precision(self._precision_plugin or Precision())
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
         self._precision_plugin = None if plugin is None else _as_d9d_precision(plugin)
 
     # -------------------------------------------------------------------------------------------- setup
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # Lightning's generic sequence (accelerator, precision conversion, device, ``_setup_model``, optimizers,
+        # precision plugin), not ModelParallelStrategy's: that one insists on ``configure_model`` and
+        # materializes meta modules before sharding, while this strategy parallelizes any module itself.
+        Strategy.setup(self, trainer)
+        if self._runner is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Zero gradients before the schedule computes them (a private Lightning class: see compat).
+            use_automatic_optimization(trainer, ZeroGradFirstOptimization)
+
+    @override
+    def model_to_device(self) -> None:
+        # Tensors on the meta device get their memory after sharding (``_materialize``).
+        assert self.model is not None
+        if not _has_meta_tensors(self.model):
+            self.model.to(self.root_device)
+
+    @override
+    def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Parallelize the LightningModule in place, once: a later fit or validate on it reuses the result."""
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        assert self.model is not None
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        if any(isinstance(module, FullyShardedDataParallel) for module in self.model.modules()):
+        if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
             raise TypeError(
                 "found modules wrapped in FSDP1 (FullyShardedDataParallel); the d9d strategy applies FSDP2 "
                 "itself: remove the wrapper"
             )
-        if not getattr(self.model, "_d9d_parallelized", False):
-            self.model = self.precision_plugin.convert_module(self.model)
-            self._broadcast_plain_tensors(self.model)
-            stages = self._split_pipeline(self.model) if self.parallel_dims.pp_enabled else None
-            self._parallelize(self.model, stages)
-            self._materialize(self.model)
-            if stages is not None:
-                self._runner = PipelineRunner(
-                    self.pipeline, stages, self.parallel_dims.mesh_for("pp").get_group(), self.root_device
+        if not getattr(model, "_d9d_parallelized", False):
+            self._broadcast_plain_tensors(model)
+            runner = None
+            if self.parallel_dims.pp_enabled:
+                pipelined = find_splittable(model)
+                stages = carve_stages(pipelined, self.pipeline, self.parallel_dims, self._stage_layout)
+                self._parallelize(model, stages)
+            else:
+                self._parallelize(model)
+            self._materialize(model)
+            if self.parallel_dims.pp_enabled:
+                runner = PipelineRunner(
+                    self.pipeline, pipelined, stages, self.parallel_dims, self.root_device
                 )
-                self.precision_plugin.norm_reduce_groups = [self.parallel_dims.mesh_for("pp").get_group()]
-            self.model._d9d_parallelized = True  # type: ignore[assignment]
-        if self._runner is not None and trainer.state.fn == TrainerFn.FITTING:
-            # Private Lightning API (pinned by tests): zero gradients before the schedule computes them.
-            trainer.fit_loop.epoch_loop.automatic_optimization.__class__ = ZeroGradFirstOptimization
-        self.model_to_device()
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            model._d9d_parallelized = True  # type: ignore[assignment]
+            model._d9d_runner = runner  # type: ignore[assignment]
+        self._runner = getattr(model, "_d9d_runner", None)
+        if self._runner is not None:
+            self.precision_plugin.norm_reduce_groups = self._runner.grad_norm_groups
+        self._sync_metrics_over_data_ranks(model)
+        return model
 
     def parallel_options(self) -> ParallelOptions:
         return ParallelOptions(
@@ -223,35 +250,6 @@ class D9DStrategy(ModelParallelStrategy):
             compile=self._compile,
         )
 
-    def _split_pipeline(self, module: nn.Module) -> dict[int, nn.Module]:
-        """Trim the pipelined model to this rank's layers and build one stage module per local stage."""
-        candidates = [child for child in module.children() if isinstance(child, PipelineSplittable)]
-        if len(candidates) != 1:
-            raise ValueError(
-                f"pp={self.parallel_dims.pp} needs exactly one child module of {type(module).__name__} that "
-                f"implements lightning_d9d.pipeline.PipelineSplittable (found {len(candidates)}); our models do"
-            )
-        model = candidates[0]
-        config = self.pipeline
-        layers = balanced_stage_layers(
-            model.num_pipeline_layers,
-            config.num_stages,
-            embedding_weight=self._stage_weights[0],
-            head_weight=self._stage_weights[1],
-            layers_per_stage=self._layers_per_stage,
-        )
-        pp_rank = self.parallel_dims.mesh_for("pp").get_local_rank()
-        local = stages_of_rank(pp_rank, config.pp, config.stages_per_rank, v_shape=config.v_shape)
-        last = config.num_stages - 1
-        model.pipeline_keep(
-            sorted(i for stage in local for i in layers[stage]), first=0 in local, last=last in local
-        )
-        self._pipelined_model = model  # type: ignore[assignment]
-        return {
-            stage: model.pipeline_stage(layers[stage], first=stage == 0, last=stage == last)
-            for stage in local
-        }
-
     def _parallelize(self, module: nn.Module, stages: dict[int, nn.Module] | None = None) -> None:
         dims, options = self.parallel_dims, self.parallel_options()
         if stages is not None:
@@ -260,7 +258,7 @@ class D9DStrategy(ModelParallelStrategy):
                 if isinstance(stage, Parallelizable):
                     stage.parallelize(dims, options)
                 else:
-                    parallelize_default(stage, dims, options)
+                    parallelize_default(stage, dims, options, pipeline_stage=True)
             # the pipelined model is sharded now; other children (say, a loss head) go on below
         elif isinstance(module, Parallelizable):
             module.parallelize(dims, options)
@@ -293,7 +291,7 @@ class D9DStrategy(ModelParallelStrategy):
 
     def _materialize(self, module: nn.Module) -> None:
         """Allocate meta tensors on the device and initialise them, one seed for all ranks."""
-        if not any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+        if not _has_meta_tensors(module):
             return
         module.to_empty(device=self.root_device)
         seed = self.broadcast(torch.initial_seed())
@@ -320,15 +318,29 @@ class D9DStrategy(ModelParallelStrategy):
                 f"{', '.join(sorted(uninitialised))}"
             )
 
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """The training loader gets a resumable position: a checkpoint saved mid-epoch resumes at the next
+        batch instead of replaying the epoch from batch 0 (see :mod:`lightning_d9d.strategies.data`)."""
+        from lightning_d9d.strategies.data import resumable
+
+        module = self.lightning_module
+        if module is None or trainer_of(module) is None or not module.trainer.training:
+            return dataloader  # validation, test and predict loaders are never resumed
+        return resumable(dataloader)
+
     # ------------------------------------------------------------------------------------- collectives
+    @override
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> torch.Tensor | Any:
-        """All-reduce for ``self.log(..., sync_dist=True)``: without the barrier Lightning puts before it
-        (on NCCL that barrier blocks the host every step, and an all-reduce needs none)."""
+        """All-reduce for ``self.log(..., sync_dist=True)`` over the data-parallel ranks (by default): pipeline
+        peers hold the same batch, so a sum over the world would count it ``pp`` times. No barrier before it
+        (Lightning puts one there; on NCCL it blocks the host every step, and an all-reduce needs none)."""
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
-        group = dist.group.WORLD if group is None else group
+        if group is None:
+            group = self._data_parallel_group()
         name = reduce_op.lower() if isinstance(reduce_op, str) else None
         mean = name in ("mean", "avg")
         op = dist.ReduceOp.SUM if mean else (getattr(dist.ReduceOp, name.upper()) if name else reduce_op)
@@ -338,6 +350,24 @@ class D9DStrategy(ModelParallelStrategy):
             return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
         return tensor
 
+    def _data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that see different data (the ``dp`` view); the world before the mesh exists."""
+        if self._dims is None or self._dims.mesh is None:
+            return None
+        return self._dims.mesh_for("dp").get_group()
+
+    def _sync_metrics_over_data_ranks(self, module: nn.Module) -> None:
+        """torchmetrics syncs over the world unless told otherwise; point metrics without a group of their own
+        at the data-parallel ranks, for the same reason as :meth:`reduce`."""
+        from torchmetrics import Metric
+
+        group = self._data_parallel_group()
+        if group is None or self.parallel_dims.dp == self.parallel_dims.world_size:
+            return  # the data-parallel ranks are the world: nothing to change
+        for metric in module.modules():
+            if isinstance(metric, Metric) and metric.process_group is None:
+                metric.process_group = group
+
     # --------------------------------------------------------------------------------------- the loss
     def model_loss(
         self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
@@ -346,17 +376,38 @@ class D9DStrategy(ModelParallelStrategy):
 
         In training (gradients enabled) the pipelined loss comes back detached, with the gradients already
         computed; the strategy's ``backward`` then does nothing. Every pipeline rank gets the same value.
+
+        For a :class:`~lightning_d9d.modules.loss.CountedLoss` (``causal_lm_loss`` is one) each rank's loss
+        weighs by its share of the items (tokens) of the global batch, so that averaging over the data-parallel
+        ranks (FSDP's gradient reduction, ``sync_dist``) gives the mean over all items, as one process would.
         """
+        item_scale = self._item_scale(loss_fn, target)
         if self._runner is None:
-            return loss_fn(model(*inputs), target)
-        if model is not self._pipelined_model:
+            return _weighed(loss_fn(model(*inputs), target), loss_fn, target, item_scale)
+        if model is not self._runner.model:
             raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
         if torch.is_grad_enabled():
             assert self.lightning_module is not None
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            return self._runner.train_step(inputs, target, loss_fn, accumulate)
-        return self._runner.eval_step(inputs, target, loss_fn)
+            return self._runner.train_step(
+                inputs, target, loss_fn, accumulate=accumulate, item_scale=item_scale
+            )
+        return _weighed(self._runner.eval_step(inputs, target, loss_fn), loss_fn, target, item_scale)
 
+    def _item_scale(self, loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor | None:
+        """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss;
+        None where every rank and microbatch weighs the same (a plain loss, or one process without pp)."""
+        if not isinstance(loss_fn, CountedLoss):
+            return None
+        mesh = self.parallel_dims.mesh_for("loss")
+        if mesh.size() == 1 and self._runner is None:
+            return None
+        count = loss_fn.count(target).to(torch.int64)
+        if mesh.size() > 1:
+            dist.all_reduce(count, group=mesh.get_group())  # no host sync: it stays on the device
+        return (mesh.size() / count.clamp(min=1)).float()
+
+    @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
@@ -371,13 +422,17 @@ class D9DStrategy(ModelParallelStrategy):
         return closure_loss
 
     # ----------------------------------------------------------------------------------- gradient sync
+    @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum.
-
-        Under pp the pipeline stages manage FSDP's sync within each schedule step themselves."""
+        """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum
+        (under pp the runner's stages hold back the reduction torch's schedule would make every step)."""
         if self._runner is not None:
-            yield None
+            self._runner.sync_gradients = False
+            try:
+                yield None
+            finally:
+                self._runner.sync_gradients = True
             return
         modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
         for module in modules:
@@ -389,40 +444,54 @@ class D9DStrategy(ModelParallelStrategy):
                 module.set_requires_gradient_sync(True, recurse=False)
 
     # ------------------------------------------------------------------------------------- checkpoints
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+        optimizer = unwrap_optimizer(optimizer)
         assert self.model is not None
-        return ckpt.optimizer_state(self.model, optimizer)
+        return training_checkpoint.optimizer_state(self.model, optimizer)
 
+    @override
     def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+        self, checkpoint: dict[str, Any], filepath: FilePath, storage_options: Any | None = None
     ) -> None:
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
         if storage_options is not None:
             raise TypeError("D9DStrategy.save_checkpoint(..., storage_options=...) is not supported")
-        path, token = self.broadcast((Path(filepath), uuid.uuid4().hex[:12]))
-        ckpt.save_sharded(path, checkpoint, rank=self.global_rank, token=token, barrier=self.barrier)
+        # Collective: every rank returns once the directory is in place, or raises (all, with the reason).
+        training_checkpoint.save(self.broadcast(Path(filepath)), checkpoint)
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    @override
+    def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
-        if not path.is_dir():
-            if not path.exists():
-                raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
+        if path.is_file():  # a checkpoint saved without a distributed checkpoint (Lightning's own format)
             return super().load_checkpoint(path, weights_only)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {i: opt for i, opt in enumerate(self.optimizers)}
-        return ckpt.load_sharded(
+        return training_checkpoint.load(
             path,
             self.model,
             optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+
+
+def _weighed(
+    loss: torch.Tensor, loss_fn: LossFn, target: torch.Tensor, item_scale: torch.Tensor | None
+) -> torch.Tensor:
+    """The loss times this rank's share of the counted items (see ``D9DStrategy.model_loss``)."""
+    if item_scale is None:
+        return loss
+    counted: CountedLoss = loss_fn  # type: ignore[assignment]
+    return loss * (counted.count(target) * item_scale)
+
+
+def _has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
 
 
 def _already_parallel(module: nn.Module) -> bool:

@@ -44,8 +44,13 @@ def total_grad_norm(
     *,
     extra_groups: Sequence[dist.ProcessGroup | None] = (),
     foreach: bool | None = None,
+    device: torch.device | None = None,
 ) -> Tensor:
-    """The ``norm_type``-norm of all gradients of all ``groups`` (and of the same groups on ``extra_groups``)."""
+    """The ``norm_type``-norm of all gradients of all ``groups`` (and of the same groups on ``extra_groups``).
+
+    A rank without gradients (a frozen pipeline stage) still joins the ``extra_groups`` reductions with a zero
+    on ``device``: its peers would otherwise wait for it forever.
+    """
     norm_type = float(norm_type)
     norms = [
         _local_norm(
@@ -55,10 +60,11 @@ def total_grad_norm(
         )
         for group in groups
     ]
-    if not norms:
-        return torch.tensor(0.0)
-    device = norms[0].device
-    stacked = torch.stack([norm.to(device=device, dtype=torch.float32) for norm in norms])
+    if norms:
+        device = norms[0].device
+    stacked = torch.stack([norm.to(device=device, dtype=torch.float32) for norm in norms]) if norms else None
+    if stacked is None:
+        stacked = torch.zeros(1, dtype=torch.float32, device=device)
     if norm_type == float("inf"):
         total = stacked.max()
         for group in extra_groups:
@@ -80,8 +86,11 @@ def clip_grad_norm_(
     foreach: bool | None = None,
 ) -> Tensor:
     """Scale all gradients so that their joint norm is at most ``max_norm``; returns the norm before clipping."""
+    parameters = list(parameters)
     groups = group_parameters_by_mesh(parameters)
-    total = total_grad_norm(groups, norm_type, extra_groups=extra_groups, foreach=foreach)
+    # Where a zero norm must be made (no gradients here): the parameters' device, which the collective needs.
+    device = parameters[0].device if parameters else None
+    total = total_grad_norm(groups, norm_type, extra_groups=extra_groups, foreach=foreach, device=device)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is not finite: {total.item()}"

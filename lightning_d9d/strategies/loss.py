@@ -8,6 +8,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from lightning_d9d.compat import trainer_of
 from lightning_d9d.strategies.d9d import D9DStrategy
 
 
@@ -21,10 +22,13 @@ def model_loss(
     """``loss_fn(model(*inputs), target)``, or, under ``D9DStrategy(pp>1)``, the same loss computed through the
     pipeline schedule (microbatched, with backward done; see :meth:`D9DStrategy.model_loss`).
 
-    ``loss_fn`` must return the mean loss of the microbatch it is given; the pipeline averages microbatches.
-    Works with any strategy, and outside a Trainer.
+    ``loss_fn`` returns the mean loss of the (micro)batch it is given. If it is a
+    :class:`~lightning_d9d.modules.loss.CountedLoss` (``causal_lm_loss`` is), the d9d strategy weighs microbatches
+    and data-parallel ranks by their counted items (tokens), so padding does not skew the mean; otherwise they
+    weigh the same. Works with any strategy, and outside a Trainer (then it is just ``loss_fn(model(*inputs),
+    target)``).
     """
-    trainer = module._trainer
+    trainer = trainer_of(module)
     if trainer is not None and isinstance(trainer.strategy, D9DStrategy):
         return trainer.strategy.model_loss(model, inputs, target, loss_fn)
     return loss_fn(model(*inputs), target)

@@ -4,8 +4,12 @@ import pytest
 import torch
 
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.pipeline import balanced_stage_layers, rank_of_stage, stages_of_rank
-from lightning_d9d.strategies.pipelining import check_microbatch_split
+from lightning_d9d.pipeline import (
+    balanced_stage_layers,
+    check_microbatch_split,
+    rank_of_stage,
+    stages_of_rank,
+)
 
 
 def test_balanced_split_counts_embedding_and_head() -> None:

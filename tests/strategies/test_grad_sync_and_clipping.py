@@ -78,3 +78,43 @@ def test_block_backward_sync_defers_the_reduction_to_the_last_micro_step() -> No
     for nothing_reduced, error in run_distributed(_accumulate_without_sync, 2):
         assert nothing_reduced, "gradients were reduce-scattered on a non-final micro-step"
         assert error < 1e-6
+
+
+def _clip_with_a_frozen_pipeline_rank() -> float:
+    """Rank 1 plays a pipeline stage whose parameters are all frozen: it has no gradients at all."""
+    model = _model()
+    if dist.get_rank() == 0:
+        model(torch.ones(3, 8)).sum().backward()
+    norm = clip_grad_norm_(model.parameters(), 1e9, extra_groups=[dist.group.WORLD])
+    return norm.item()
+
+
+def test_norm_clipping_with_a_rank_without_gradients_does_not_hang() -> None:
+    norms = run_distributed(_clip_with_a_frozen_pipeline_rank, 2, timeout=60)
+    model = _model()
+    model(torch.ones(3, 8)).sum().backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]).item()
+    assert norms[0] == norms[1]
+    assert abs(norms[0] - expected) < 1e-5
+
+
+def _sum_logged_under_pipelining() -> tuple[float, float]:
+    import torchmetrics
+
+    from lightning_d9d.mesh import ParallelDims
+
+    strategy = D9DStrategy(pp=2, dp_shard=1)
+    strategy._dims = ParallelDims(pp=2, dp_shard=1).resolve(2).build_mesh("cpu")
+    logged = strategy.reduce(torch.tensor(1.0), reduce_op="sum")
+    holder = nn.Module()
+    holder.metric = torchmetrics.SumMetric()
+    strategy._sync_metrics_over_data_ranks(holder)
+    holder.metric.update(torch.tensor(1.0))
+    return float(logged), float(holder.metric.compute())
+
+
+def test_logged_sums_and_metrics_count_each_batch_once_under_pipelining() -> None:
+    """pp=2 on 2 ranks: both ranks hold the same batch (dp = 1), so a sum over the data must not double."""
+    for logged, metric in run_distributed(_sum_logged_under_pipelining, 2):
+        assert logged == 1.0
+        assert metric == 1.0

@@ -1,0 +1,198 @@
+"""This rank's pipeline stages and the schedule over them: one training or forward-only step per batch.
+
+The loss bookkeeping lives here: torch's schedule calls the loss once per microbatch, and each call is
+scaled so that the summed gradients are those of one process on the whole batch (``scale_grads=False``; see
+``build_schedule``). With a :class:`~lightning_d9d.modules.loss.CountedLoss` each microbatch weighs by the items
+it counts (tokens that are not padding), otherwise every microbatch weighs the same.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.loss import CountedLoss
+from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
+from lightning_d9d.pipeline.schedules import PipelineConfig, build_schedule
+from lightning_d9d.pipeline.split import rank_of_stage
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def check_microbatch_split(batch_size: int, microbatches: int) -> None:
+    """Raised before the schedule starts any communication."""
+    if batch_size % microbatches:
+        raise ValueError(
+            f"the per-rank batch size ({batch_size}) must be divisible by microbatches ({microbatches}); "
+            "change the DataLoader's batch_size or D9DStrategy(microbatches=...)"
+        )
+
+
+class AccumulatingStage(PipelineStage):
+    """torch's ``PipelineStage``, except that gradient reduction can wait for the last accumulation step.
+
+    torch reduce-scatters a stage's FSDP gradients at the end of every ``schedule.step`` (its
+    ``perform_reduce_grad`` switches gradient sync on). While ``sync_gradients`` is False that switch is held
+    off, so FSDP keeps accumulating unsharded gradients, as ``set_requires_gradient_sync(False)`` does without
+    pipelining; the step that syncs reduces the sum once.
+    """
+
+    sync_gradients: bool = True
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        module = self.submod
+        if self.sync_gradients or not isinstance(module, FSDPModule):
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        switch = module.set_requires_gradient_sync
+
+        def keep_off(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+            switch(False, recurse=recurse)
+
+        module.set_requires_gradient_sync = keep_off  # type: ignore[method-assign]
+        try:
+            super().perform_reduce_grad(grad_scale_factor)
+        finally:
+            del module.set_requires_gradient_sync  # the class's method again
+
+
+def _digest(tensor: torch.Tensor) -> torch.Tensor:
+    """Three numbers that differ, in practice, between any two different batches (and never for equal ones)."""
+    flat = tensor.detach().reshape(-1).to(torch.float64)
+    weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64).remainder_(65521).add_(1)
+    return torch.stack([flat.new_tensor(float(flat.numel())), flat.sum(), (flat * weights).sum()])
+
+
+class PipelineRunner:
+    """This rank's pipeline stages, the schedule over them, and the loss bookkeeping."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        model: nn.Module,
+        stages: Mapping[int, nn.Module],
+        dims: ParallelDims,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.model = model  # the trimmed model the stages share their modules with
+        self.stages = dict(stages)
+        self.pp = dims.pp
+        self.num_stages = config.num_stages(dims.pp)
+        self.group = dims.mesh_for("pp").get_group()
+        self.device = device
+        self.holds_first = 0 in self.stages
+        self.holds_last = self.num_stages - 1 in self.stages
+        self._torch_stages = [
+            AccumulatingStage(module, index, self.num_stages, device, group=self.group)
+            for index, module in sorted(self.stages.items())
+        ]
+        self._schedule: Any = None
+        self._user_loss: LossFn | None = None
+        self._weight: Callable[[torch.Tensor], torch.Tensor | float] = lambda target: 1.0
+        self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
+
+    @property
+    def grad_norm_groups(self) -> list[dist.ProcessGroup]:
+        """Groups over which gradient norms add up: the other stages' parameters live on the pp peers."""
+        return [self.group]
+
+    @property
+    def sync_gradients(self) -> bool:
+        return all(stage.sync_gradients for stage in self._torch_stages)
+
+    @sync_gradients.setter
+    def sync_gradients(self, value: bool) -> None:
+        for stage in self._torch_stages:
+            stage.sync_gradients = value
+
+    def owner(self, stage: int) -> int:
+        return rank_of_stage(stage, self.pp, self.config.stages_per_rank, v_shape=self.config.v_shape)
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        assert self._user_loss is not None
+        return self._user_loss(output, target) * self._weight(target)
+
+    def _schedule_for(self, loss_fn: LossFn) -> Any:
+        if self._schedule is None or loss_fn is not self._user_loss:
+            self._user_loss = loss_fn
+            self._schedule = build_schedule(self.config, self._torch_stages, self._scaled_loss)
+        return self._schedule
+
+    def check_same_batch(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, mode: str) -> None:
+        """Every pipeline rank must hold the same batch: stage 0 reads the inputs on one rank and the last stage
+        the targets on another. Checked on the first batch of each ``mode`` (one small all-gather, one host
+        read): training and validation data come from different loaders."""
+        if mode in self._checked:
+            return
+        self._checked.add(mode)
+        digest = torch.cat([_digest(tensor) for tensor in (*inputs, target)]).to(self.device)
+        gathered = [torch.empty_like(digest) for _ in range(self.pp)]
+        dist.all_gather(gathered, digest, group=self.group)
+        differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
+        if differ:
+            raise ValueError(
+                f"the pipeline ranks got different batches (pp rank 0 and pp rank(s) {differ}): stage 0 would "
+                "read one batch's inputs and the last stage another batch's targets. Every rank of a pipeline "
+                "must load the same batch: let Lightning add the sampler (Trainer(use_distributed_sampler=True), "
+                "the default), or shard your data by the data-parallel rank "
+                "(trainer.strategy.distributed_sampler_kwargs), not by the global RANK"
+            )
+
+    def train_step(
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        accumulate: int,
+        item_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of one batch through the schedule; returns the batch loss on every rank.
+
+        ``item_scale``: for a :class:`CountedLoss`, ``data-parallel ranks / items in the global batch``. A
+        microbatch then weighs ``count(microbatch) * item_scale``, which makes the summed gradients (and the
+        loss, once averaged over the data-parallel ranks) the mean over every counted item of the global batch.
+        Without it each microbatch weighs ``1 / microbatches``. Both are divided by ``accumulate``.
+        """
+        check_microbatch_split(int(target.shape[0]), self.config.microbatches)
+        self.check_same_batch(inputs, target, "train")
+        schedule = self._schedule_for(loss_fn)
+        if item_scale is not None:
+            counted: CountedLoss = loss_fn  # type: ignore[assignment]
+            scale = item_scale / accumulate
+            self._weight = lambda microbatch: counted.count(microbatch) * scale
+        else:
+            self._weight = lambda microbatch: 1.0 / (self.config.microbatches * accumulate)
+        args = inputs if self.holds_first else ()
+        kwargs: dict[str, Any] = {"target": target if self.holds_last else None, "losses": []}
+        if "return_outputs" in inspect.signature(schedule.step).parameters:
+            kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
+        schedule.step(*args, **kwargs)
+        if self.holds_last:
+            # The schedule's own list, not every loss_fn call: on its first step torch also calls the loss on
+            # shape-inference outputs.
+            loss = torch.stack([item.detach().float() for item in kwargs["losses"]]).sum() * accumulate
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=self.device)
+        dist.broadcast(
+            loss, src=dist.get_global_rank(self.group, self.owner(self.num_stages - 1)), group=self.group
+        )
+        return loss
+
+    def eval_step(
+        self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """The loss of the whole batch, forward only, on every pipeline rank."""
+        self.check_same_batch(inputs, target, "eval")
+        return pipeline_forward_loss(
+            self.stages, self.owner, self.num_stages, self.group, inputs, target, loss_fn, self.device
+        )

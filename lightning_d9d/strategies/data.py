@@ -1,0 +1,118 @@
+"""A training DataLoader that resumes mid-epoch at the next batch instead of replaying the epoch.
+
+Lightning saves the ``state_dict()`` of every training loader that has one into the checkpoint (its
+``CombinedLoader``) and hands it back through ``load_state_dict`` before the first ``iter()`` after a resume.
+A plain ``DataLoader`` has none, so a checkpoint saved mid-epoch resumes at batch 0 of that epoch: the model
+sees those batches twice and never sees the rest. :class:`ResumableDataLoader` counts the batches it has
+yielded in the current pass and, after a restore, skips that many at the sampler (indices only: no sample
+is loaded just to be thrown away).
+
+The skip keeps the sampler's own order, so it is exact for Lightning's ``DistributedSampler`` (the permutation
+depends on seed and epoch only, and Lightning sets the epoch before the first batch is drawn). A batch's
+samples do not depend on the number of data-parallel ranks as long as the global batch size is kept, so a
+position saved on one layout is the same position on another.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sized
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+_STATE_KEY = "batches_yielded"
+
+
+class SkippingSampler(Sampler[Any]):
+    """``sampler`` with the first ``skip`` indices of the next pass left out (then back to whole passes)."""
+
+    def __init__(self, sampler: Iterable[Any]) -> None:
+        self.sampler = sampler
+        self.skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # A generator: the inner sampler's order is drawn at the first ``next``, after Lightning's set_epoch.
+        skip, self.skip = self.skip, 0
+        yield from itertools.islice(iter(self.sampler), skip, None)
+
+    def __len__(self) -> int:
+        assert isinstance(self.sampler, Sized)
+        return len(self.sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+
+class ResumableDataLoader(DataLoader):
+    """A ``DataLoader`` with ``state_dict``/``load_state_dict``: the number of batches yielded in this pass.
+
+    ``len()`` stays the whole epoch, as Lightning expects of a resumed loader (it counts the restored batches
+    itself); only the next ``iter()`` after ``load_state_dict`` is shorter.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(self.sampler, SkippingSampler) or self.batch_size is None:
+            raise TypeError(
+                "ResumableDataLoader needs sampler=SkippingSampler(...) and a batch_size; "
+                "build it with resumable(dataloader)"
+            )
+        self._yielded = 0
+        self._resume_at = 0
+
+    # A counting generator instead of torch's iterator object: nothing in Lightning's loop uses more than next().
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        start, self._resume_at = self._resume_at, 0
+        assert isinstance(self.sampler, SkippingSampler) and self.batch_size is not None
+        # BatchSampler cuts consecutive indices into batches, so n batches are n * batch_size indices.
+        self.sampler.skip = start * self.batch_size
+        self._yielded = start
+        return self._count(super().__iter__())
+
+    def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
+        for batch in batches:
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {_STATE_KEY: self._yielded}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        yielded = int(state[_STATE_KEY])
+        # A pass that was used up (a checkpoint at the end of an epoch) resumes with a new whole pass.
+        self._resume_at = yielded if yielded < len(self) else 0
+
+
+def resumable(dataloader: object) -> object:
+    """``dataloader`` as a :class:`ResumableDataLoader`, or unchanged where a skip could not be exact.
+
+    Converted: a plain ``torch.utils.data.DataLoader`` over a map-style dataset that batches with
+    ``batch_size`` (its own ``BatchSampler``). Left alone: loaders that already have a ``state_dict``, custom
+    ``DataLoader`` subclasses and batch samplers (their constructor arguments are unknown), iterable datasets
+    (no indices to skip). Lightning warns when such a loader is resumed mid-epoch.
+    """
+    if type(dataloader) is not DataLoader:
+        return dataloader
+    loader: DataLoader = dataloader
+    if isinstance(loader.dataset, IterableDataset) or loader.batch_size is None:
+        return loader
+    return ResumableDataLoader(
+        loader.dataset,
+        batch_size=loader.batch_size,
+        sampler=SkippingSampler(loader.sampler),
+        drop_last=loader.drop_last,
+        num_workers=loader.num_workers,
+        collate_fn=loader.collate_fn,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        generator=loader.generator,
+        prefetch_factor=loader.prefetch_factor,
+        persistent_workers=loader.persistent_workers,
+        pin_memory_device=loader.pin_memory_device,
+        in_order=loader.in_order,
+    )

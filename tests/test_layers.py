@@ -1,0 +1,101 @@
+"""The package's import map: imports only point down the layers of docs/architecture.md, and no two parts import
+each other (directly or through others). Read from the source with ``ast``, so lazy imports inside functions
+count too."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import lightning_d9d
+
+PACKAGE = Path(lightning_d9d.__file__).parent
+# Bottom to top; parts on one line may use each other, as long as no cycle forms.
+LAYERS: list[tuple[str, ...]] = [
+    ("compat",),
+    ("mesh",),
+    ("kernels",),
+    ("modules",),
+    ("plans", "pipeline", "state"),
+    ("models",),
+    ("callbacks",),
+    ("strategies",),
+    ("__init__", "convert"),
+]
+LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}
+
+
+def _part(module: str) -> str:
+    """``lightning_d9d.state.hf.io`` -> ``state``; the package itself -> ``__init__``."""
+    pieces = module.split(".")
+    return pieces[1] if len(pieces) > 1 else "__init__"
+
+
+def _module_name(path: Path) -> str:
+    relative = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(relative.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1] if len(parts) > 1 else [*parts[:-1], "__init__"]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every ``lightning_d9d`` module the file imports, relative imports resolved."""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("lightning_d9d"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                name = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                name = node.module or ""
+            if name.startswith("lightning_d9d"):
+                found.add(name)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """part -> the parts it imports (from every file of the part)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path)
+        source = "__init__" if name == "lightning_d9d.__init__" else _part(name)
+        targets = {_part(target) for target in _imports(path)} - {source}
+        graph.setdefault(source, set()).update(targets)
+    return graph
+
+
+def test_every_part_has_a_layer() -> None:
+    assert set(_graph()) <= set(LEVEL), set(_graph()) - set(LEVEL)
+
+
+def test_imports_point_down() -> None:
+    upward = [
+        f"{source} (layer {LEVEL[source]}) imports {target} (layer {LEVEL[target]})"
+        for source, targets in _graph().items()
+        for target in targets
+        if LEVEL[target] > LEVEL[source]
+    ]
+    assert not upward, upward
+
+
+def test_no_import_cycles_between_parts() -> None:
+    graph = _graph()
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        stack = [start]
+        while stack:
+            for nxt in graph.get(stack.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    cycles = sorted(part for part in graph if part in reachable(part))
+    assert not cycles, f"parts on an import cycle: {cycles}"
