@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
 from lightning_d9d import D9DStrategy, model_loss
+from lightning_d9d.compat import should_accumulate
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 
@@ -99,6 +101,8 @@ class Qwen3Pretraining(L.LightningModule):
         )
         self.config = config
         self.model: Qwen3ForCausalLM | None = None
+        # Counts the tokens it averages over, so the strategy weighs padded microbatches and ranks by them.
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -109,14 +113,14 @@ class Qwen3Pretraining(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
         # model_loss is causal_lm_loss(self.model(input_ids), labels), run through the schedule when pp > 1.
-        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
+        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
         # The mean over all ranks; no prog_bar: it would read the value back to the host on every step.
         self.log("train/loss", loss, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         assert self.model is not None
-        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
+        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
@@ -145,11 +149,7 @@ class PrintProgress(Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
     ) -> None:  # type: ignore[no-untyped-def]
         step = trainer.global_step
-        if (
-            trainer.is_global_zero
-            and step % self.every == 0
-            and trainer.fit_loop._should_accumulate() is False
-        ):
+        if trainer.is_global_zero and step % self.every == 0 and not should_accumulate(trainer):
             loss = trainer.callback_metrics.get("train/loss")
             print(
                 f"step {step:4d}  loss {float(loss):.4f}  {time.perf_counter() - self.start:6.1f}s",

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from plain_module import build_plain_model
@@ -14,6 +15,40 @@ from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+
+
+class PaddedCorpus(Dataset):
+    """The corpus with the last ``5 * i mod (seq_len - 1)`` labels of sample ``i`` ignored (-100), so that
+    samples, microbatches and ranks hold different numbers of scored tokens."""
+
+    def __init__(self, corpus: SyntheticCorpus) -> None:
+        self.corpus = corpus
+
+    def __len__(self) -> int:
+        return len(self.corpus)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        item = dict(self.corpus[index])
+        labels = item["labels"].clone()
+        padding = (5 * index) % (labels.numel() - 1)
+        if padding:
+            labels[-padding:] = -100
+        item["labels"] = labels
+        return item
+
+
+def train_corpus(config: dict, vocab_size: int) -> Dataset:
+    """The training data of a run: ``config["pad"]`` pads it."""
+    corpus = SyntheticCorpus(
+        vocab_size, config["seq_len"], config["global_batch"] * config["steps_per_epoch"]
+    )
+    return PaddedCorpus(corpus) if config.get("pad") else corpus
+
+
+def uncounted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``causal_lm_loss`` as a plain function: the strategy cannot count its tokens and weighs microbatches and
+    ranks equally (which equals the token mean when nothing is padded)."""
+    return causal_lm_loss(logits, labels)
 
 
 def reference_run(config: dict) -> dict:
@@ -28,12 +63,20 @@ def reference_run(config: dict) -> dict:
         module.model = build_plain_model(model_config.vocab_size, rank=0)  # type: ignore[assignment]
     else:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
+    precision = config.get("precision", "32-true")
+    if precision == "bf16-true":
+        module.model.to(torch.bfloat16)  # parameters, gradients and optimizer state in bf16
+    compute_model = module.model
+    if precision == "bf16-mixed":
+        # What FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does: compute with a bf16
+        # copy of the fp32 parameters (buffers stay fp32), hand fp32 gradients to the fp32 parameters.
+        compute_model = copy.deepcopy(module.model)
+        for param in compute_model.parameters():
+            param.data = param.data.to(torch.bfloat16)
     optimizers = module.configure_optimizers()
     optimizer, scheduler = optimizers["optimizer"], optimizers["lr_scheduler"]["scheduler"]
     global_batch = config["global_batch"]
-    train = SyntheticCorpus(
-        model_config.vocab_size, config["seq_len"], global_batch * config["steps_per_epoch"]
-    )
+    train = train_corpus(config, model_config.vocab_size)
     # One replica of Lightning's sampler: each global batch holds the same samples as the dp ranks' batches.
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=seed)
     losses: list[float] = []
@@ -43,14 +86,30 @@ def reference_run(config: dict) -> dict:
     while len(losses) < micro_steps:
         sampler.set_epoch(epoch)
         for batch in DataLoader(train, batch_size=global_batch, sampler=sampler):
-            loss = causal_lm_loss(module.model(batch["input_ids"]), batch["labels"])
+            if compute_model is not module.model:
+                with torch.no_grad():
+                    for low, master in zip(
+                        compute_model.parameters(), module.model.parameters(), strict=True
+                    ):
+                        low.copy_(master)
+            loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
             losses.append(loss.item())
             (loss / accumulate).backward()
+            if compute_model is not module.model:
+                for low, master in zip(compute_model.parameters(), module.model.parameters(), strict=True):
+                    assert low.grad is not None
+                    grad = low.grad.float()
+                    master.grad = grad if master.grad is None else master.grad + grad
+                    low.grad = None
             if len(losses) % accumulate == 0:
+                params = list(module.parameters())
                 if config.get("clip"):
-                    grad_norms.append(
-                        float(torch.nn.utils.clip_grad_norm_(module.parameters(), config["clip"]))
+                    norm = torch.nn.utils.clip_grad_norm_(params, config["clip"])
+                else:
+                    norm = torch.nn.utils.get_total_norm(
+                        [p.grad.float() for p in params if p.grad is not None]
                     )
+                grad_norms.append(float(norm))  # before clipping
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from reference import reference_run
-from test_trainer_parity import BASE, assert_same_training, run_trainer
+from test_trainer_parity import BASE, assert_same_grad_norms, assert_same_training, run_trainer
 
 from lightning_d9d.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -19,10 +19,26 @@ SCHEDULES = list(PIPELINE_SCHEDULES)
 # proportional to lr; microbatching changes the summation order.
 COMMON = {**BASE, "lr": 1e-3, "max_steps": 5, "model": {"num_hidden_layers": 4}}
 ACCUMULATE_CLIP = {"accumulate": 2, "clip": 0.05}
+# Without clipping too: a threshold that bites on every step rescales away a gradient-scale error.
+ACCUMULATE = {"accumulate": 2}
+PP2_VARIANTS = {
+    "plain": {},
+    "accumulate2_clip": ACCUMULATE_CLIP,
+    "accumulate2": ACCUMULATE,
+    # padded labels: microbatches hold different token counts (the loss weighs them by their tokens)
+    "padded": {"pad": True},
+    # a loss that does not count its items: microbatches weigh the same
+    "accumulate2_uncounted": {**ACCUMULATE, "uncounted_loss": True},
+}
+# accumulate2 (no clip) for one schedule of each backward kind: whole backward, split (weights later), V-shaped
+PP2_CASES = [(schedule, "plain") for schedule in SCHEDULES]
+PP2_CASES += [(schedule, "accumulate2_clip") for schedule in SCHEDULES]
+PP2_CASES += [(schedule, "accumulate2") for schedule in ("1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")]
+PP2_CASES += [("1F1B", "padded"), ("Interleaved1F1B", "padded"), ("1F1B", "accumulate2_uncounted")]
 
 
-def pp2(schedule: str, accumulate_clip: bool) -> dict:
-    extra = ACCUMULATE_CLIP if accumulate_clip else {}
+def pp2(schedule: str, variant: str) -> dict:
+    extra = PP2_VARIANTS[variant]
     validate = schedule in ("ZBVZeroBubble", "DualPipeV", "1F1B")  # eval() fails for the V schedules in torch
     dims = {"pp": 2, "dp_shard": 1, "pipeline_schedule": schedule, "microbatches": 4}
     return {**COMMON, **extra, "devices": 2, "dp": 1, "dims": dims, "validate": validate}
@@ -43,6 +59,8 @@ FOUR_RANKS = {
     # pp=2 x dp_shard=2: every schedule
     "pp2_dp2_GPipe": four_ranks(2, "GPipe", 2),
     "pp2_dp2_1F1B_acc": four_ranks(2, "1F1B", 2, validate=True, **ACCUMULATE_CLIP),
+    "pp2_dp2_1F1B_acc_noclip": four_ranks(2, "1F1B", 2, **ACCUMULATE),
+    "pp2_dp2_1F1B_padded": four_ranks(2, "1F1B", 2, validate=True, pad=True),
     "pp2_dp2_Interleaved1F1B": four_ranks(2, "Interleaved1F1B", 4),
     "pp2_dp2_LoopedBFS_acc": four_ranks(2, "LoopedBFS", 4, **ACCUMULATE_CLIP),
     "pp2_dp2_InterleavedZeroBubble": four_ranks(2, "InterleavedZeroBubble", 4),
@@ -54,7 +72,7 @@ FOUR_RANKS = {
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("pp2")
-    configs = {f"{s}_{a}": pp2(s, a) for s in SCHEDULES for a in (False, True)}
+    configs = {f"{schedule}_{variant}": pp2(schedule, variant) for schedule, variant in PP2_CASES}
     return run_trainer(list(configs.values()), tmp, "pp2", names=list(configs))
 
 
@@ -78,16 +96,16 @@ def reference_for(config: dict) -> dict:
 def check(actual: dict, config: dict) -> None:
     expected = reference_for(config)
     assert_same_training(actual, expected)
+    assert_same_grad_norms(actual, expected)
     if config.get("clip"):
         assert min(expected["grad_norms"]) > config["clip"]  # clipping bites on every step
     if config.get("validate"):
         assert abs(actual["val_loss"] - expected["val_loss"]) <= 1e-5
 
 
-@pytest.mark.parametrize("accumulate_clip", [False, True], ids=["plain", "accumulate2_clip"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
-def test_pp2_schedule_matches_one_process(schedule: str, accumulate_clip: bool, two_rank_runs: dict) -> None:
-    check(two_rank_runs[f"{schedule}_{accumulate_clip}"], pp2(schedule, accumulate_clip))
+@pytest.mark.parametrize(("schedule", "variant"), PP2_CASES, ids=[f"{s}-{v}" for s, v in PP2_CASES])
+def test_pp2_schedule_matches_one_process(schedule: str, variant: str, two_rank_runs: dict) -> None:
+    check(two_rank_runs[f"{schedule}_{variant}"], pp2(schedule, variant))
 
 
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
@@ -95,7 +113,8 @@ def test_four_ranks_match_one_process(name: str, four_rank_runs: dict) -> None:
     check(four_rank_runs[name], {**COMMON, "devices": 4, **FOUR_RANKS[name]})
 
 
-RESUME = {**COMMON, "max_steps": 8, "steps_per_epoch": 4, "save_every": 4, "dp": 2}
+# step 6 of 4-batch epochs: a mid-epoch position, carried to the other layout
+RESUME = {**COMMON, "max_steps": 8, "steps_per_epoch": 4, "save_every": 6, "dp": 2}
 PP2_DP2 = {"pp": 2, "dp_shard": 2, "pipeline_schedule": "1F1B", "microbatches": 2}
 
 
@@ -108,12 +127,12 @@ def test_checkpoint_resumes_on_another_pipeline_layout(first: str, second: str, 
     ckpt_dir = tmp_path / "ckpt"
     uninterrupted = run_trainer({**RESUME, **layouts[first], "ckpt_dir": str(ckpt_dir)}, tmp_path, "first")
     resumed = run_trainer(
-        {**RESUME, **layouts[second], "save_every": 0, "resume_from": str(ckpt_dir / "step=4.ckpt")},
+        {**RESUME, **layouts[second], "save_every": 0, "resume_from": str(ckpt_dir / "step=6.ckpt")},
         tmp_path,
         "second",
     )
     assert_same_training(
         {"losses": resumed["losses"], "params": resumed["params"]},
-        {"losses": uninterrupted["losses"][4:], "params": uninterrupted["params"]},
+        {"losses": uninterrupted["losses"][6:], "params": uninterrupted["params"]},
     )
     assert_same_training(uninterrupted, reference_for({**RESUME, **layouts[first]}))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
+from reference import train_corpus, uncounted_loss
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.models import Qwen3Config
@@ -35,9 +37,38 @@ class RecordLosses(Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
+class RecordGradNorms(Callback):
+    """The global gradient norm before clipping, on every optimizer step, computed without the strategy's
+    clipping code: each gradient made whole (``full_tensor``), and under pp every parameter counted once."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        squares = {
+            plain_name(name): float(
+                (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).double().square().sum()
+            )
+            for name, p in pl_module.named_parameters()
+            if p.grad is not None
+        }
+        if self.pipelined:
+            # each pipeline rank holds other layers; dp replicas of a stage report the same names and values
+            gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, squares)
+            squares = {name: value for part in gathered for name, value in part.items()}
+        self.norms.append(sum(squares.values()) ** 0.5)
+
+
+def plain_name(name: str) -> str:
+    """The parameter's name without the wrappers that activation checkpointing and compile insert."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {
-        name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
+        plain_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
         for name, p in module.named_parameters()
     }
 
@@ -48,12 +79,11 @@ def main(config: dict) -> None:
     global_batch, accumulate = config["global_batch"], config.get("accumulate", 1)
     dims = config.get("dims", {})
     dp = config["dp"]
-    train = SyntheticCorpus(
-        model_config.vocab_size, config["seq_len"], global_batch * config["steps_per_epoch"]
-    )
+    train = train_corpus(config, model_config.vocab_size)
     val = SyntheticCorpus(model_config.vocab_size, config["seq_len"], global_batch * 2, first_sample=10_000)
     recorder = RecordLosses()
-    callbacks: list[Callback] = [recorder]
+    grad_norms = RecordGradNorms(pipelined=dims.get("pp", 1) > 1)
+    callbacks: list[Callback] = [recorder, grad_norms]
     if config.get("save_every"):
         callbacks.append(
             ModelCheckpoint(
@@ -65,7 +95,7 @@ def main(config: dict) -> None:
         )
     trainer = L.Trainer(
         strategy=D9DStrategy(**dims),
-        accelerator="cpu",
+        accelerator=config.get("accelerator", "cpu"),
         devices=config["devices"],
         precision=config.get("precision", "32-true"),
         max_steps=config["max_steps"],
@@ -83,6 +113,8 @@ def main(config: dict) -> None:
     )
     if config.get("plain_module"):
         module.model = build_plain_model(model_config.vocab_size)  # type: ignore[assignment]
+    if config.get("uncounted_loss"):
+        module.loss_fn = uncounted_loss
     per_rank = global_batch // dp
     trainer.fit(module, DataLoader(train, batch_size=per_rank), ckpt_path=config.get("resume_from"))
     params = full_parameters(module)
@@ -91,11 +123,17 @@ def main(config: dict) -> None:
         gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
         dist.all_gather_object(gathered, params)
         params = {name: tensor for part in gathered for name, tensor in part.items()}
-    result = {"losses": recorder.losses, "params": params}
+    result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": grad_norms.norms, "params": params}
     if config.get("validate"):
         metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
         result["val_loss"] = metrics[0]["val/loss"]
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    result["backend"] = dist.get_backend() if dist.is_initialized() else None
+    # that compile and activation checkpointing were applied: blocks compiled in place, blocks wrapped
+    result["compiled_modules"] = sum(
+        getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
+    )
+    result["checkpointed_modules"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in module.modules())
     if trainer.is_global_zero:
         torch.save(result, config["out"])
     if dist.is_initialized():
