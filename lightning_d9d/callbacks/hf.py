@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from typing_extensions import override
 
 from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
 from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
@@ -91,18 +92,22 @@ class LoadHFWeights(Callback):
         self.loaded = False  # in this fit
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(path=str(self.path))
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Only find the model (a wrong module_attr fails before anything runs) and note its config, which the
         # checkpoints of this run record. Loading waits: a checkpoint to resume from is not restored yet.
         self.hf_config = module_hf_config(find_hf_model(pl_module, self.module_attr)[1])
         self.loaded = False
 
+    @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._load_once(trainer, pl_module)
 
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._load_once(trainer, pl_module)
 
@@ -117,6 +122,7 @@ class LoadHFWeights(Callback):
         load_hf(model, self.path, self.hf_config, check_config=self.check_config, partial=_pipelined(trainer))
         rank_zero_info(f"LoadHFWeights: loaded {self.path} into {type(pl_module).__name__}.{name}")
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         # Recorded in training checkpoints, so that ``python -m lightning_d9d.convert dcp-to-hf`` finds the config.
         return {"source": str(self.path), HF_CONFIG_KEY: self.hf_config}
@@ -167,9 +173,11 @@ class ExportHF(Callback):
         self.exported: list[Path] = []
 
     @property
+    @override
     def state_key(self) -> str:
         return self._generate_state_key(dirpath=str(self.dirpath), filename=self.filename)
 
+    @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # Fail before training, not at the first export, when the directory cannot be one.
         if self.copy_files_from is not None and not self.copy_files_from.is_dir():
@@ -177,10 +185,12 @@ class ExportHF(Callback):
                 f"ExportHF(copy_files_from={str(self.copy_files_from)!r}) is not a directory"
             )
 
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Known from the start, so that a training checkpoint saved before the first export records it too.
         self.hf_config = module_hf_config(find_hf_model(pl_module, self.module_attr)[1])
 
+    @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -189,6 +199,7 @@ class ExportHF(Callback):
         if self.every_n_train_steps and step > 0 and step % self.every_n_train_steps == 0:
             self.export(trainer, pl_module)
 
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.export_on_train_end:
             self.export(trainer, pl_module)
@@ -216,8 +227,10 @@ class ExportHF(Callback):
         rank_zero_info(f"ExportHF: step {step} written to {path}")
         return path
 
+    @override
     def state_dict(self) -> dict[str, Any]:
         return {"last_step": self.last_step, HF_CONFIG_KEY: self.hf_config}
 
+    @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_step = state_dict.get("last_step")

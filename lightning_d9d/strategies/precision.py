@@ -14,6 +14,7 @@ from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from lightning_d9d.compat import DtypeContextManager, convert_fp_tensor
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -57,24 +58,29 @@ class D9DPrecision(Precision):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return None
 
+    @override
     def convert_module(self, module: Module) -> Module:
         if self.precision == "bf16-true":
             return module.to(dtype=torch.bfloat16)
         return module
 
+    @override
     def tensor_init_context(self) -> AbstractContextManager:
         if self.precision == "bf16-true":
             return DtypeContextManager(torch.bfloat16)
         return nullcontext()
 
+    @override
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
 
+    @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
         with self.tensor_init_context():
             yield
 
+    @override
     def convert_input(self, data: Any) -> Any:
         if self.precision == "bf16-true":
             return apply_to_collection(
@@ -82,8 +88,10 @@ class D9DPrecision(Precision):
             )
         return data
 
+    @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_norm_(self.main_params(optimizer), float(clip_val), extra_groups=self.norm_reduce_groups)
 
+    @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_value_(self.main_params(optimizer), float(clip_val))
