@@ -1,0 +1,231 @@
+"""Grouped GEMM: one matmul per expert over tokens already grouped by expert, behind one interface.
+
+``grouped_mm(x, w, group_sizes)`` computes, for rows of ``x`` cut into consecutive groups of ``group_sizes``
+rows, ``x[group g] @ w[g]``: ``x`` is ``[T, K]``, ``w`` is ``[G, K, N]``, ``group_sizes`` is ``[G]`` integers
+summing to ``T`` (zeros allowed: an expert that received no token), the result is ``[T, N]``. Every backend
+is differentiable in ``x`` and ``w``.
+
+Backends, in the order ``auto`` tries them (the first that suits the inputs wins):
+
+- ``torch``: ``torch.nn.functional.grouped_mm`` (public since torch 2.10; CUTLASS kernels for bf16 on Hopper
+  and Blackwell). ``auto`` picks it only on CUDA, bf16, compute capability 9.x / 10.x, with row strides of 16
+  bytes multiples: elsewhere torch falls back to a host loop that copies the offsets to the CPU. Named
+  explicitly it also runs on CPU (fp32 / bf16), which is how CI checks it.
+- ``grouped_gemm``: the ``grouped_gemm`` package (CUTLASS, bf16, CUDA) when installed. It is optional: a
+  missing package makes the backend unavailable, never an import error.
+- ``loop``: one ``torch.matmul`` per group, the reference; it runs everywhere (any dtype, any device) and
+  synchronises with the host to read ``group_sizes``.
+
+A Triton kernel can register itself later with :func:`register_grouped_gemm_backend`.
+
+Choose with ``backend=`` or the environment variable ``LIGHTNING_D9D_GROUPED_GEMM`` (a backend name, or
+``auto``); a named backend that cannot run the inputs is an error that says why. The first time each backend is
+chosen, one INFO line on the ``lightning_d9d.kernels`` logger names it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("lightning_d9d.kernels")
+
+ENV_VAR = "LIGHTNING_D9D_GROUPED_GEMM"
+AUTO = "auto"
+
+# (x [T, K], w [G, K, N], group_sizes [G]) -> [T, N]
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (x, w) -> None if the backend can run these inputs, else the reason it cannot.
+Support = Callable[[torch.Tensor, torch.Tensor], "str | None"]
+
+
+@dataclass(frozen=True)
+class GroupedGemmBackend:
+    """One implementation of :func:`grouped_mm`.
+
+    ``unsupported(x, w)`` says why the backend cannot run these inputs (``None``: it can); ``preferred(x, w)``
+    says whether ``auto`` should pick it for them (a backend may run somewhere without being fast there)."""
+
+    name: str
+    run: GroupedMatmul
+    unsupported: Support
+    preferred: Callable[[torch.Tensor, torch.Tensor], bool]
+
+
+def check_grouped_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> None:
+    """Shape checks that need no host synchronisation (the sum of ``group_sizes`` is checked by the loop)."""
+    if x.dim() != 2 or w.dim() != 3:
+        raise ValueError(
+            f"grouped_mm takes x [T, K] and w [G, K, N], got {tuple(x.shape)} and {tuple(w.shape)}"
+        )
+    if x.shape[1] != w.shape[1]:
+        raise ValueError(f"x's last dimension ({x.shape[1]}) must equal w's dimension 1 ({w.shape[1]})")
+    if group_sizes.shape != (w.shape[0],):
+        raise ValueError(
+            f"group_sizes must hold one count per group: shape ({w.shape[0]},), got {tuple(group_sizes.shape)}"
+        )
+    if group_sizes.dtype.is_floating_point:
+        raise ValueError(f"group_sizes must be integers, got {group_sizes.dtype}")
+
+
+# ----------------------------------------------------------------------------------------- loop
+def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """The reference: one matmul per group. Empty groups give empty blocks (and zero gradients for their ``w``)."""
+    sizes = [int(size) for size in group_sizes.tolist()]
+    if sum(sizes) != x.shape[0]:
+        raise ValueError(f"group_sizes sum to {sum(sizes)} but x has {x.shape[0]} rows: they must be equal")
+    blocks = x.split(sizes)
+    return torch.cat([block @ w[group] for group, block in enumerate(blocks)])
+
+
+def _loop_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------- torch
+def _torch_grouped_mm() -> Callable[..., torch.Tensor] | None:
+    """``torch.nn.functional.grouped_mm``; absent before torch 2.10 (then this backend is unavailable)."""
+    return getattr(F, "grouped_mm", None)
+
+
+def _offsets(group_sizes: torch.Tensor) -> torch.Tensor:
+    """Group end offsets as int32 on the device (what torch's kernel reads; no host synchronisation)."""
+    return torch.cumsum(group_sizes, dim=0, dtype=torch.int32)
+
+
+def torch_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    function = _torch_grouped_mm()
+    if function is None:
+        raise RuntimeError(_torch_unsupported(x, w))
+    return function(x, w, offs=_offsets(group_sizes))
+
+
+def _torch_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    if _torch_grouped_mm() is None:
+        return f"torch {torch.__version__} has no torch.nn.functional.grouped_mm (added in torch 2.10)"
+    if x.dtype not in (torch.bfloat16, torch.float32) or w.dtype != x.dtype:
+        return f"torch's grouped_mm takes bf16 or fp32 operands of one dtype, got {x.dtype} and {w.dtype}"
+    size = x.element_size()
+    if (x.shape[1] * size) % 16 or (w.shape[2] * size) % 16:
+        return (
+            f"torch's grouped_mm needs rows of a multiple of 16 bytes: K ({x.shape[1]}) and N ({w.shape[2]}) "
+            f"times {size} bytes; pad the expert sizes to a multiple of {16 // size}"
+        )
+    return None
+
+
+def _torch_preferred(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # Only where torch has a grouped kernel; elsewhere it loops on the host like our reference.
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
+        and _torch_unsupported(x, w) is None
+    )
+
+
+# --------------------------------------------------------------------------------- grouped_gemm
+def _grouped_gemm_installed() -> bool:
+    return importlib.util.find_spec("grouped_gemm") is not None
+
+
+def package_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    """The ``grouped_gemm`` package's ``ops.gmm`` (it reads the group sizes as CPU int64)."""
+    ops = importlib.import_module("grouped_gemm.ops")
+    batch_sizes = group_sizes.to(device="cpu", dtype=torch.int64)
+    result: torch.Tensor = ops.gmm(x, w, batch_sizes, trans_b=False)
+    return result
+
+
+def _package_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
+    if not _grouped_gemm_installed():
+        return "the grouped_gemm package is not installed (pip install 'lightning-d9d[grouped-gemm]')"
+    if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return f"grouped_gemm runs bf16 on CUDA only, got {x.dtype} / {w.dtype} on {x.device}"
+    return None
+
+
+def _package_preferred(x: torch.Tensor, w: torch.Tensor) -> bool:
+    return _package_unsupported(x, w) is None
+
+
+# ------------------------------------------------------------------------------------- registry
+_BACKENDS: dict[str, GroupedGemmBackend] = {}
+_ANNOUNCED: set[str] = set()
+
+
+def register_grouped_gemm_backend(backend: GroupedGemmBackend, *, before: str | None = None) -> None:
+    """Add (or replace) a backend; ``before`` puts it ahead of that backend in ``auto``'s order."""
+    if backend.name == AUTO:
+        raise ValueError(f"{AUTO!r} is reserved for automatic selection: choose another backend name")
+    _BACKENDS.pop(backend.name, None)
+    if before is None:
+        _BACKENDS[backend.name] = backend
+        return
+    if before not in _BACKENDS:
+        raise ValueError(f"unknown grouped GEMM backend {before!r}: choose one of {sorted(_BACKENDS)}")
+    entries = list(_BACKENDS.items())
+    position = [name for name, _ in entries].index(before)
+    entries.insert(position, (backend.name, backend))
+    _BACKENDS.clear()
+    _BACKENDS.update(entries)
+
+
+def grouped_gemm_backends() -> tuple[str, ...]:
+    """The registered names, in ``auto``'s order."""
+    return tuple(_BACKENDS)
+
+
+def select_grouped_gemm_backend(
+    x: torch.Tensor, w: torch.Tensor, backend: str | None = None
+) -> GroupedGemmBackend:
+    """``backend`` (else ``$LIGHTNING_D9D_GROUPED_GEMM``, else ``auto``) resolved for these inputs."""
+    name = backend or os.environ.get(ENV_VAR) or AUTO
+    if name == AUTO:
+        chosen = next(
+            (candidate for candidate in _BACKENDS.values() if candidate.preferred(x, w)), _BACKENDS["loop"]
+        )
+    else:
+        if name not in _BACKENDS:
+            raise ValueError(
+                f"unknown grouped GEMM backend {name!r}: choose one of {[AUTO, *_BACKENDS]} "
+                f"(the backend= argument or ${ENV_VAR})"
+            )
+        chosen = _BACKENDS[name]
+        reason = chosen.unsupported(x, w)
+        if reason is not None:
+            raise ValueError(
+                f"grouped GEMM backend {name!r} cannot run these inputs: {reason}. "
+                f"Choose another backend (or {AUTO!r}) with backend= or ${ENV_VAR}"
+            )
+    if chosen.name not in _ANNOUNCED:
+        _ANNOUNCED.add(chosen.name)
+        log.info("grouped GEMM backend: %s (from %s)", chosen.name, name)
+    return chosen
+
+
+def grouped_mm(
+    x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor, *, backend: str | None = None
+) -> torch.Tensor:
+    """``[T, K] x [G, K, N] -> [T, N]``, rows of ``x`` grouped consecutively by ``group_sizes``; see the module
+    docstring for the backends and how one is chosen."""
+    check_grouped_inputs(x, w, group_sizes)
+    return select_grouped_gemm_backend(x, w, backend).run(x, w, group_sizes)
+
+
+register_grouped_gemm_backend(
+    GroupedGemmBackend("torch", torch_grouped_mm, _torch_unsupported, _torch_preferred)
+)
+register_grouped_gemm_backend(
+    GroupedGemmBackend("grouped_gemm", package_grouped_mm, _package_unsupported, _package_preferred)
+)
+register_grouped_gemm_backend(
+    GroupedGemmBackend("loop", loop_grouped_mm, _loop_unsupported, lambda x, w: True)
+)

@@ -1,0 +1,24 @@
+"""Mixture-of-Experts blocks: router, losses, load balancing, grouped experts, token dispatch, the MoE block."""
+
+from lightning_d9d.modules.moe.balancing import routers_in, update_expert_bias
+from lightning_d9d.modules.moe.block import MoE
+from lightning_d9d.modules.moe.dispatch import Dispatched, LocalDispatcher, TokenDispatcher
+from lightning_d9d.modules.moe.experts import GroupedExperts
+from lightning_d9d.modules.moe.losses import attach_loss, load_balancing_loss, router_loss, router_z_loss
+from lightning_d9d.modules.moe.router import Routing, TopKRouter
+
+__all__ = [
+    "Dispatched",
+    "GroupedExperts",
+    "LocalDispatcher",
+    "MoE",
+    "Routing",
+    "TokenDispatcher",
+    "TopKRouter",
+    "attach_loss",
+    "load_balancing_loss",
+    "router_loss",
+    "router_z_loss",
+    "routers_in",
+    "update_expert_bias",
+]

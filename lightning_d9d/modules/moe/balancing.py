@@ -1,0 +1,48 @@
+"""Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step, move each router's selection
+bias by ``rate * sign(mean load - load)`` per expert, from the load counted over the accumulation window.
+
+The load must be the whole step's, so it is summed over every micro-step (each router counts into its
+``expert_load`` buffer in training forwards) and over the ranks that saw different tokens with the same router
+replica (one all-reduce over ``group``: the data-parallel ranks, later including ``cp`` and ``ep``, which
+carve the same data ranks). Every rank then applies the same update, so the replicas stay equal.
+
+Call it after ``optimizer.step()`` on every rank (the later Lightning edge does, once per optimizer step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_d9d.modules.moe.router import TopKRouter
+
+
+def routers_in(module: nn.Module) -> list[TopKRouter]:
+    """Every :class:`TopKRouter` in ``module``, in module order."""
+    return [child for child in module.modules() if isinstance(child, TopKRouter)]
+
+
+@torch.no_grad()
+def update_expert_bias(
+    routers: Sequence[TopKRouter], rate: float, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Sum each router's ``expert_load`` over ``group`` (no communication when ``None``), update the
+    ``expert_bias`` of routers that have one, reset every ``expert_load``, and return the summed loads
+    ``[R, E]`` (int64; ``R`` routers, ``E`` experts each: one layout, so one all-reduce) for logging."""
+    if not routers:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    widths = {router.num_experts for router in routers}
+    if len(widths) != 1:
+        raise ValueError(f"update_expert_bias needs routers with one number of experts, got {sorted(widths)}")
+    loads = torch.stack([router.expert_load for router in routers])
+    if group is not None:
+        dist.all_reduce(loads, op=dist.ReduceOp.SUM, group=group)
+    for router, load in zip(routers, loads, strict=True):
+        if router.expert_bias is not None:
+            load_float = load.to(torch.float32)
+            router.expert_bias.add_(rate * torch.sign(load_float.mean() - load_float))
+        router.expert_load.zero_()
+    return loads

@@ -1,0 +1,73 @@
+"""Token dispatch: bring each token to the experts its router chose, and the experts' outputs back.
+
+One interface, :class:`TokenDispatcher`, two calls around the experts::
+
+    dispatched = dispatcher.dispatch(hidden, routing)        # rows grouped by (local) expert
+    out = experts(dispatched.tokens, dispatched.tokens_per_expert)
+    hidden = dispatcher.combine(out, dispatched)             # [T, H], weighted sum over each token's top-k
+
+Implementations:
+
+- :class:`LocalDispatcher` (here): every expert is on this rank; permute, no communication.
+- All-to-all over the ``ep`` process group (the next slice), the same two calls: ``dispatch`` permutes by
+  global expert (experts ``r * E/ep ... (r+1) * E/ep - 1`` live on ``ep`` rank ``r``), exchanges the per-expert
+  counts (``all_to_all_single``), sends the rows with ``all_to_all_single`` (split sizes from the counts), and
+  re-sorts what arrived by local expert; ``tokens_per_expert`` then counts this rank's local experts over
+  all source ranks. ``combine`` runs the same steps backwards. The handle (:class:`Dispatched`) carries what
+  the way back needs (split sizes, permutations) plus the routing weights, which never travel: the weighted
+  sum happens on the token's own rank, after the rows come back.
+- DeepEP, when ``deep_ep`` is installed: its dispatch / combine calls fit the same two methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens
+from lightning_d9d.modules.moe.router import Routing
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """What ``dispatch`` hands the experts (``tokens [N, H]`` grouped by local expert, ``tokens_per_expert``
+    one count per local expert) and what ``combine`` needs back (``state``: the dispatcher's own handle, and
+    ``expert_weights [T, k]``)."""
+
+    tokens: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    expert_weights: torch.Tensor
+    state: Any
+
+
+@runtime_checkable
+class TokenDispatcher(Protocol):
+    """Moves tokens to their experts and back; see the module docstring."""
+
+    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+        """``hidden [T, H]`` and its routing -> rows grouped by local expert."""
+        ...
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        """The experts' rows (same order as ``dispatched.tokens``) -> ``[T, H]``, each token's rows weighted by
+        its routing weights and summed."""
+        ...
+
+
+class LocalDispatcher:
+    """All experts on this rank: a permutation by expert and its inverse (:mod:`lightning_d9d.kernels.permute`)."""
+
+    def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
+        tokens, permutation = permute_tokens(hidden, routing.expert_indices)
+        return Dispatched(
+            tokens=tokens,
+            tokens_per_expert=routing.tokens_per_expert,
+            expert_weights=routing.expert_weights,
+            state=permutation,
+        )
+
+    def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
+        permutation: Permutation = dispatched.state
+        return unpermute_tokens(expert_output, permutation, dispatched.expert_weights)

@@ -1,0 +1,66 @@
+"""Experts: all experts' SwiGLU weights stacked, run with grouped GEMMs over tokens grouped by expert.
+
+Layout ``[E, in, out]`` (``gate_proj``/``up_proj`` ``[E, hidden, ffn]``, ``down_proj`` ``[E, ffn, hidden]``)
+so each projection is ``grouped_mm(x, w, tokens_per_expert)`` with no transpose. transformers' Qwen3-MoE holds
+``gate_up_proj [E, 2 * ffn, hidden]`` (gate rows first) and ``down_proj [E, hidden, ffn]``, checkpoints hold one
+``[out, in]`` matrix per expert: the Hugging Face mapping transposes and stacks. Gate and up stay separate so
+that sharding the ffn dimension (tensor parallelism) cuts both alike.
+
+Expert parallelism later shards dimension 0 over ``ep``: each rank holds ``num_experts / ep`` consecutive
+experts and receives, from the dispatcher, its tokens grouped by *local* expert; this module only ever sees its
+local experts (``tokens_per_expert`` has one count per local expert).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_d9d.kernels import grouped_mm
+
+
+class GroupedExperts(nn.Module):
+    """``E`` SwiGLU experts: ``down(silu(x @ gate) * (x @ up))`` per expert, over rows grouped by expert.
+
+    ``gemm_backend`` names a grouped GEMM backend (``None``: the registry's choice, see
+    :mod:`lightning_d9d.kernels.grouped_gemm`)."""
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        gemm_backend: str | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.gemm_backend = gemm_backend
+        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
+        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # nn.Linear's default per expert: uniform(+-1/sqrt(fan_in)).
+        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+            bound = 1 / math.sqrt(weight.shape[1])
+            nn.init.uniform_(weight, -bound, bound)
+
+    def forward(self, grouped: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``."""
+        gate = grouped_mm(grouped, self.gate_proj, tokens_per_expert, backend=self.gemm_backend)
+        up = grouped_mm(grouped, self.up_proj, tokens_per_expert, backend=self.gemm_backend)
+        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert, backend=self.gemm_backend)
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, gemm_backend={self.gemm_backend}"
+        )

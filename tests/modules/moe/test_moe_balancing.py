@@ -1,0 +1,84 @@
+"""Auxiliary-loss-free bias update: the sign rule by hand, the load summed over micro-steps, and over 2 gloo
+ranks equal to one process on the concatenated tokens."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from lightning_d9d.modules.moe import TopKRouter, routers_in, update_expert_bias
+
+HIDDEN, EXPERTS, TOP_K, RATE, STEPS = 6, 5, 2, 0.05, 4
+
+
+def _router() -> TopKRouter:
+    torch.manual_seed(0)
+    router = TopKRouter(HIDDEN, EXPERTS, TOP_K, selection_bias=True)
+    with torch.no_grad():
+        router.weight.mul_(0.1)  # small logits: the bias soon changes the choices
+    return router
+
+
+def _batches() -> list[torch.Tensor]:
+    """Per optimizer step: 4 micro-batches of uneven size (2 per rank when 2 ranks)."""
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(29, HIDDEN, generator=generator) for _ in range(STEPS)]
+
+
+def _micro_batches(step_tokens: torch.Tensor, rank: int, world: int) -> list[torch.Tensor]:
+    pieces = step_tokens.split([5, 9, 8, 7])  # 4 micro-batches, 2 per rank on 2 ranks
+    mine = pieces[rank::world] if world > 1 else pieces
+    return list(mine)
+
+
+def _train(rank: int, world: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    router = _router()
+    group = dist.group.WORLD if world > 1 else None
+    biases, loads = [], []
+    for step_tokens in _batches():
+        for micro in _micro_batches(step_tokens, rank, world):
+            router(micro)
+        loads.append(update_expert_bias(routers_in(router), RATE, group)[0].clone())
+        assert router.expert_bias is not None
+        biases.append(router.expert_bias.clone())
+    return biases, loads
+
+
+def _on_rank() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return _train(dist.get_rank(), dist.get_world_size())
+
+
+def test_sign_rule_by_hand() -> None:
+    router = TopKRouter(2, 4, 1, selection_bias=True)
+    plain = TopKRouter(2, 4, 1)
+    router.expert_load.copy_(torch.tensor([3, 1, 2, 2]))  # mean 2
+    plain.expert_load.copy_(torch.tensor([1, 1, 4, 0]))
+    loads = update_expert_bias([router, plain], rate=0.5)
+    assert router.expert_bias is not None
+    assert router.expert_bias.tolist() == [-0.5, 0.5, 0.0, 0.0]
+    assert loads.tolist() == [[3, 1, 2, 2], [1, 1, 4, 0]]
+    assert int(router.expert_load.abs().sum()) == 0 and int(plain.expert_load.abs().sum()) == 0
+
+
+def test_load_of_micro_steps_equals_one_pass_over_their_tokens() -> None:
+    accumulated, whole = _router(), _router()
+    step_tokens = _batches()[0]
+    for micro in step_tokens.split([5, 9, 8, 7]):
+        accumulated(micro)
+    whole(step_tokens)
+    assert torch.equal(accumulated.expert_load, whole.expert_load)
+
+
+def test_two_ranks_equal_one_process_on_all_tokens() -> None:
+    single_biases, single_loads = _train(0, 1)
+    # The bias moves every step (and the choices with it, so later steps depend on earlier updates).
+    assert all(not torch.equal(a, b) for a, b in itertools.pairwise(single_biases))
+    results = run_distributed(_on_rank, 2)
+    assert len(results) == 2
+    for rank_biases, rank_loads in results:
+        for step in range(STEPS):
+            assert torch.equal(rank_loads[step], single_loads[step]), step
+            torch.testing.assert_close(rank_biases[step], single_biases[step], atol=1e-6, rtol=0)
