@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules import (
@@ -33,7 +34,22 @@ from lightning_d9d.modules import (
     zeros_fill,
 )
 from lightning_d9d.modules.init import Fill
-from lightning_d9d.plans import DATA_PARALLEL, ParallelOptions, parallelize_blocks, require_degrees
+from lightning_d9d.plans import (
+    DATA_PARALLEL,
+    ParallelOptions,
+    check_sequence_length,
+    check_tensor_parallel_sizes,
+    column_parallel,
+    gather_sequence,
+    parallelize_blocks,
+    parallelize_tensor,
+    per_head_norm,
+    require_degrees,
+    row_parallel_to_sequence,
+    sequence_parallel_norm,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
 
 
 @dataclass
@@ -214,10 +230,19 @@ class Qwen3Model(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        # Into how many parts sequence parallelism cuts each sequence (tp; 1 without it): the residual stream
+        # holds T / sequence_shards positions per rank, RoPE needs all T.
+        self.sequence_shards = 1
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return run_decoder(
-            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, position_ids
+            self.embed_tokens,
+            self.layers,
+            self.norm,
+            self.rotary_emb,
+            input_ids,
+            position_ids,
+            sequence_shards=self.sequence_shards,
         )
 
 
@@ -228,13 +253,73 @@ def run_decoder(
     rotary_emb: RotaryEmbedding,
     inputs: torch.Tensor,
     position_ids: torch.Tensor | None = None,
+    *,
+    sequence_shards: int = 1,
 ) -> torch.Tensor:
-    """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm)."""
-    x = embed_tokens(inputs) if embed_tokens is not None else inputs
-    cos, sin = rotary_emb(position_ids, x.shape[1], x.dtype)
+    """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm).
+
+    Under sequence parallelism (``sequence_shards`` > 1) token ids come in whole and hidden states as this
+    rank's ``T / sequence_shards`` positions; the RoPE tables cover the whole sequence either way (attention
+    gathers it).
+    """
+    if embed_tokens is not None:
+        seq_len = inputs.shape[1]
+        if sequence_shards > 1:
+            check_sequence_length(seq_len, sequence_shards)
+        x = embed_tokens(inputs)
+    else:
+        x, seq_len = inputs, inputs.shape[1] * sequence_shards
+    cos, sin = rotary_emb(position_ids, seq_len, x.dtype)
     for layer in layers.values():
         x = layer(x, cos, sin)
     return norm(x) if norm is not None else x
+
+
+def tensor_parallel_sizes(config: Qwen3Config) -> dict[str, int]:
+    """The sizes tensor parallelism splits, each of which tp must divide."""
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
+def tensor_plan(
+    decoder: Qwen3Model | Qwen3Stage, lm_head: nn.Module | None, *, prefix: str = ""
+) -> dict[str, ParallelStyle]:
+    """Qwen3's tensor-parallel plan for the parts ``decoder`` (and ``lm_head``) hold, keyed by module name
+    relative to the module that owns ``decoder`` under ``prefix``.
+
+    Attention: q/k/v split by heads (column-parallel), o row-parallel; the q/k norms act per head on this
+    rank's heads. MLP: gate/up column-parallel, down row-parallel. Norms and residuals sequence-parallel; the
+    embedding vocabulary-parallel; the head leaves vocabulary-sharded logits for the loss.
+    """
+    plan: dict[str, ParallelStyle] = {}
+    if decoder.embed_tokens is not None:
+        plan[f"{prefix}embed_tokens"] = vocab_parallel_embedding()
+    for key, layer in decoder.layers.items():
+        at = f"{prefix}layers.{key}."
+        plan[f"{at}input_layernorm"] = sequence_parallel_norm()
+        plan[f"{at}self_attn"] = gather_sequence(other_args=2)  # (x, cos, sin)
+        for name in ("q_proj", "k_proj", "v_proj"):
+            plan[f"{at}self_attn.{name}"] = column_parallel()
+        plan[f"{at}self_attn.o_proj"] = row_parallel_to_sequence()
+        attention = layer.self_attn
+        if isinstance(attention, Attention) and attention.q_norm is not None:
+            plan[f"{at}self_attn.q_norm"] = per_head_norm()
+        if isinstance(attention, Attention) and attention.k_norm is not None:
+            plan[f"{at}self_attn.k_norm"] = per_head_norm()
+        plan[f"{at}post_attention_layernorm"] = sequence_parallel_norm()
+        plan[f"{at}mlp"] = gather_sequence()
+        for name in ("gate_proj", "up_proj"):
+            plan[f"{at}mlp.{name}"] = column_parallel()
+        plan[f"{at}mlp.down_proj"] = row_parallel_to_sequence()
+    if decoder.norm is not None:
+        plan[f"{prefix}norm"] = sequence_parallel_norm()
+    if lm_head is not None:
+        plan["lm_head"] = vocab_parallel_head()
+    return plan
 
 
 class Qwen3Stage(nn.Module):
@@ -251,15 +336,34 @@ class Qwen3Stage(nn.Module):
         self.lm_head = model.lm_head if last else None
         # Not a submodule: the RoPE tables belong to the model (and its init), the stage only reads them.
         self._rotary = [decoder.rotary_emb]
+        self._config = model.config
+        self.sequence_shards = 1  # as Qwen3Model's: hidden states between stages hold T / tp positions
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs)
+        hidden = run_decoder(
+            self.embed_tokens,
+            self.layers,
+            self.norm,
+            self._rotary[0],
+            inputs,
+            sequence_shards=self.sequence_shards,
+        )
         return self.lm_head(hidden) if self.lm_head is not None else hidden
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """The model's plan for one pipeline stage: each stage is its own FSDP root."""
-        require_degrees(dims, supported=("pp", *DATA_PARALLEL), owner="Qwen3Stage")
-        # TP / CP plans go here, before the layers are wrapped. No dropout in the layers: no RNG state to keep.
+        """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block
+        plan): each stage is its own FSDP root. Between stages travel this rank's sequence shards."""
+        require_degrees(dims, supported=("pp", *DATA_PARALLEL, "tp"), owner="Qwen3Stage")
+        if dims.tp_enabled:
+            check_tensor_parallel_sizes(dims.tp, "Qwen3Stage", tensor_parallel_sizes(self._config))
+            if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
+                raise NotImplementedError(
+                    "Qwen3Stage: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
+                    "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
+                )
+            parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
+            self.sequence_shards = dims.tp
+        # CP plans go here, before the layers are wrapped. No dropout in the layers: no RNG state to keep.
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
@@ -334,19 +438,28 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Apply the parallel plan in place: (TP/CP/EP/PP: not yet), activation checkpointing, per-layer
-        ``torch.compile``, then FSDP/HSDP per decoder layer plus the root.
+        """Apply the parallel plan in place: tensor + sequence parallelism over ``tp`` (:func:`tensor_plan`;
+        CP/EP: not yet), activation checkpointing, per-layer ``torch.compile``, then FSDP/HSDP per decoder layer
+        plus the root (2-D with tp: FSDP shards the tp shards over the ``fsdp`` mesh).
+
+        Sizes that tp does not divide are refused here, before any collective.
 
         The root FSDP unit holds the embedding, final norm and LM head; with tied embeddings embedding and
         head share one Parameter, which FSDP2 shards once and all-gathers once per root unit.
         """
         require_degrees(
             dims,
-            supported=DATA_PARALLEL,
+            supported=(*DATA_PARALLEL, "tp"),
             owner="Qwen3ForCausalLM",
             alternatives={"pp": "call Qwen3Stage.parallelize on each pipeline stage (the d9d strategy does)"},
         )
-        # TP / CP plans go here, before the layers are wrapped. The decoder layers have no dropout (Qwen3's
+        if dims.tp_enabled:
+            check_tensor_parallel_sizes(dims.tp, "Qwen3ForCausalLM", tensor_parallel_sizes(self.config))
+            parallelize_tensor(
+                self, dims.mesh_for("tp"), tensor_plan(self.model, self.lm_head, prefix="model.")
+            )
+            self.model.sequence_shards = dims.tp
+        # Before the layers are wrapped: TP (above), CP (not yet). The decoder layers have no dropout (Qwen3's
         # attention_dropout is 0), so activation checkpointing need not save and restore the RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 

@@ -23,6 +23,7 @@ from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
 from lightning_d9d.pipeline.schedules import PipelineConfig, build_schedule
 from lightning_d9d.pipeline.split import rank_of_stage
+from lightning_d9d.plans.tensor import local_loss, maybe_loss_parallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -88,6 +89,9 @@ class PipelineRunner:
         self.pp = dims.pp
         self.num_stages = config.num_stages(dims.pp)
         self.group = dims.mesh_for("pp").get_group()
+        # Under tp the last stage's logits stay sharded on the vocabulary dim: the loss and its backward run
+        # under torch's loss_parallel, inside the schedule step.
+        self.loss_parallel = dims.tp_enabled
         self.device = device
         self.holds_first = 0 in self.stages
         self.holds_last = self.num_stages - 1 in self.stages
@@ -119,7 +123,7 @@ class PipelineRunner:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._user_loss is not None
-        return self._user_loss(output, target) * self._weight(target)
+        return local_loss(self._user_loss(output, target)) * self._weight(target)
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
         if self._schedule is None or loss_fn is not self._user_loss:
@@ -176,7 +180,8 @@ class PipelineRunner:
         kwargs: dict[str, Any] = {"target": target if self.holds_last else None, "losses": []}
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
-        schedule.step(*args, **kwargs)
+        with maybe_loss_parallel(self.loss_parallel):
+            schedule.step(*args, **kwargs)
         if self.holds_last:
             # The schedule's own list, not every loss_fn call: on its first step torch also calls the loss on
             # shape-inference outputs.
@@ -193,6 +198,11 @@ class PipelineRunner:
     ) -> torch.Tensor:
         """The loss of the whole batch, forward only, on every pipeline rank."""
         self.check_same_batch(inputs, target, "eval")
-        return pipeline_forward_loss(
-            self.stages, self.owner, self.num_stages, self.group, inputs, target, loss_fn, self.device
-        )
+
+        def plain_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return local_loss(loss_fn(output, target))
+
+        with maybe_loss_parallel(self.loss_parallel):
+            return pipeline_forward_loss(
+                self.stages, self.owner, self.num_stages, self.group, inputs, target, plain_loss, self.device
+            )

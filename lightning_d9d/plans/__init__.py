@@ -9,6 +9,20 @@ from lightning_d9d.plans.degrees import DATA_PARALLEL, IMPLEMENTED, require_degr
 from lightning_d9d.plans.fsdp import parallelize_fsdp
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
+from lightning_d9d.plans.tensor import (
+    check_sequence_length,
+    check_tensor_parallel_sizes,
+    column_parallel,
+    gather_sequence,
+    local_loss,
+    maybe_loss_parallel,
+    parallelize_tensor,
+    per_head_norm,
+    row_parallel_to_sequence,
+    sequence_parallel_norm,
+    vocab_parallel_embedding,
+    vocab_parallel_head,
+)
 from lightning_d9d.plans.traits import Parallelizable, SeededInit
 
 __all__ = [
@@ -19,11 +33,23 @@ __all__ = [
     "SeededInit",
     "apply_activation_checkpointing",
     "apply_compile",
+    "check_sequence_length",
+    "check_tensor_parallel_sizes",
+    "column_parallel",
+    "gather_sequence",
+    "local_loss",
+    "maybe_loss_parallel",
     "parallelize_blocks",
     "parallelize_data",
     "parallelize_default",
     "parallelize_fsdp",
     "parallelize_replicate",
+    "parallelize_tensor",
+    "per_head_norm",
     "repeated_blocks",
     "require_degrees",
+    "row_parallel_to_sequence",
+    "sequence_parallel_norm",
+    "vocab_parallel_embedding",
+    "vocab_parallel_head",
 ]

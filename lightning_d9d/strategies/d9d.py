@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +48,8 @@ from lightning_d9d.plans import (
     Parallelizable,
     ParallelOptions,
     SeededInit,
+    local_loss,
+    maybe_loss_parallel,
     parallelize_default,
     require_degrees,
 )
@@ -383,7 +385,10 @@ class D9DStrategy(ModelParallelStrategy):
         """
         item_scale = self._item_scale(loss_fn, target)
         if self._runner is None:
-            return _weighed(loss_fn(model(*inputs), target), loss_fn, target, item_scale)
+            output = model(*inputs)
+            with self._loss_parallel():
+                loss = local_loss(loss_fn(output, target))
+            return _weighed(loss, loss_fn, target, item_scale)
         if model is not self._runner.model:
             raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
         if torch.is_grad_enabled():
@@ -393,6 +398,11 @@ class D9DStrategy(ModelParallelStrategy):
                 inputs, target, loss_fn, accumulate=accumulate, item_scale=item_scale
             )
         return _weighed(self._runner.eval_step(inputs, target, loss_fn), loss_fn, target, item_scale)
+
+    def _loss_parallel(self) -> AbstractContextManager[None]:
+        """Under tp the logits stay sharded on the vocabulary dim: the cross-entropy (and its backward) runs
+        on the shards through torch's ``loss_parallel``, never gathering ``[tokens, vocab]``."""
+        return maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled)
 
     def _item_scale(self, loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor | None:
         """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss;
@@ -412,7 +422,8 @@ class D9DStrategy(ModelParallelStrategy):
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self._runner is None:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
+            with self._loss_parallel():  # the vocabulary-sharded cross-entropy's backward needs it too
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward; only the hooks are left (on_before/after_backward).
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)

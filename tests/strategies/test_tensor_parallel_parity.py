@@ -1,0 +1,126 @@
+"""Tensor + sequence + loss parallelism inside Lightning's loop against a single-process loop (fp32, 1e-5).
+
+Losses, parameters and the gradient norm before clipping after 5 optimizer steps; tp alone (with accumulation,
+with clipping, with tied embeddings), tp under FSDP (2-D), and checkpoints carried between tp=2 and tp=1.
+Runs of one world size share one launch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from reference import reference_run
+from test_trainer_parity import BASE, assert_same_grad_norms, assert_same_training, run_trainer
+
+TP2 = {"devices": 2, "dp": 1, "max_steps": 5, "dims": {"tp": 2}}
+# A checkpoint every 2 steps of 4-batch epochs: step 6 is in the middle of an epoch.
+RESUMABLE = {"max_steps": 8, "steps_per_epoch": 4, "save_every": 2}
+RESUME_STEP = 6
+
+CASES: dict[str, dict] = {
+    "tp2": {**TP2, "validate": True},
+    # without clipping: a clip threshold that bites rescales away any gradient-scale error
+    "tp2_accumulate": {**TP2, "accumulate": 2},
+    "tp2_accumulate_clip": {**TP2, "accumulate": 2, "clip": 0.05},
+    # the embedding and the head are one Parameter, split over the vocabulary by both
+    "tp2_tied": {**TP2, "model": {"tie_word_embeddings": True}},
+    "tp2_resumable": {**TP2, **RESUMABLE},
+    # tp=1 on as many processes: plain FSDP, so a resume also reshards between FSDP and tp
+    "tp1_resumable": {"devices": 2, "dp": 2, **RESUMABLE, "dims": {"dp_shard": 2}},
+    # 2-D: FSDP over dp_shard shards the tp shards; padded labels weigh the data ranks by their tokens
+    "tp2_dp2": {"devices": 4, "dp": 2, "max_steps": 5, "dims": {"tp": 2, "dp_shard": 2}},
+    "tp2_dp2_padded_clip": {
+        "devices": 4,
+        "dp": 2,
+        "max_steps": 5,
+        "pad": True,
+        "lr": 3e-4,  # see fsdp2_padded in test_trainer_parity.py
+        "clip": 0.05,
+        "dims": {"tp": 2, "dp_shard": 2},
+    },
+    # pipeline stages, each tensor-parallel: hidden states travel between stages as sequence shards, the
+    # last stage's loss runs from vocabulary-sharded logits inside the schedule
+    "pp2_tp2_accumulate_clip": {
+        "devices": 4,
+        "dp": 1,
+        "max_steps": 5,
+        "accumulate": 2,
+        "clip": 0.05,
+        "validate": True,
+        "model": {"num_hidden_layers": 4},
+        "dims": {"pp": 2, "tp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
+}
+# (case saved, layout resumed on): tp=2 -> tp=1 and tp=1 -> tp=2, from the mid-epoch checkpoint
+RESUMES = {"tp2_resumable": "tp1_resumable", "tp1_resumable": "tp2_resumable"}
+
+
+def config_of(case: str) -> dict:
+    return {**BASE, **CASES[case]}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    """``launched(case)``: the result of ``case``, running all cases of its world size on first use."""
+    checkpoints = tmp_path_factory.mktemp("tp_checkpoints")
+    results: dict[str, dict] = {}
+
+    def result(case: str) -> dict:
+        if case not in results:
+            devices = CASES[case]["devices"]
+            names = [name for name, config in CASES.items() if config["devices"] == devices]
+            configs = [
+                {**CASES[name], "ckpt_dir": str(checkpoints / name)}
+                if CASES[name].get("save_every")
+                else CASES[name]
+                for name in names
+            ]
+            tmp = tmp_path_factory.mktemp(f"tp_{devices}")
+            results.update(run_trainer(configs, tmp, f"devices{devices}", names=names))
+        return results[case]
+
+    result.checkpoints = checkpoints  # type: ignore[attr-defined]
+    return result
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
+    config = config_of(case)
+    actual = launched(case)
+    expected = reference_run(config)
+    assert_same_training(actual, expected)
+    assert_same_grad_norms(actual, expected)
+    assert actual["param_dtypes"] == ["torch.float32"]
+    if config.get("validate"):
+        assert abs(actual["val_loss"] - expected["val_loss"]) <= 1e-5
+    if config.get("clip"):
+        # the threshold must bite on every step, otherwise this case tests nothing about clipping
+        assert min(expected["grad_norms"]) > config["clip"], expected["grad_norms"]
+
+
+def test_checkpoints_move_between_tp2_and_tp1(launched: Callable[[str], dict], tmp_path: Path) -> None:
+    """A checkpoint saved at tp=2 resumes at tp=1 and one saved at tp=1 resumes at tp=2 (DCP reshards the
+    tp-sharded parameters and optimizer state), each continuing like the uninterrupted run."""
+    checkpoints: Path = launched.checkpoints  # type: ignore[attr-defined]
+    uninterrupted = {saved: launched(saved) for saved in RESUMES}  # writes the checkpoints
+    names = [f"{saved}_on_{resumed_on}" for saved, resumed_on in RESUMES.items()]
+    configs = [
+        {
+            **CASES[resumed_on],
+            "save_every": 0,
+            "resume_from": str(checkpoints / saved / f"step={RESUME_STEP}.ckpt"),
+        }
+        for saved, resumed_on in RESUMES.items()
+    ]
+    resumed = run_trainer(configs, tmp_path, "resumed", names=names)  # one launch: both are 2 processes
+    for saved, name in zip(RESUMES, names, strict=True):
+        full = uninterrupted[saved]
+        assert_same_training(
+            {"losses": resumed[name]["losses"], "params": resumed[name]["params"]},
+            {"losses": full["losses"][RESUME_STEP:], "params": full["params"]},
+        )
+        assert_same_grad_norms(
+            {"grad_norms": resumed[name]["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]}
+        )
