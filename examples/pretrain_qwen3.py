@@ -28,9 +28,11 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
 from lightning_d9d import D9DStrategy, model_loss
+from lightning_d9d.callbacks import Throughput
 from lightning_d9d.compat import should_accumulate
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.metrics import CausalLMPerplexity
 
 
 class SyntheticCorpus(Dataset):
@@ -78,8 +80,22 @@ class SyntheticCorpus(Dataset):
         return {"input_ids": sequence[:-1], "labels": sequence[1:]}
 
 
+def rank_loss_sum(module: L.LightningModule, loss: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """This rank's summed token loss, from ``model_loss``'s value and this rank's token count.
+
+    With a counted loss (``causal_lm_loss``) the d9d strategy weighs each data-parallel rank's mean loss by its
+    share of the batch's tokens, so that the mean over the ranks is the token mean of the whole batch: the value
+    is ``rank's loss sum / mean tokens per rank``, and times that mean it is the sum again. With one rank (or
+    any strategy without weighting, when every rank holds as many tokens) it is ``mean * tokens``. The mean
+    is reduced on the device: no host synchronisation.
+    """
+    mean_tokens = module.trainer.strategy.reduce(tokens.float(), reduce_op="mean")
+    return loss.detach() * mean_tokens
+
+
 class Qwen3Pretraining(L.LightningModule):
-    """Causal-LM pretraining. Nothing here is specific to the d9d strategy except building on ``meta``."""
+    """Causal-LM pretraining. Nothing here is specific to the d9d strategy except building on ``meta`` and
+    reading the validation loss as the strategy weighs it (``rank_loss_sum``)."""
 
     def __init__(
         self,
@@ -103,6 +119,9 @@ class Qwen3Pretraining(L.LightningModule):
         self.model: Qwen3ForCausalLM | None = None
         # Counts the tokens it averages over, so the strategy weighs padded microbatches and ranks by them.
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss
+        # exp(token-mean loss) over every validation token of every data-parallel rank (not a mean of batch
+        # perplexities); the strategy syncs it over the data-parallel ranks only.
+        self.val_perplexity = CausalLMPerplexity()
 
     def configure_model(self) -> None:
         if self.model is None:
@@ -122,6 +141,9 @@ class Qwen3Pretraining(L.LightningModule):
         assert self.model is not None
         loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        tokens = causal_lm_loss.count(batch["labels"])
+        self.val_perplexity.update(rank_loss_sum(self, loss, tokens), tokens)
+        self.log("val/ppl", self.val_perplexity, prog_bar=True)
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         hp = self.hparams
@@ -150,9 +172,21 @@ class PrintProgress(Callback):
     ) -> None:  # type: ignore[no-untyped-def]
         step = trainer.global_step
         if trainer.is_global_zero and step % self.every == 0 and not should_accumulate(trainer):
-            loss = trainer.callback_metrics.get("train/loss")
+            metrics = trainer.callback_metrics
+            loss = metrics.get("train/loss")
+            # Throughput's last window (absent until one closed; no MFU on CPU: no peak known there)
+            speed = "".join(
+                f"  {label} {float(metrics[key]):{spec}}"
+                for key, label, spec in (
+                    ("perf/tokens_per_sec", "tok/s", ".0f"),
+                    ("perf/tflops_per_device", "TFLOP/s/dev", ".3g"),
+                    ("perf/mfu", "MFU", ".1%"),
+                    ("perf/max_memory_gib", "mem GiB", ".1f"),
+                )
+                if key in metrics
+            )
             print(
-                f"step {step:4d}  loss {float(loss):.4f}  {time.perf_counter() - self.start:6.1f}s",
+                f"step {step:4d}  loss {float(loss):.4f}{speed}  {time.perf_counter() - self.start:6.1f}s",
                 flush=True,
             )
 
@@ -224,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         limit_val_batches=4,
         logger=CSVLogger(args.output, name="logs"),
-        callbacks=[checkpoints, PrintProgress(every=10)],
+        callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10)],
         enable_progress_bar=False,
         enable_model_summary=False,
     )

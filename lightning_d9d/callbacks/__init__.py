@@ -1,5 +1,15 @@
-"""Lightning callbacks: Hugging Face weights in (``LoadHFWeights``) and out (``ExportHF``) of a training run."""
+"""Lightning callbacks: Hugging Face weights in (``LoadHFWeights``) and out (``ExportHF``) of a training run, and
+training speed (``Throughput``: tokens/s, TFLOP/s, MFU, step time, peak memory)."""
 
 from lightning_d9d.callbacks.hf import ExportHF, LoadHFWeights, find_hf_model
+from lightning_d9d.callbacks.throughput import PEAK_BF16_FLOPS, Throughput, count_input_tokens, peak_flops_of
 
-__all__ = ["ExportHF", "LoadHFWeights", "find_hf_model"]
+__all__ = [
+    "PEAK_BF16_FLOPS",
+    "ExportHF",
+    "LoadHFWeights",
+    "Throughput",
+    "count_input_tokens",
+    "find_hf_model",
+    "peak_flops_of",
+]
