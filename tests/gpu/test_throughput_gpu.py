@@ -173,7 +173,9 @@ def test_no_host_sync_between_window_boundaries(strategy: str) -> None:
     assert values["tokens_per_sec"] * values["step_time"] == pytest.approx(BATCH * SEQ)
     assert 0 < values["max_memory_gib"] < 140
     assert 0 < values["step_time"] < elapsed / WINDOW  # a window's steps took less than the whole fit
-    assert values["step_time"] > 2 * SPIN_MS / 1e3  # two spins per step, measured on the GPU
+    # two spins per step, measured on the GPU; a spin is calibrated in clock cycles, and the clock moves
+    # (one H200 run measured 68.5 ms for the two 40 ms spins), so require more than one spin
+    assert values["step_time"] > SPIN_MS / 1e3
     if "h100" in torch.cuda.get_device_name().lower() or "h200" in torch.cuda.get_device_name().lower():
         assert 0 < values["mfu"] < 1
     assert "perf/tokens_per_sec" in trainer.progress_bar_metrics
