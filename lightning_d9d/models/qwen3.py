@@ -33,6 +33,7 @@ from lightning_d9d.modules import (
     ones_fill,
     zeros_fill,
 )
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.plans import (
     DATA_PARALLEL,
@@ -42,6 +43,7 @@ from lightning_d9d.plans import (
     column_parallel,
     gather_sequence,
     parallelize_blocks,
+    parallelize_context,
     parallelize_tensor,
     per_head_norm,
     require_degrees,
@@ -233,8 +235,13 @@ class Qwen3Model(nn.Module):
         # Into how many parts sequence parallelism cuts each sequence (tp; 1 without it): the residual stream
         # holds T / sequence_shards positions per rank, RoPE needs all T.
         self.sequence_shards = 1
+        # Under context parallelism (set by parallelize_context): which positions of each sequence this rank
+        # holds, so that RoPE rotates each token by its global position.
+        self.context_split: LoadBalancedSplit | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None and self.context_split is not None:
+            position_ids = self.context_split.local_positions(input_ids.shape[1], device=input_ids.device)
         return run_decoder(
             self.embed_tokens,
             self.layers,
@@ -438,9 +445,11 @@ class Qwen3ForCausalLM(nn.Module):
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Apply the parallel plan in place: tensor + sequence parallelism over ``tp`` (:func:`tensor_plan`;
-        CP/EP: not yet), activation checkpointing, per-layer ``torch.compile``, then FSDP/HSDP per decoder layer
-        plus the root (2-D with tp: FSDP shards the tp shards over the ``fsdp`` mesh).
+        """Apply the parallel plan in place: tensor + sequence parallelism over ``tp`` (:func:`tensor_plan`),
+        context parallelism over ``cp`` (:func:`~lightning_d9d.plans.parallelize_context`: load-balanced
+        sequence chunks, all-gather attention, RoPE at the global positions; EP: not yet), activation
+        checkpointing, per-layer ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (2-D with
+        tp: FSDP shards the tp shards over the ``fsdp`` mesh, which is ``dp_shard * cp``).
 
         Sizes that tp does not divide are refused here, before any collective.
 
@@ -449,7 +458,7 @@ class Qwen3ForCausalLM(nn.Module):
         """
         require_degrees(
             dims,
-            supported=(*DATA_PARALLEL, "tp"),
+            supported=(*DATA_PARALLEL, "cp", "tp"),
             owner="Qwen3ForCausalLM",
             alternatives={"pp": "call Qwen3Stage.parallelize on each pipeline stage (the d9d strategy does)"},
         )
@@ -459,7 +468,9 @@ class Qwen3ForCausalLM(nn.Module):
                 self, dims.mesh_for("tp"), tensor_plan(self.model, self.lm_head, prefix="model.")
             )
             self.model.sequence_shards = dims.tp
-        # Before the layers are wrapped: TP (above), CP (not yet). The decoder layers have no dropout (Qwen3's
+        if dims.cp_enabled:
+            parallelize_context(self, dims.mesh_for("cp"))
+        # Before the layers are wrapped: TP and CP (above). The decoder layers have no dropout (Qwen3's
         # attention_dropout is 0), so activation checkpointing need not save and restore the RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -55,6 +57,9 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
         self.repeat_kv_heads = False
+        # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values
+        # (``AllGatherAttention``); None attends within the local sequence.
+        self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x``: ``[B, T, hidden]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``. Returns ``[B, T, hidden]``."""
@@ -67,6 +72,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
+        if self.context is not None:
+            return self.o_proj(self.context(q, k, v).transpose(1, 2).reshape(b, t, -1))
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and self.repeat_kv_heads:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)

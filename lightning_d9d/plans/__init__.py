@@ -3,6 +3,7 @@
 from lightning_d9d.plans.blocks import parallelize_blocks
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
 from lightning_d9d.plans.compile import apply_compile
+from lightning_d9d.plans.context import ContextSplitAware, parallelize_context, split_batch
 from lightning_d9d.plans.data_parallel import parallelize_data
 from lightning_d9d.plans.default import parallelize_default, repeated_blocks
 from lightning_d9d.plans.degrees import DATA_PARALLEL, IMPLEMENTED, require_degrees
@@ -28,6 +29,7 @@ from lightning_d9d.plans.traits import Parallelizable, SeededInit
 __all__ = [
     "DATA_PARALLEL",
     "IMPLEMENTED",
+    "ContextSplitAware",
     "ParallelOptions",
     "Parallelizable",
     "SeededInit",
@@ -40,6 +42,7 @@ __all__ = [
     "local_loss",
     "maybe_loss_parallel",
     "parallelize_blocks",
+    "parallelize_context",
     "parallelize_data",
     "parallelize_default",
     "parallelize_fsdp",
@@ -50,6 +53,7 @@ __all__ = [
     "require_degrees",
     "row_parallel_to_sequence",
     "sequence_parallel_norm",
+    "split_batch",
     "vocab_parallel_embedding",
     "vocab_parallel_head",
 ]

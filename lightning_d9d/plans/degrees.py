@@ -17,9 +17,9 @@ FEATURES = {
 }
 # What the data-parallel plan (FSDP / HSDP / replication) covers on its own.
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
-# What lightning_d9d has plans for today (tp: for models whose plan splits them, Qwen3); cp and ep join when
-# their plans land.
-IMPLEMENTED = ("pp", *DATA_PARALLEL, "tp")
+# What lightning_d9d has plans for today (tp and cp: for models whose plan splits them, Qwen3); ep joins when
+# its plan lands.
+IMPLEMENTED = ("pp", *DATA_PARALLEL, "cp", "tp")
 
 
 def require_degrees(

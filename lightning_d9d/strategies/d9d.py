@@ -33,6 +33,7 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -52,6 +53,7 @@ from lightning_d9d.plans import (
     maybe_loss_parallel,
     parallelize_default,
     require_degrees,
+    split_batch,
 )
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
@@ -125,7 +127,7 @@ class D9DStrategy(ModelParallelStrategy):
             stage_head_weight,
         )
         self._runner: PipelineRunner | None = None
-        # Refuse degrees without plans (tp, cp, ep for now) before any process group exists.
+        # Refuse degrees without plans (ep for now) before any process group exists.
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
         self._activation_checkpointing = activation_checkpointing
@@ -353,10 +355,11 @@ class D9DStrategy(ModelParallelStrategy):
         return tensor
 
     def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The ranks that see different data (the ``dp`` view); the world before the mesh exists."""
+        """The ranks that hold different tokens (the ``loss`` view: data replicas times the cp ranks that each
+        hold part of every sequence); the world before the mesh exists."""
         if self._dims is None or self._dims.mesh is None:
             return None
-        return self._dims.mesh_for("dp").get_group()
+        return self._dims.mesh_for("loss").get_group()
 
     def _sync_metrics_over_data_ranks(self, module: nn.Module) -> None:
         """torchmetrics syncs over the world unless told otherwise; point metrics without a group of their own
@@ -364,7 +367,7 @@ class D9DStrategy(ModelParallelStrategy):
         from torchmetrics import Metric
 
         group = self._data_parallel_group()
-        if group is None or self.parallel_dims.dp == self.parallel_dims.world_size:
+        if group is None or dist.get_world_size(group) == self.parallel_dims.world_size:
             return  # the data-parallel ranks are the world: nothing to change
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.process_group is None:
@@ -382,7 +385,14 @@ class D9DStrategy(ModelParallelStrategy):
         For a :class:`~lightning_d9d.modules.loss.CountedLoss` (``causal_lm_loss`` is one) each rank's loss
         weighs by its share of the items (tokens) of the global batch, so that averaging over the data-parallel
         ranks (FSDP's gradient reduction, ``sync_dist``) gives the mean over all items, as one process would.
+
+        With cp > 1 each cp rank keeps its load-balanced part of the sequence of ``target`` and of the inputs
+        shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
+        mean over its own tokens, weighed like a data-parallel rank's.
         """
+        split = self._context_split()
+        if split is not None:
+            inputs, target = split_batch(split, inputs, target)
         item_scale = self._item_scale(loss_fn, target)
         if self._runner is None:
             output = model(*inputs)
@@ -398,6 +408,17 @@ class D9DStrategy(ModelParallelStrategy):
                 inputs, target, loss_fn, accumulate=accumulate, item_scale=item_scale
             )
         return _weighed(self._runner.eval_step(inputs, target, loss_fn), loss_fn, target, item_scale)
+
+    def _context_split(self) -> LoadBalancedSplit | None:
+        """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""
+        if self._dims is None or not self._dims.cp_enabled:
+            return None
+        if self._runner is not None:
+            raise NotImplementedError(
+                "D9DStrategy: cp > 1 with pp > 1 is not implemented yet; use cp=1 or pp=1"
+            )
+        cp_mesh = self._dims.mesh_for("cp")
+        return LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
 
     def _loss_parallel(self) -> AbstractContextManager[None]:
         """Under tp the logits stay sharded on the vocabulary dim: the cross-entropy (and its backward) runs

@@ -1,0 +1,136 @@
+"""Context parallelism's sequence layout and its portable exact attention (CPU/gloo and GPUs alike).
+
+The sequence is cut into ``2 * cp`` equal chunks and cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r``: under
+a causal mask early chunks attend to few keys and late chunks to many, so pairing the ``r``-th earliest with the
+``r``-th latest gives every rank the same attention work (causal load balancing).
+
+:class:`AllGatherAttention` attends this rank's queries to the keys and values of the whole sequence: it
+all-gathers K and V over the cp group (the backward reduce-scatters their gradients: each rank's keys serve
+every rank's queries), puts them back in sequence order and runs ``scaled_dot_product_attention`` with an
+explicit causal mask from the global positions of this rank's queries. Memory for K/V grows with the whole
+sequence, which is fine for the moderate cp degrees this path is for; torch's ring attention
+(``torch.distributed.tensor.experimental.context_parallel``) has CUDA kernels only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class LoadBalancedSplit:
+    """Which positions of each sequence cp rank ``rank`` of ``cp`` holds (chunks ``rank`` and
+    ``2cp - 1 - rank`` of ``2cp``), and how to cut tensors along the sequence accordingly."""
+
+    cp: int
+    rank: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.cp:
+            raise ValueError(f"LoadBalancedSplit: rank ({self.rank}) must be in [0, cp={self.cp})")
+
+    @property
+    def chunks(self) -> int:
+        return 2 * self.cp
+
+    def check(self, seq_len: int) -> None:
+        """Raise ``ValueError`` with the numbers unless ``seq_len`` cuts into ``2 * cp`` equal chunks."""
+        if seq_len % self.chunks != 0:
+            raise ValueError(
+                f"context parallelism needs a sequence length divisible by 2*cp: {seq_len} % (2*{self.cp}) = "
+                f"{seq_len % self.chunks}; pad or cut the sequences to a multiple of {self.chunks}"
+            )
+
+    def positions(
+        self, seq_len: int, rank: int | None = None, device: torch.device | None = None
+    ) -> torch.Tensor:
+        """The global positions (``int64``, ascending) that ``rank`` (this split's by default) holds of a
+        ``seq_len``-long sequence: ``seq_len / cp`` of them."""
+        self.check(seq_len)
+        rank = self.rank if rank is None else rank
+        chunk = seq_len // self.chunks
+        head = torch.arange(rank * chunk, (rank + 1) * chunk, device=device)
+        tail_start = (self.chunks - 1 - rank) * chunk
+        return torch.cat((head, torch.arange(tail_start, tail_start + chunk, device=device)))
+
+    def local_positions(self, local_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """This rank's global positions, given the length of the part it holds (``seq_len / cp``)."""
+        return self.positions(local_len * self.cp, device=device)
+
+    def split(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of ``tensor`` along ``dim`` (the sequence): its two chunks, in order."""
+        return tensor.index_select(dim, self.positions(tensor.shape[dim], device=tensor.device))
+
+    def gather_order(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """Indices that put the concatenation of every rank's part (rank order) back in sequence order."""
+        held = torch.cat([self.positions(seq_len, rank=r, device=device) for r in range(self.cp)])
+        return torch.argsort(held)
+
+
+class _GatherParts(torch.autograd.Function):
+    """``x`` of every rank of ``group`` stacked on a new leading dim (rank order); the backward sums each
+    rank's gradient over the group and hands every rank its own part (a reduce-scatter).
+
+    Our own instead of ``torch.distributed.nn.functional.all_gather``: on gloo its backward scatters from
+    group ranks as if they were global ranks, which fails on any subgroup (cp under dp_shard, say).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: dist.ProcessGroup
+    ) -> torch.Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        world = dist.get_world_size(group)
+        # Gathered along dim 0, which must keep its rank (gloo checks): [world * B, ...], then split.
+        parts = x.new_empty((world * x.shape[0], *x.shape[1:]))
+        dist.all_gather_into_tensor(parts, x.contiguous(), group=group)
+        return parts.view(world, *x.shape)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        group: dist.ProcessGroup = ctx.group  # type: ignore[attr-defined]
+        mine = grad.new_empty(grad.shape[1:])
+        stacked = grad.reshape(-1, *grad.shape[2:]).contiguous()  # [world * B, ...], as forward gathered
+        dist.reduce_scatter_tensor(mine, stacked, op=dist.ReduceOp.SUM, group=group)
+        return mine, None
+
+
+class AllGatherAttention:
+    """Exact causal attention of this rank's queries against the whole sequence's keys and values.
+
+    ``__call__(q, k, v)`` takes ``[B, heads, T / cp, head_dim]`` tensors holding this rank's positions (see
+    :class:`LoadBalancedSplit`); ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention).
+    """
+
+    def __init__(self, split: LoadBalancedSplit, group: dist.ProcessGroup) -> None:
+        if dist.get_world_size(group) != split.cp:
+            raise ValueError(
+                f"AllGatherAttention: the cp group has {dist.get_world_size(group)} ranks, the split {split.cp}"
+            )
+        self.split = split
+        self.group = group
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, H, T / cp, D]`` parts of every cp rank -> ``[B, H, T, D]`` in sequence order (with autograd)."""
+        parts = _GatherParts.apply(x, self.group)  # [cp, B, H, T / cp, D]
+        whole = torch.cat(parts.unbind(0), dim=2)
+        return whole.index_select(2, self.split.gather_order(whole.shape[2], device=x.device))
+
+    def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """``[T / cp, T]`` booleans: query ``i`` (at its global position) may see key ``j`` iff ``j <= pos(i)``."""
+        query_positions = self.split.local_positions(local_len, device=device)
+        key_positions = torch.arange(local_len * self.split.cp, device=device)
+        return query_positions[:, None] >= key_positions[None, :]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all, v_all = self.gather_sequence(k), self.gather_sequence(v)
+        mask = self.causal_mask(q.shape[2], q.device)
+        gqa = q.shape[1] != k.shape[1]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+
+    def __repr__(self) -> str:
+        return f"AllGatherAttention(cp={self.split.cp}, rank={self.split.rank})"

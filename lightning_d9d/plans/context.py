@@ -1,0 +1,76 @@
+"""Context parallelism: every sequence split over the cp ranks with causal load balancing, exact attention.
+
+cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` (see
+:class:`~lightning_d9d.modules.context_attention.LoadBalancedSplit`). Everything but attention is position-wise,
+so it runs on the local tokens unchanged; attention sees the whole sequence's keys and values through
+:class:`~lightning_d9d.modules.context_attention.AllGatherAttention`, the portable exact path (CPU/gloo and
+GPUs). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
+and labels alike) before the model. The loss of each rank is its local tokens' mean, weighed by the strategy
+over the ``loss`` view (which includes cp) into the global token mean; FSDP shards over ``dp_shard * cp``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_d9d.modules.attention import Attention
+from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit
+
+
+@runtime_checkable
+class ContextSplitAware(Protocol):
+    """A module that derives its RoPE positions from the split it runs under (``None``: the whole sequence)."""
+
+    context_split: LoadBalancedSplit | None
+
+
+def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh) -> LoadBalancedSplit:
+    """Switch every :class:`~lightning_d9d.modules.Attention` in ``module`` to all-gather attention over the 1-D
+    ``cp_mesh`` and hand the split to every :class:`ContextSplitAware` submodule (for its positions), in place.
+
+    Returns the split, which says what :func:`split_batch` cuts each batch into.
+    """
+    if cp_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
+        )
+    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+    attention = AllGatherAttention(split, cp_mesh.get_group())
+    switched = 0
+    for submodule in module.modules():
+        if isinstance(submodule, Attention):
+            submodule.context = attention
+            switched += 1
+        if isinstance(submodule, ContextSplitAware):
+            submodule.context_split = split
+    if switched == 0:
+        raise ValueError(
+            f"parallelize_context: {type(module).__name__} has no lightning_d9d Attention module to split the "
+            "sequence for; build its attention from lightning_d9d.modules.Attention, or use cp=1"
+        )
+    return split
+
+
+def split_batch(
+    split: LoadBalancedSplit, inputs: tuple[torch.Tensor, ...], target: torch.Tensor
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """This cp rank's part of a batch: ``target`` (``[B, T, ...]``) and every input tensor whose first two
+    dims are the target's ``[B, T]`` (token ids, explicit position ids) cut along the sequence dim alike;
+    other inputs pass unchanged. A ``T`` not divisible by ``2 * cp`` raises ``ValueError`` with the numbers."""
+    if target.dim() < 2:
+        raise ValueError(
+            f"context parallelism splits the target along its sequence dim (1), but it is {target.dim()}-D "
+            f"{tuple(target.shape)}; pass [batch, sequence] labels, or use cp=1"
+        )
+    split.check(target.shape[1])
+    batch_and_sequence = target.shape[:2]
+
+    def cut(value: torch.Tensor) -> torch.Tensor:
+        same = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == batch_and_sequence
+        return split.split(value, dim=1) if same else value
+
+    return tuple(cut(value) for value in inputs), split.split(target, dim=1)
