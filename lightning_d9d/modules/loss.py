@@ -24,6 +24,15 @@ class CountedLoss(Protocol):
     def count(self, target: torch.Tensor) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class InternalLosses(Protocol):
+    """A model that adds losses of its own inside forward (MoE router losses) straight into the gradient. Their
+    gradient must be scaled like the user's loss: the strategy calls ``set_router_loss_scale`` with the factor
+    it applies to each (micro)batch's loss (``1 / (accumulation steps x pipeline microbatches)``)."""
+
+    def set_router_loss_scale(self, scale: float) -> None: ...
+
+
 class CausalLMLoss:
     """Mean next-token cross-entropy over the tokens whose label is not ``ignore_index``.
 

@@ -34,7 +34,7 @@ from lightning_d9d.compat import (
 )
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
-from lightning_d9d.modules.loss import CountedLoss
+from lightning_d9d.modules.loss import CountedLoss, InternalLosses
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
     PipelineRunner,
@@ -393,6 +393,7 @@ class D9DStrategy(ModelParallelStrategy):
         split = self._context_split()
         if split is not None:
             inputs, target = split_batch(split, inputs, target)
+        self._scale_internal_losses(model)
         item_scale = self._item_scale(loss_fn, target)
         if self._runner is None:
             output = model(*inputs)
@@ -424,6 +425,16 @@ class D9DStrategy(ModelParallelStrategy):
         """Under tp the logits stay sharded on the vocabulary dim: the cross-entropy (and its backward) runs
         on the shards through torch's ``loss_parallel``, never gathering ``[tokens, vocab]``."""
         return maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled)
+
+    def _scale_internal_losses(self, model: nn.Module) -> None:
+        """Losses a model adds inside forward (MoE router losses) count once per optimizer step, as the user's
+        loss does: scale them by ``1 / (accumulation steps x microbatches)``."""
+        if not isinstance(model, InternalLosses) or self.lightning_module is None:
+            return
+        trainer = trainer_of(self.lightning_module)
+        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
+        microbatches = self.pipeline.microbatches if self._runner is not None else 1
+        model.set_router_loss_scale(1.0 / (accumulate * microbatches))
 
     def _item_scale(self, loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor | None:
         """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss;

@@ -157,7 +157,9 @@ def test_command_line_refuses_another_model_and_a_config_that_does_not_fit(
     config = config_json(hf_dir)
     config["model_type"] = "qwen3"
     error = cli_error(capsys, "hf-to-hf", str(hf_dir), str(tmp_path / "out"), "--model", "qwen3_moe")
-    assert "no Hugging Face mapping for model_type 'qwen3_moe'" in error
+    assert "describes another model: model_type 'qwen3', not 'qwen3_moe' (--model)" in error
+    error = cli_error(capsys, "hf-to-hf", str(hf_dir), str(tmp_path / "out"), "--model", "llama")
+    assert "no Hugging Face mapping for model_type 'llama'" in error
     # a config.json of another size than the weights beside it: named by key and file, from the headers
     config["intermediate_size"] = 64
     (hf_dir / "config.json").write_text(json.dumps(config))

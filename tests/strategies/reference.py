@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 
 
@@ -61,6 +61,12 @@ def reference_run(config: dict) -> dict:
     )
     if config.get("plain_module"):
         module.model = build_plain_model(model_config.vocab_size, rank=0)  # type: ignore[assignment]
+    elif config.get("moe") is not None:
+        moe = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(**config["moe"]))
+        # The router losses are each data-parallel rank's own (they are not linear in the batch), averaged
+        # over the ranks like the gradients: run each rank's part of the global batch on its own.
+        moe.set_router_loss_scale(1 / (config["dp"] * accumulate))
+        module.model = moe  # type: ignore[assignment]
     else:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
     precision = config.get("precision", "32-true")
@@ -92,7 +98,12 @@ def reference_run(config: dict) -> dict:
                         compute_model.parameters(), module.model.parameters(), strict=True
                     ):
                         low.copy_(master)
-            loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
+            if config.get("moe") is not None:  # rank r's batch is rows r, r + dp, ... of the global batch
+                dp, ids, labels = config["dp"], batch["input_ids"], batch["labels"]
+                parts = [causal_lm_loss(compute_model(ids[r::dp]), labels[r::dp]) for r in range(dp)]
+                loss = torch.stack(parts).mean()  # unpadded: the global token mean
+            else:
+                loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
             losses.append(loss.item())
             (loss / accumulate).backward()
             if compute_model is not module.model:

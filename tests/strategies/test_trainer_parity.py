@@ -107,6 +107,10 @@ LAUNCHES: dict[str, dict[str, dict]] = {
         # 3e-4: embedding rows seen only before padding get near-zero gradients, whose summation-order noise
         # AdamW scales up to ~lr (2e-5 at lr 1e-3, while losses agree to 5e-7 and gradient norms to 7e-8).
         "fsdp2_padded": {"devices": 2, "dp": 2, "max_steps": 5, "pad": True, "lr": 3e-4},
+        # Qwen3-MoE (2 sparse layers around a dense one, 8 experts, top-2, load-balancing + z loss): experts
+        # sharded by FSDP, each rank's router losses in its gradient once
+        "moe_fsdp2": {"devices": 2, "dp": 2, "max_steps": 5, "moe": {"router_z_loss_coef": 1e-3}},
+        "moe_fsdp2_accumulate": {"devices": 2, "dp": 2, "max_steps": 3, "accumulate": 2, "moe": {}},
         "fsdp2_resumable": {"devices": 2, "dp": 2, **RESUMABLE},
         # 2 optimizer steps per epoch: the checkpoint of step 3 is 2 batches into the second epoch
         "fsdp2_resumable_accumulate": {

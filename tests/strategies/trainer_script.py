@@ -24,7 +24,7 @@ from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 from reference import train_corpus, uncounted_loss
 
 from lightning_d9d import D9DStrategy
-from lightning_d9d.models import Qwen3Config
+from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
 class RecordLosses(Callback):
@@ -113,6 +113,11 @@ def main(config: dict) -> None:
     )
     if config.get("plain_module"):
         module.model = build_plain_model(model_config.vocab_size)  # type: ignore[assignment]
+    if config.get("moe") is not None:  # Qwen3-MoE, router losses on; on meta, as configure_model builds
+        with torch.device("meta"):
+            moe = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(**config["moe"]))
+        # the strategy scales the router losses like the loss (1 / accumulate_grad_batches): not set here
+        module.model = moe  # type: ignore[assignment]
     if config.get("uncounted_loss"):
         module.loss_fn = uncounted_loss
     per_rank = global_batch // dp

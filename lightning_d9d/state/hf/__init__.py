@@ -2,11 +2,12 @@
 ``load_hf`` / ``save_hf`` (streamed, any mesh).
 
 A format is registered per ``model_type`` (``register_hf_format``); ``hf_format(config)`` finds it from a
-``config.json`` dict. Importing this package registers the shipped ones (``qwen3``).
+``config.json`` dict. Importing this package registers the shipped ones (``qwen3``, ``qwen3_moe``).
 """
 
 from .io import hf_side_files, load_hf, module_hf_config, reading_mapper, save_hf, writing_mapper
 from .qwen3 import QWEN3, qwen3_from_hf, qwen3_hf_shapes, qwen3_signature, qwen3_to_hf
+from .qwen3_moe import QWEN3_MOE, qwen3_moe_from_hf, qwen3_moe_hf_shapes, qwen3_moe_signature, qwen3_moe_to_hf
 from .registry import (
     CONFIG_NAME,
     HasHFConfig,
@@ -25,6 +26,7 @@ from .registry import (
 __all__ = [
     "CONFIG_NAME",
     "QWEN3",
+    "QWEN3_MOE",
     "HFConfig",
     "HFFormat",
     "HasHFConfig",
@@ -39,6 +41,10 @@ __all__ = [
     "module_hf_config",
     "qwen3_from_hf",
     "qwen3_hf_shapes",
+    "qwen3_moe_from_hf",
+    "qwen3_moe_hf_shapes",
+    "qwen3_moe_signature",
+    "qwen3_moe_to_hf",
     "qwen3_signature",
     "qwen3_to_hf",
     "read_hf_config",

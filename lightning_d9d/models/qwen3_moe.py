@@ -1,0 +1,468 @@
+"""Qwen3-MoE decoder: config, decoder layer, model, initialisation, parallel plan and pipeline trait.
+
+Parameter names are those of Hugging Face's ``Qwen3MoeForCausalLM``; the routed experts are stacked
+(:class:`~lightning_d9d.modules.moe.GroupedExperts`, ``[E, in, out]``), which the Hugging Face mapping
+(:mod:`lightning_d9d.state.hf.qwen3_moe`) transposes and stacks from the per-expert files::
+
+    model.embed_tokens.weight
+    model.layers.{i}.input_layernorm.weight
+    model.layers.{i}.self_attn.{q,k,v,o}_proj.weight
+    model.layers.{i}.self_attn.{q,k}_norm.weight
+    model.layers.{i}.post_attention_layernorm.weight
+    model.layers.{i}.mlp.gate.weight                            (sparse layers: the router, [E, hidden])
+    model.layers.{i}.mlp.experts.{gate,up,down}_proj            (sparse layers: [E, hidden, ffn] / [E, ffn, hidden])
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight             (dense layers: ``mlp_only_layers`` and the
+                                                                 layers ``decoder_sparse_step`` skips)
+    model.norm.weight
+    lm_head.weight
+
+Router losses. As in transformers, the load-balancing loss is on when ``output_router_logits`` is set, weighted
+by ``router_aux_loss_coef``; ``router_z_loss_coef`` (ours, 0 by default) adds the ST-MoE z-loss. The model never
+returns them: each sparse layer's :class:`~lightning_d9d.modules.moe.MoE` attaches its share
+(``coef / number of sparse layers`` times its own loss) to its output's backward, so the gradient of whatever the
+user computes from the logits includes the router terms exactly once per forward, with no extra output and on
+every pipeline stage. The user must not add them again; :meth:`Qwen3MoeForCausalLM.router_loss` reads the
+detached value for logging. When the user's loss is scaled before backward (``1 / accumulation steps``,
+``1 / micro-batches``), :meth:`Qwen3MoeForCausalLM.set_router_loss_scale` must be given the same factor.
+
+transformers averages the routing fractions and probabilities over the sparse layers before multiplying them;
+we average the per-layer losses (the same when there is one sparse layer, and the same value, ``k``, for
+perfectly balanced routing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.qwen3 import run_decoder
+from lightning_d9d.modules import (
+    Attention,
+    RMSNorm,
+    RotaryEmbedding,
+    SwiGLU,
+    init_param_,
+    normal_fill,
+    ones_fill,
+    zeros_fill,
+)
+from lightning_d9d.modules.init import Fill
+from lightning_d9d.modules.moe import MoE
+from lightning_d9d.modules.moe.experts import GroupedExperts
+from lightning_d9d.modules.moe.router import TopKRouter
+from lightning_d9d.plans import DATA_PARALLEL, ParallelOptions, parallelize_blocks, require_degrees
+
+_NOT_YET = {
+    "tp": "tensor parallelism of the experts comes with the MoE parallelism slice; use tp=1",
+    "cp": "context parallelism is not implemented for any model yet",
+    "ep": "expert parallelism (the all-to-all dispatcher) comes with the next MoE slice",
+}
+
+
+@dataclass
+class Qwen3MoeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.001
+    router_z_loss_coef: float = 0.0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    attention_bias: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
+                f"num_attention_heads ({self.num_attention_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        if self.decoder_sparse_step < 1:
+            raise ValueError(f"decoder_sparse_step ({self.decoder_sparse_step}) must be >= 1")
+        if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) must be between 1 and "
+                f"num_experts ({self.num_experts})"
+            )
+        self.mlp_only_layers = sorted(int(i) for i in self.mlp_only_layers)
+
+    @classmethod
+    def tiny(cls, **overrides: Any) -> Qwen3MoeConfig:
+        """A small model for tests and CPU smoke runs: 3 layers, the middle one dense, 8 experts, top-2."""
+        values: dict[str, Any] = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            output_router_logits=True,
+            router_aux_loss_coef=0.01,
+            max_position_embeddings=512,
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    # --------------------------------------------------------------------------------------- layers
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` holds experts (transformers' rule)."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_hidden_layers) if self.is_sparse(i)]
+
+    @property
+    def layer_aux_loss_coef(self) -> float:
+        """Each sparse layer's load-balancing coefficient: the model's, shared over its sparse layers."""
+        if not self.output_router_logits or not self.sparse_layers:
+            return 0.0
+        return self.router_aux_loss_coef / len(self.sparse_layers)
+
+    @property
+    def layer_z_loss_coef(self) -> float:
+        return self.router_z_loss_coef / len(self.sparse_layers) if self.sparse_layers else 0.0
+
+    # ----------------------------------------------------------------------------- Hugging Face config
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments / ``config.json`` content for ``transformers.Qwen3MoeConfig``."""
+        values = {
+            key: value
+            for key, value in self.__dict__.items()
+            if key != "router_z_loss_coef" or value  # ours only: written when used
+        }
+        return {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            **values,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "hidden_act": "silu",
+            "attention_dropout": 0.0,
+            "use_sliding_window": False,
+        }
+
+    @classmethod
+    def from_hf_dict(cls, hf: Mapping[str, Any] | Any) -> Qwen3MoeConfig:
+        """Read a ``config.json`` dict or a ``transformers.Qwen3MoeConfig``; refuse features this model lacks."""
+        d: Mapping[str, Any] = hf.to_dict() if hasattr(hf, "to_dict") else hf
+        model_type = d.get("model_type", "qwen3_moe")
+        if model_type != "qwen3_moe":
+            raise ValueError(
+                f"Qwen3MoeConfig.from_hf_dict: model_type is {model_type!r}, expected 'qwen3_moe'"
+            )
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(
+                f"Qwen3-MoE: hidden_act={d['hidden_act']!r} is not supported (only 'silu')"
+            )
+        if d.get("use_sliding_window", False):
+            raise NotImplementedError("Qwen3-MoE: use_sliding_window=True is not supported")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise NotImplementedError(f"Qwen3-MoE: rope_type={rope_type!r} is not supported (only 'default')")
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            # transformers 5 writes num_experts as num_local_experts (its attribute_map), 4.x as num_experts.
+            num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
+            num_experts_per_tok=d.get("num_experts_per_tok", 8),
+            moe_intermediate_size=d.get("moe_intermediate_size", 768),
+            norm_topk_prob=d.get("norm_topk_prob", False),
+            decoder_sparse_step=d.get("decoder_sparse_step", 1),
+            mlp_only_layers=list(d.get("mlp_only_layers") or []),
+            output_router_logits=d.get("output_router_logits", False),
+            router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
+            router_z_loss_coef=d.get("router_z_loss_coef", 0.0),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            initializer_range=d.get("initializer_range", 0.02),
+            attention_bias=d.get("attention_bias", False),
+        )
+
+    def to_hf_config(self) -> Any:
+        """A ``transformers.Qwen3MoeConfig`` (imports transformers, which is not a dependency of this package)."""
+        import transformers
+
+        kwargs = self.to_hf_dict()
+        kwargs.pop("model_type")
+        return transformers.Qwen3MoeConfig(**kwargs)
+
+    # ------------------------------------------------------------------------------------------- sizes
+    def num_params(self, *, include_embedding: bool = True, active: bool = False) -> int:
+        """Parameter count from the shape. ``include_embedding=False`` leaves out the input embedding table (a
+        lookup) but keeps the LM head; ``active=True`` counts only the ``num_experts_per_tok`` experts each token
+        runs through (the router counts whole)."""
+        h, d = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
+        attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * d
+        if self.attention_bias:
+            attn += q_out + 2 * kv_out + h
+        dense_mlp = 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        sparse_mlp = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+        sparse = len(self.sparse_layers)
+        layers = self.num_hidden_layers * (attn + 2 * h) + sparse * sparse_mlp
+        layers += (self.num_hidden_layers - sparse) * dense_mlp
+        total = layers + h + self.vocab_size * h
+        if include_embedding and not self.tie_word_embeddings:
+            total += self.vocab_size * h
+        return total
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is an :class:`MoE`
+    on sparse layers and a :class:`SwiGLU` on dense ones."""
+
+    def __init__(self, config: Qwen3MoeConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            qk_norm=True,
+            norm_eps=config.rms_norm_eps,
+            bias=config.attention_bias,
+        )
+        self.mlp: MoE | SwiGLU
+        if config.is_sparse(layer):
+            self.mlp = MoE(
+                config.hidden_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.moe_intermediate_size,
+                normalize_top_k=config.norm_topk_prob,
+                aux_loss_coef=config.layer_aux_loss_coef,
+                z_loss_coef=config.layer_z_loss_coef,
+            )
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``.
+
+    ``layers`` is a ``ModuleDict`` keyed by layer number (a pipeline stage keeps the global names)."""
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleDict(
+            {str(i): Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)}
+        )
+        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return run_decoder(
+            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, position_ids
+        )
+
+
+class Qwen3MoeStage(nn.Module):
+    """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm and
+    LM head on the last; it shares its submodules with the (trimmed) :class:`Qwen3MoeForCausalLM`."""
+
+    def __init__(
+        self, model: Qwen3MoeForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool
+    ) -> None:
+        super().__init__()
+        decoder = model.model
+        self.embed_tokens = decoder.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): decoder.layers[str(i)] for i in layer_ids})
+        self.norm = decoder.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self._rotary = [decoder.rotary_emb]  # not a submodule: the model owns (and initialises) the tables
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+    def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
+        """Activation checkpointing, compile and data parallelism per decoder layer; each stage its own FSDP
+        root. tp / cp / ep: not yet."""
+        require_degrees(dims, supported=("pp", *DATA_PARALLEL), owner="Qwen3MoeStage", alternatives=_NOT_YET)
+        parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """Qwen3-MoE with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
+
+    Built under ``torch.device("meta")`` the model is left uninitialised: shard it (:meth:`parallelize`), then
+    ``to_empty(device=...)`` and :meth:`init_weights`. Built anywhere else it initialises itself from
+    ``torch.initial_seed()``. See the module docstring for how the router losses reach the gradient.
+    """
+
+    def __init__(self, config: Qwen3MoeConfig) -> None:
+        super().__init__()
+        self.config = config
+        device = torch.get_default_device()
+        with torch.device("meta"):  # the modules' default inits would only be overwritten by init_weights
+            self.model = Qwen3MoeModel(config)
+            self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._tie_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def _tie_weights(self) -> None:
+        head, embedding = self.lm_head, self.model.embed_tokens
+        tied = self.config.tie_word_embeddings and head is not None and embedding is not None
+        if tied and head.weight is not embedding.weight:  # type: ignore[union-attr]
+            head.weight = embedding.weight  # type: ignore[union-attr]
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3MoeForCausalLM:
+        # to_empty from meta registers a new Parameter per module, which would untie the head (as in Qwen3).
+        super()._apply(fn, recurse)
+        self._tie_weights()
+        return self
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits in the compute dtype; in training mode the router losses ride on their backward."""
+        hidden = self.model(input_ids, position_ids)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
+    # ----------------------------------------------------------------------------------- router losses
+    def moe_blocks(self) -> list[MoE]:
+        """The sparse layers' MoE blocks this model (or pipeline part) holds, in layer order."""
+        return [module for module in self.modules() if isinstance(module, MoE)]
+
+    def set_router_loss_scale(self, scale: float) -> None:
+        """The factor the user's loss is multiplied by before backward (``1 / accumulation steps`` ...): the
+        router losses' gradient is scaled alike, so that they count once per optimizer step as the loss does."""
+        for block in self.moe_blocks():
+            block.aux_loss_scale = scale
+
+    def router_loss(self) -> torch.Tensor | None:
+        """The weighted router losses of the last training forward (detached, for logging; already in the
+        gradient), or ``None`` when they are off or no training forward ran."""
+        values = [block.last_router_loss for block in self.moe_blocks() if block.last_router_loss is not None]
+        return torch.stack(values).sum() if values else None
+
+    # ---------------------------------------------------------------------------------- initialisation
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """Initialise every parameter from ``(seed, its name)`` (sharding-invariant: see
+        :mod:`lightning_d9d.modules.init`), zero the routers' load counters and selection biases, and
+        recompute the RoPE tables. Linear, embedding, router and expert weights ~ N(0, initializer_range) as in
+        transformers, norm weights = 1, biases = 0."""
+        seed = torch.initial_seed() if seed is None else seed
+        normal = normal_fill(self.config.initializer_range)
+        fills: dict[int, Fill] = {}
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
+                fills[id(module.weight)] = normal
+            elif isinstance(module, GroupedExperts):
+                for weight in (module.gate_proj, module.up_proj, module.down_proj):
+                    fills[id(weight)] = normal
+            elif isinstance(module, RMSNorm):
+                fills[id(module.weight)] = ones_fill
+            bias = getattr(module, "bias", None)
+            if isinstance(bias, torch.Tensor):
+                fills[id(bias)] = zeros_fill
+            if isinstance(module, TopKRouter):
+                module.expert_load.zero_()
+                if module.expert_bias is not None:
+                    module.expert_bias.zero_()
+        for name, param in sorted(self.named_parameters()):
+            fill = fills.get(id(param))
+            if fill is None:
+                raise RuntimeError(f"Qwen3MoeForCausalLM.init_weights: no initialiser for parameter {name!r}")
+            init_param_(param, name, seed, fill)
+        self.model.rotary_emb.reset_parameters()
+
+    # ----------------------------------------------------------------------------------------- parallel
+    def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
+        """Activation checkpointing, per-layer ``torch.compile``, then FSDP/HSDP per decoder layer plus the root
+        (embedding, final norm, head). Only data parallelism for now: tp, cp and ep are refused (the expert
+        parallel plan and the all-to-all dispatcher come with the next MoE slice)."""
+        require_degrees(
+            dims,
+            supported=DATA_PARALLEL,
+            owner="Qwen3MoeForCausalLM",
+            alternatives={
+                **_NOT_YET,
+                "pp": "call Qwen3MoeStage.parallelize on each pipeline stage (the d9d strategy does)",
+            },
+        )
+        # No dropout and no random routing: recompute needs no saved RNG state.
+        parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
+
+    # ------------------------------------------------------------------------------------------ pipeline
+    @property
+    def num_pipeline_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    def pipeline_keep(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+        """Drop, in place, every layer but ``layer_ids``, and the embedding / norm and head unless this rank
+        holds the first / last stage (see :class:`~lightning_d9d.pipeline.PipelineSplittable`)."""
+        if self.config.tie_word_embeddings and not (first and last):
+            raise ValueError(
+                "Qwen3MoeForCausalLM: tie_word_embeddings=True cannot be split over pipeline stages on different "
+                "ranks (the embedding and the head would be two copies); set tie_word_embeddings=False or pp=1"
+            )
+        keep = {str(i) for i in layer_ids}
+        for key in [key for key in self.model.layers if key not in keep]:
+            del self.model.layers[key]
+        if not first:
+            self.model.embed_tokens = None
+        if not last:
+            self.model.norm = None
+            self.lm_head = None
+
+    def pipeline_stage(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> Qwen3MoeStage:
+        return Qwen3MoeStage(self, layer_ids, first=first, last=last)
+
+    # ------------------------------------------------------------------------------------------- flops
+    def num_flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token (forward + backward): ``6 * N_active + 12 * L * H * head_dim * T``, with
+        ``N_active`` the parameters a token runs through (its ``num_experts_per_tok`` experts, the whole router,
+        no input embedding, the head even when tied) and attention's two ``T x T`` matmuls as in Qwen3's count
+        (no causal halving: the PaLM / torchtitan convention)."""
+        c = self.config
+        n = c.num_params(include_embedding=False, active=True)
+        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
