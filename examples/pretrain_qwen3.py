@@ -1,6 +1,7 @@
-"""Pretrain a small Qwen3 with ``Trainer(strategy="d9d")``.
+"""Pretrain a small Qwen3-MoE (or dense Qwen3: ``--model tiny``) with ``Trainer(strategy="d9d")``.
 
-The defaults train a tiny Qwen3 on a synthetic corpus in 2 CPU processes in about a minute:
+The defaults train a tiny Qwen3-MoE (3 layers, the middle one dense, 8 experts, top-2, load-balancing loss) on a
+synthetic corpus in 2 CPU processes in about a minute:
 
     python examples/pretrain_qwen3.py
     python examples/pretrain_qwen3.py --accelerator gpu --devices 8 --precision bf16-mixed --model 0.6b \
@@ -30,7 +31,7 @@ import lightning_d9d  # noqa: F401  (registers strategy="d9d")
 from lightning_d9d import D9DStrategy, model_loss
 from lightning_d9d.callbacks import Throughput
 from lightning_d9d.compat import should_accumulate
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.metrics import CausalLMPerplexity
 
@@ -99,7 +100,7 @@ class Qwen3Pretraining(L.LightningModule):
 
     def __init__(
         self,
-        config: Qwen3Config,
+        config: Qwen3Config | Qwen3MoeConfig,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         warmup_steps: int = 10,
@@ -116,7 +117,7 @@ class Qwen3Pretraining(L.LightningModule):
             }
         )
         self.config = config
-        self.model: Qwen3ForCausalLM | None = None
+        self.model: Qwen3ForCausalLM | Qwen3MoeForCausalLM | None = None
         # Counts the tokens it averages over, so the strategy weighs padded microbatches and ranks by them.
         self.loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = causal_lm_loss
         # exp(token-mean loss) over every validation token of every data-parallel rank (not a mean of batch
@@ -127,7 +128,10 @@ class Qwen3Pretraining(L.LightningModule):
         if self.model is None:
             # On meta: no memory is used until the strategy has sharded the model and initialises each shard.
             with torch.device("meta"):
-                self.model = Qwen3ForCausalLM(self.config)
+                if isinstance(self.config, Qwen3MoeConfig):
+                    self.model = Qwen3MoeForCausalLM(self.config)
+                else:
+                    self.model = Qwen3ForCausalLM(self.config)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
@@ -135,6 +139,12 @@ class Qwen3Pretraining(L.LightningModule):
         loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
         # The mean over all ranks; no prog_bar: it would read the value back to the host on every step.
         self.log("train/loss", loss, sync_dist=True)
+        if isinstance(self.model, Qwen3MoeForCausalLM):
+            # Already in the gradient (the strategy scales it like the loss); logged, not added. Under pp: the
+            # router losses of this rank's layers.
+            router = self.model.router_loss()
+            if router is not None:
+                self.log("train/router_loss", router, sync_dist=True)
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -191,14 +201,14 @@ class PrintProgress(Callback):
             )
 
 
-MODELS = {"tiny": Qwen3Config.tiny, "0.6b": Qwen3Config.qwen3_0_6b}
+MODELS = {"tiny-moe": Qwen3MoeConfig.tiny, "tiny": Qwen3Config.tiny, "0.6b": Qwen3Config.qwen3_0_6b}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny-moe")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
