@@ -14,7 +14,7 @@ Parameter names are those of Hugging Face's ``Qwen3ForCausalLM``, so its state d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.causal_lm import CausalLM
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -374,7 +375,7 @@ class Qwen3Stage(nn.Module):
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
-class Qwen3ForCausalLM(nn.Module):
+class Qwen3ForCausalLM(CausalLM):
     """Qwen3 with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
 
     Built under ``torch.device("meta")`` the model is left uninitialised: shard it (:meth:`parallelize`),
@@ -395,20 +396,6 @@ class Qwen3ForCausalLM(nn.Module):
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
-
-    def _tie_weights(self) -> None:
-        head, embedding = self.lm_head, self.model.embed_tokens
-        tied = self.config.tie_word_embeddings and head is not None and embedding is not None
-        if tied and head.weight is not embedding.weight:  # type: ignore[union-attr]
-            head.weight = embedding.weight  # type: ignore[union-attr]
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3ForCausalLM:
-        # ``to_empty`` from meta (and any conversion that cannot reuse the tensor in place) registers a new
-        # Parameter per module, which would silently untie the head from the embedding. DTensor parameters
-        # (after fully_shard) are swapped in place and stay tied; then this is a no-op.
-        super()._apply(fn, recurse)
-        self._tie_weights()
-        return self
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the compute dtype (the loss upcasts: see :func:`~lightning_d9d.modules.causal_lm_loss`)."""
@@ -475,27 +462,7 @@ class Qwen3ForCausalLM(nn.Module):
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 
     # ------------------------------------------------------------------------------------------ pipeline
-    @property
-    def num_pipeline_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def pipeline_keep(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
-        """Drop, in place, every layer but ``layer_ids``, and the embedding / norm and head unless this rank
-        holds the first / last stage (see :class:`~lightning_d9d.pipeline.PipelineSplittable`)."""
-        if self.config.tie_word_embeddings and not (first and last):
-            raise ValueError(
-                "Qwen3ForCausalLM: tie_word_embeddings=True cannot be split over pipeline stages on different "
-                "ranks (the embedding and the head would be two copies); set tie_word_embeddings=False or pp=1"
-            )
-        keep = {str(i) for i in layer_ids}
-        for key in [key for key in self.model.layers if key not in keep]:
-            del self.model.layers[key]
-        if not first:
-            self.model.embed_tokens = None
-        if not last:
-            self.model.norm = None
-            self.lm_head = None
-
+    # (num_pipeline_layers and pipeline_keep: CausalLM)
     def pipeline_stage(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> Qwen3Stage:
         return Qwen3Stage(self, layer_ids, first=first, last=last)
 

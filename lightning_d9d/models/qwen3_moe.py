@@ -32,7 +32,7 @@ perfectly balanced routing).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.causal_lm import CausalLM
 from lightning_d9d.models.qwen3 import run_decoder
 from lightning_d9d.modules import (
     Attention,
@@ -329,7 +330,7 @@ class Qwen3MoeStage(nn.Module):
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-MoE with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
 
     Built under ``torch.device("meta")`` the model is left uninitialised: shard it (:meth:`parallelize`), then
@@ -348,18 +349,6 @@ class Qwen3MoeForCausalLM(nn.Module):
         if device.type != "meta":
             self.to_empty(device=device)
             self.init_weights()
-
-    def _tie_weights(self) -> None:
-        head, embedding = self.lm_head, self.model.embed_tokens
-        tied = self.config.tie_word_embeddings and head is not None and embedding is not None
-        if tied and head.weight is not embedding.weight:  # type: ignore[union-attr]
-            head.weight = embedding.weight  # type: ignore[union-attr]
-
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Qwen3MoeForCausalLM:
-        # to_empty from meta registers a new Parameter per module, which would untie the head (as in Qwen3).
-        super()._apply(fn, recurse)
-        self._tie_weights()
-        return self
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits in the compute dtype; in training mode the router losses ride on their backward."""
@@ -433,27 +422,7 @@ class Qwen3MoeForCausalLM(nn.Module):
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 
     # ------------------------------------------------------------------------------------------ pipeline
-    @property
-    def num_pipeline_layers(self) -> int:
-        return self.config.num_hidden_layers
-
-    def pipeline_keep(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
-        """Drop, in place, every layer but ``layer_ids``, and the embedding / norm and head unless this rank
-        holds the first / last stage (see :class:`~lightning_d9d.pipeline.PipelineSplittable`)."""
-        if self.config.tie_word_embeddings and not (first and last):
-            raise ValueError(
-                "Qwen3MoeForCausalLM: tie_word_embeddings=True cannot be split over pipeline stages on different "
-                "ranks (the embedding and the head would be two copies); set tie_word_embeddings=False or pp=1"
-            )
-        keep = {str(i) for i in layer_ids}
-        for key in [key for key in self.model.layers if key not in keep]:
-            del self.model.layers[key]
-        if not first:
-            self.model.embed_tokens = None
-        if not last:
-            self.model.norm = None
-            self.lm_head = None
-
+    # (num_pipeline_layers and pipeline_keep: CausalLM)
     def pipeline_stage(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> Qwen3MoeStage:
         return Qwen3MoeStage(self, layer_ids, first=first, last=last)
 
