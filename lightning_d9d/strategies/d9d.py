@@ -338,8 +338,9 @@ class D9DStrategy(ModelParallelStrategy):
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> torch.Tensor | Any:
-        """All-reduce for ``self.log(..., sync_dist=True)`` over the data-parallel ranks (by default): pipeline
-        peers hold the same batch, so a sum over the world would count it ``pp`` times. No barrier before it
+        """All-reduce for ``self.log(..., sync_dist=True)`` over the ranks that hold different tokens (by
+        default, the ``loss`` view): pipeline and tp peers hold the same batch, so a sum over the world would
+        count it ``pp * tp`` times. No barrier before it
         (Lightning puts one there; on NCCL it blocks the host every step, and an all-reduce needs none)."""
         if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
             return tensor
@@ -363,12 +364,12 @@ class D9DStrategy(ModelParallelStrategy):
 
     def _sync_metrics_over_data_ranks(self, module: nn.Module) -> None:
         """torchmetrics syncs over the world unless told otherwise; point metrics without a group of their own
-        at the data-parallel ranks, for the same reason as :meth:`reduce`."""
+        at the ranks that hold different tokens, for the same reason as :meth:`reduce`."""
         from torchmetrics import Metric
 
         group = self._data_parallel_group()
         if group is None or dist.get_world_size(group) == self.parallel_dims.world_size:
-            return  # the data-parallel ranks are the world: nothing to change
+            return  # those ranks are the world: nothing to change
         for metric in module.modules():
             if isinstance(metric, Metric) and metric.process_group is None:
                 metric.process_group = group
