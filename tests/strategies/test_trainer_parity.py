@@ -189,23 +189,28 @@ def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Cal
     return result
 
 
-@pytest.mark.parametrize("case", FP32_CASES)
-def test_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
-    config = config_of(case)
-    actual = launched(case)
+def assert_matches_reference(actual: dict, config: dict) -> None:
+    """An fp32 Trainer run against the single-process loop: losses, parameters, pre-clip gradient norms, the
+    validation loss; and a clip threshold must bite on every step, or the case tests nothing about clipping."""
     expected = reference_run(config)
     assert_same_training(actual, expected)
     assert_same_grad_norms(actual, expected)
     assert actual["param_dtypes"] == ["torch.float32"]
+    if config.get("validate"):
+        assert abs(actual["val_loss"] - expected["val_loss"]) <= TOLERANCE
+    if config.get("clip"):
+        assert min(expected["grad_norms"]) > config["clip"], expected["grad_norms"]
+
+
+@pytest.mark.parametrize("case", FP32_CASES)
+def test_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
+    config = config_of(case)
+    actual = launched(case)
+    assert_matches_reference(actual, config)
     layers = Qwen3Config.tiny(**config.get("model", {})).num_hidden_layers
     options = config.get("dims", {})
     assert actual["compiled_modules"] == (layers if options.get("compile") else 0)
     assert actual["checkpointed_modules"] == (layers if options.get("activation_checkpointing") else 0)
-    if config.get("validate"):
-        assert abs(actual["val_loss"] - expected["val_loss"]) <= TOLERANCE
-    if config.get("clip"):
-        # the threshold must bite on every step, otherwise this case tests nothing about clipping
-        assert min(expected["grad_norms"]) > config["clip"], expected["grad_norms"]
 
 
 # (uninterrupted run, step of the checkpoint to resume from): mid-epoch on 1 and 2 processes, with gradient
