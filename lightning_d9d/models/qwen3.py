@@ -346,14 +346,21 @@ class Qwen3Stage(nn.Module):
         self._rotary = [decoder.rotary_emb]
         self._config = model.config
         self.sequence_shards = 1  # as Qwen3Model's: hidden states between stages hold T / tp positions
+        self.context_split: LoadBalancedSplit | None = None  # as Qwen3Model's: set by parallelize_context
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        position_ids = None
+        if self.context_split is not None:
+            # Ids on the first stage, [B, T / (cp * tp), hidden] states after it: this rank's T / cp positions.
+            local_len = inputs.shape[1] * (1 if self.embed_tokens is not None else self.sequence_shards)
+            position_ids = self.context_split.local_positions(local_len, device=inputs.device)
         hidden = run_decoder(
             self.embed_tokens,
             self.layers,
             self.norm,
             self._rotary[0],
             inputs,
+            position_ids,
             sequence_shards=self.sequence_shards,
         )
         return self.lm_head(hidden) if self.lm_head is not None else hidden
@@ -361,7 +368,7 @@ class Qwen3Stage(nn.Module):
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block
         plan): each stage is its own FSDP root. Between stages travel this rank's sequence shards."""
-        require_degrees(dims, supported=("pp", *DATA_PARALLEL, "tp"), owner="Qwen3Stage")
+        require_degrees(dims, supported=("pp", *DATA_PARALLEL, "cp", "tp"), owner="Qwen3Stage")
         if dims.tp_enabled:
             check_tensor_parallel_sizes(dims.tp, "Qwen3Stage", tensor_parallel_sizes(self._config))
             if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
@@ -371,7 +378,9 @@ class Qwen3Stage(nn.Module):
                 )
             parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
             self.sequence_shards = dims.tp
-        # CP plans go here, before the layers are wrapped. No dropout in the layers: no RNG state to keep.
+        if dims.cp_enabled:
+            parallelize_context(self, dims.mesh_for("cp"))
+        # Before the layers are wrapped: TP and CP (above). No dropout in the layers: no RNG state to keep.
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 

@@ -415,10 +415,6 @@ class D9DStrategy(ModelParallelStrategy):
         """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""
         if self._dims is None or not self._dims.cp_enabled:
             return None
-        if self._runner is not None:
-            raise NotImplementedError(
-                "D9DStrategy: cp > 1 with pp > 1 is not implemented yet; use cp=1 or pp=1"
-            )
         cp_mesh = self._dims.mesh_for("cp")
         return LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
 

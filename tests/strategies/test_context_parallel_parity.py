@@ -2,7 +2,7 @@
 
 Losses, parameters and the gradient norm before clipping after 5 optimizer steps: cp=2 alone (with padded labels
 that leave the cp ranks different token counts and validation, with accumulation, with clipping), cp=2 under
-FSDP over dp_shard x cp, and tp=2 x cp=2; a checkpoint saved at cp=2 resumed at cp=1. Runs of one world size
+FSDP over dp_shard x cp, tp=2 x cp=2 and pp=2 x cp=2; a checkpoint saved at cp=2 resumed at cp=1. Runs of one world size
 share one launch.
 """
 
@@ -49,6 +49,19 @@ CASES: dict[str, dict] = {
     # gathered over cp. lr 3e-4: at 1e-3 AdamW turned the summation-order noise of a near-zero q_proj gradient
     # into 1.2e-5 (losses agreed to 5e-7, gradient norms to 1.4e-7 relative)
     "tp2_cp2": {"devices": 4, "dp": 1, "max_steps": 5, "lr": 3e-4, "dims": {"tp": 2, "cp": 2}},
+    # pipeline stages, each context-parallel: the stages pass this rank's chunks on, RoPE rotates by the global
+    # positions on every stage, the last stage's loss counts its local tokens (padded: unequal counts)
+    "pp2_cp2_padded_accumulate": {
+        "devices": 4,
+        "dp": 1,
+        "max_steps": 5,
+        "pad": True,
+        "lr": 3e-4,
+        "accumulate": 2,
+        "validate": True,
+        "model": {"num_hidden_layers": 4},
+        "dims": {"pp": 2, "cp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
 }
 
 

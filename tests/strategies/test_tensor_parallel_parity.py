@@ -1,7 +1,7 @@
 """Tensor + sequence + loss parallelism inside Lightning's loop against a single-process loop (fp32, 1e-5).
 
 Losses, parameters and the gradient norm before clipping after 5 optimizer steps; tp alone (with accumulation,
-with clipping, with tied embeddings), tp under FSDP (2-D), and checkpoints carried between tp=2 and tp=1.
+with clipping, with tied embeddings), tp under FSDP (2-D), pp x dp_shard x tp on 8 processes, and checkpoints carried between tp=2 and tp=1.
 Runs of one world size share one launch.
 """
 
@@ -56,6 +56,16 @@ CASES: dict[str, dict] = {
         "validate": True,
         "model": {"num_hidden_layers": 4},
         "dims": {"pp": 2, "tp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
+    # 3-D on 8 processes: two tensor-parallel pipeline stages, each sharded by FSDP over dp_shard=2
+    "pp2_dp2_tp2_padded": {
+        "devices": 8,
+        "dp": 2,
+        "max_steps": 5,
+        "pad": True,
+        "lr": 3e-4,  # see fsdp2_padded in test_trainer_parity.py
+        "model": {"num_hidden_layers": 4},
+        "dims": {"pp": 2, "dp_shard": 2, "tp": 2, "pipeline_schedule": "Interleaved1F1B", "microbatches": 4},
     },
 }
 # (case saved, layout resumed on): tp=2 -> tp=1 and tp=1 -> tp=2, from the mid-epoch checkpoint
