@@ -1,21 +1,88 @@
 """lightning_d9d: d9d-style composable N-D parallel LLM training for PyTorch Lightning.
 
-Importing the package registers ``Trainer(strategy="d9d")`` in Lightning's strategy registry.
+Importing the package registers ``Trainer(strategy="d9d")`` in Lightning's strategy registry, without importing
+Lightning itself: importing Lightning takes seconds, and ``python -m lightning_d9d.convert`` needs none of it. If
+Lightning's registry exists already, the name is registered now; otherwise it is registered the moment Lightning
+creates its registry (an import hook), which is before any ``Trainer`` can look the name up. The public names
+(``D9DStrategy``, ...) load on first access (PEP 562).
 """
 
-from lightning_d9d.compat import check_versions
+from __future__ import annotations
 
-# First: an untested torch / Lightning is named (warning), or a missing private name (error), before anything
-# that depends on them is imported.
-check_versions()
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
-
-from lightning_d9d.mesh import ParallelDims  # noqa: E402
-from lightning_d9d.plans import ParallelOptions  # noqa: E402
-from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss  # noqa: E402
-
-D9DStrategy.register_strategies(StrategyRegistry)
+if TYPE_CHECKING:
+    from lightning_d9d.mesh import ParallelDims
+    from lightning_d9d.plans import ParallelOptions
+    from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
 __version__ = "0.1.0"
 __all__ = ["D9DPrecision", "D9DStrategy", "ParallelDims", "ParallelOptions", "__version__", "model_loss"]
+
+STRATEGY_NAME = "d9d"
+_REGISTRY_MODULE = "lightning.pytorch.strategies"  # where Lightning's StrategyRegistry is created
+_PUBLIC = {
+    "D9DPrecision": "lightning_d9d.strategies",
+    "D9DStrategy": "lightning_d9d.strategies",
+    "model_loss": "lightning_d9d.strategies",
+    "ParallelDims": "lightning_d9d.mesh",
+    "ParallelOptions": "lightning_d9d.plans",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_d9d' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def _d9d_strategy(**init_params: Any) -> D9DStrategy:
+    """What ``Trainer(strategy="d9d")`` calls: the strategy class is imported only then, because the registry
+    is created while Lightning's own package is still half imported (the strategy's imports need all of it)."""
+    from lightning_d9d.strategies import D9DStrategy
+
+    return D9DStrategy(**init_params)
+
+
+def _register(registry_module: ModuleType) -> None:
+    registry = registry_module.StrategyRegistry
+    if STRATEGY_NAME not in registry:  # importing twice must not fail
+        registry.register(STRATEGY_NAME, _d9d_strategy, description="d9d N-D parallel training")
+
+
+class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """An import hook that runs ``_register`` right after Lightning's strategy registry module executes."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != _REGISTRY_MODULE:
+            return None
+        sys.meta_path.remove(self)  # once; the other finders locate the module as usual
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        loader = spec.loader if spec is not None else None
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            _register(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if _REGISTRY_MODULE in sys.modules:
+    _register(sys.modules[_REGISTRY_MODULE])
+elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenLightningLoads())

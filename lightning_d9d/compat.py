@@ -7,7 +7,8 @@ Private names (a leading underscore, or a module path with one) can change in an
   never from Lightning or torch directly;
 - a missing name raises :class:`PrivateAPIError` (an ``ImportError``) that names the missing names, the installed
   versions and the tested ones, instead of a bare ``ImportError`` from deep inside the package;
-- :func:`check_versions` (called by ``import lightning_d9d``) warns once when torch or Lightning is outside the
+- :func:`check_versions` (run when this module is first imported, i.e. by the first of our modules that relies
+  on a private name; ``import lightning_d9d`` alone imports no Lightning) warns once when torch or Lightning is outside the
   tested range, and ``tests/test_compat.py`` pins every entry, including the closure order we rely on.
 
 A leaf module: it imports only Lightning and torch, so every layer may use it.
@@ -343,8 +344,8 @@ def import_private(module: str, path: str) -> Any:
 
 
 def check_versions() -> None:
-    """Called by ``import lightning_d9d``: a readable error if a required private name is missing, a warning if
-    torch or Lightning is outside the tested range (it may work; nothing has checked it)."""
+    """Called when this module is first imported: a readable error if a required private name is missing, a
+    warning if torch or Lightning is outside the tested range (it may work; nothing has checked it)."""
     missing = missing_private_names()
     if missing:
         raise PrivateAPIError(_tested_message(missing))
@@ -434,3 +435,7 @@ def pipeline_action_types() -> tuple[Any, Any]:
     """torch's ``(_Action, _ComputationType)``, to build single-stage schedule orders for the timeline."""
     schedules = "torch.distributed.pipelining.schedules"
     return import_private(schedules, "_Action"), import_private(schedules, "_ComputationType")
+
+
+# Every module relying on a private name imports this one first: check the versions before it runs.
+check_versions()
