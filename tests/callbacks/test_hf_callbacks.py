@@ -40,6 +40,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     # A tied model: its training checkpoint holds the head under both names, and the export must not.
     make_hf_checkpoint(root / "hf", tie_word_embeddings=True, vocab_size=97)
     (root / "hf" / "tokenizer.json").write_text('{"version": "1.0"}')
+    make_hf_checkpoint(root / "hf_tp2_dp2", tie_word_embeddings=True, vocab_size=96)  # tp must divide vocab
+    (root / "hf_tp2_dp2" / "tokenizer.json").write_text('{"version": "1.0"}')
     mesh_a = root / "ckpt_fsdp4" / "step=2.ckpt"
     plan = [
         {
@@ -56,6 +58,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {**HF_RUN, "kind": "hf", "name": "hf_resumed", "devices": 2, "hf_dir": str(root / "hf"), "max_steps": 3,
          "export_dir": str(root / "export_resumed"), "save_every": 0,
          "resume_from": str(root / "ckpt_hf" / "step=2.ckpt")},
+        # the same on a tp=2 x dp_shard=2 mesh: weights loaded into and exported from tensor-parallel shards
+        {**HF_RUN, "kind": "hf", "name": "hf_tp2_dp2", "devices": 4, "dp": 2, "dims": {"tp": 2, "dp_shard": 2},
+         "hf_dir": str(root / "hf_tp2_dp2"), "export_dir": str(root / "export_tp2_dp2"),
+         "ckpt_dir": str(root / "ckpt_hf_tp2_dp2"), "export_every": 1},
+        # tp=2 x cp=2: a training checkpoint and an export from tensor- and context-parallel ranks
+        {**TRAIN, "kind": "train", "name": "tp2_cp2", "devices": 4, "dp": 1, "max_steps": 2, "save_every": 2,
+         "dims": {"tp": 2, "cp": 2}, "ckpt_dir": str(root / "ckpt_tp2_cp2"), "export_dir": str(root / "tp2_cp2")},
         # mesh A: FSDP over 4, 2 steps, checkpoint
         {**TRAIN, "kind": "train", "name": "fsdp4", "devices": 4, "dp": 4, "max_steps": 2, "save_every": 2,
          "ckpt_dir": str(mesh_a.parent)},
@@ -88,9 +97,11 @@ def _strip(params: dict[str, torch.Tensor], prefix: str = "model.") -> dict[str,
     return {key.removeprefix(prefix): value for key, value in params.items()}
 
 
-def test_load_hf_weights_then_train_then_export(runs: dict[str, Any]) -> None:
-    root, result = runs["root"], runs["results"]["hf"]
-    original = read_checkpoint(root / "hf")
+@pytest.mark.parametrize("run", ["hf", "hf_tp2_dp2"])
+def test_load_hf_weights_then_train_then_export(runs: dict[str, Any], run: str) -> None:
+    root, result = runs["root"], runs["results"][run]
+    exported = root / ("export" if run == "hf" else f"export_{run.removeprefix('hf_')}")
+    original = read_checkpoint(root / run)
     # Loaded after the strategy sharded and initialised the model (else init would have overwritten it), and
     # before the first forward pass (the sanity check's).
     assert set(result["start"]) == set(original)  # the tied head once, as the file has it
@@ -100,16 +111,16 @@ def test_load_hf_weights_then_train_then_export(runs: dict[str, Any]) -> None:
 
     # Every step, and not again at the end of training (step 2); transformers loads it: the trained weights, the
     # same logits.
-    assert result["exports"] == [str(root / "export" / "step=1"), str(root / "export" / "step=2")]
-    export = root / "export" / "step=2"
+    assert result["exports"] == [str(exported / "step=1"), str(exported / "step=2")]
+    export = exported / "step=2"
     written = read_checkpoint(export)
     assert set(written) == set(result["final"]) and "lm_head.weight" not in written
     for key, value in result["final"].items():
         assert torch.equal(written[key], value), key
     assert config_json(export)["tie_word_embeddings"] is True
-    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(config_json(root / "hf")))
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(config_json(root / run)))
     ours.load_state_dict(result["final"], strict=False)  # lm_head is the embedding
-    ids = batch(97)
+    ids = batch(ours.config.vocab_size)
     with torch.no_grad():
         expected = ours(ids)
     torch.testing.assert_close(
@@ -117,12 +128,13 @@ def test_load_hf_weights_then_train_then_export(runs: dict[str, Any]) -> None:
     )
 
 
-def test_dcp_to_hf_on_a_two_process_checkpoint(
-    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("run", ["hf", "hf_tp2_dp2"])
+def test_dcp_to_hf_on_a_multi_process_checkpoint(
+    runs: dict[str, Any], run: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    root, result = runs["root"], runs["results"]["hf"]
-    checkpoint = root / "ckpt_hf" / "step=2.ckpt"  # written at the last step: the final weights
-    out = root / "converted"
+    root, result = runs["root"], runs["results"][run]
+    checkpoint = root / f"ckpt_{run}" / "step=2.ckpt"  # written at the last step: the final weights
+    out = root / f"converted_{run}"
     # No --config: LoadHFWeights recorded it in the checkpoint. --config with the HF directory brings the tokenizer.
     assert convert_main(["dcp-to-hf", str(checkpoint), str(out), "--stats"]) == 0
     stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -131,9 +143,9 @@ def test_dcp_to_hf_on_a_two_process_checkpoint(
     assert set(written) == set(result["final"])
     for key, value in result["final"].items():
         assert torch.equal(written[key], value), key
-    assert convert_main(["dcp-to-hf", str(checkpoint), str(out), "--config", str(root / "hf")]) == 0
+    assert convert_main(["dcp-to-hf", str(checkpoint), str(out), "--config", str(root / run)]) == 0
     assert (out / "tokenizer.json").is_file()
-    assert config_json(out)["hidden_size"] == config_json(root / "hf")["hidden_size"]
+    assert config_json(out)["hidden_size"] == config_json(root / run)["hidden_size"]
     load_transformers(out)
 
 
@@ -177,3 +189,32 @@ def test_export_from_an_hsdp_mesh(runs: dict[str, Any]) -> None:
     assert set(written) == set(params)  # Qwen3Config.tiny is untied: the head is written
     for key, value in params.items():
         assert torch.equal(written[key], value), key
+
+
+def test_export_and_dcp_to_hf_from_a_tp2_cp2_mesh(
+    runs: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Tensor- and context-parallel ranks export the whole weights once (transformers loads them and computes
+    our logits), and their training checkpoint converts to the same files."""
+    root, params = runs["root"], _strip(runs["results"]["tp2_cp2"]["params"])
+    exported = read_checkpoint(root / "tp2_cp2" / "final")
+    assert set(exported) == set(params)
+    for key, value in params.items():
+        assert torch.equal(exported[key], value), key
+    ours = Qwen3ForCausalLM(Qwen3Config.tiny())
+    ours.load_state_dict(params)
+    ids = batch(ours.config.vocab_size)
+    with torch.no_grad():
+        expected = ours(ids)
+    torch.testing.assert_close(
+        hf_logits(load_transformers(root / "tp2_cp2" / "final"), ids),
+        expected,
+        rtol=TOLERANCE,
+        atol=TOLERANCE,
+    )
+    out = root / "converted_tp2_cp2"
+    assert convert_main(["dcp-to-hf", str(root / "ckpt_tp2_cp2" / "step=2.ckpt"), str(out)]) == 0
+    converted = read_checkpoint(out)
+    assert set(converted) == set(params)
+    for key, value in params.items():
+        assert torch.equal(converted[key], value), key

@@ -115,7 +115,7 @@ def hf_run(run: dict[str, Any]) -> None:
     trainer = _trainer(run, [LoadHFWeights(run["hf_dir"]), snapshot, recorder, export], run["save_every"])
     module = Qwen3Pretraining(config, lr=run["lr"], warmup_steps=1, max_steps=run["max_steps"])
     data = SyntheticCorpus(config.vocab_size, run["seq_len"], run["global_batch"] * run["max_steps"])
-    per_rank = run["global_batch"] // trainer.world_size
+    per_rank = run["global_batch"] // run.get("dp", trainer.world_size)  # tp / cp peers share a batch
     val = SyntheticCorpus(config.vocab_size, run["seq_len"], run["global_batch"], first_sample=10_000)
     # With validation data the sanity check runs first: the weights must be loaded before it.
     trainer.fit(
