@@ -69,11 +69,12 @@ def _replaceable(path: Path) -> bool:
 
 
 def recorded_hf_config(meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The Hugging Face config a callback recorded in ``meta`` (the content of ``meta.pt``), if any."""
+    """The Hugging Face config recorded in ``meta`` (the content of ``meta.pt``) by a callback or, at the top
+    level, by the strategy at save time; None if neither did."""
     for state in (meta.get(CALLBACKS_SECTION) or {}).values():
         if isinstance(state, Mapping) and isinstance(state.get(HF_CONFIG_KEY), dict):
             return dict(state[HF_CONFIG_KEY])
-    return None
+    return dict(meta[HF_CONFIG_KEY]) if isinstance(meta.get(HF_CONFIG_KEY), dict) else None
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:

@@ -56,6 +56,7 @@ from lightning_d9d.plans import (
     split_batch,
 )
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 
@@ -502,7 +503,10 @@ class D9DStrategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError("D9DStrategy.save_checkpoint(..., storage_options=...) is not supported")
         # Collective: every rank returns once the directory is in place, or raises (all, with the reason).
-        training_checkpoint.save(self.broadcast(Path(filepath)), checkpoint)
+        # with the model's HF config when it has one: `convert dcp-to-hf` then needs no --config
+        training_checkpoint.save(
+            self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:

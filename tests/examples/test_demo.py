@@ -4,12 +4,24 @@ Qwen3-MoE on 2 CPU processes); here a shortened run of it, launched as a user wo
 from __future__ import annotations
 
 import ast
+import importlib.util
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import torch
+import transformers
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "pretrain_qwen3.py"
+
+
+def _example_module():  # type: ignore[no-untyped-def]
+    spec = importlib.util.spec_from_file_location("pretrain_qwen3", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_the_demo_trains_the_moe_model_and_reports(tmp_path: Path) -> None:
@@ -24,3 +36,31 @@ def test_the_demo_trains_the_moe_model_and_reports(tmp_path: Path) -> None:
     assert metrics["train/loss"] < float(first.split()[3]) < 5.6  # it trains: ln(256) = 5.55 at the start
     assert "dp_shard=2" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
+    _converts_without_config_and_transformers_reproduces_the_validation_loss(tmp_path, metrics["val/loss"])
+
+
+def _converts_without_config_and_transformers_reproduces_the_validation_loss(
+    tmp_path: Path, val_loss: float
+) -> None:
+    """The strategy recorded the model's HF config at save time: ``convert dcp-to-hf`` needs no --config, and
+    transformers, given the converted directory, computes the demo's final validation loss (its last checkpoint
+    holds the same weights, after the last step)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    checkpoint, out = tmp_path / "run" / "checkpoints" / "last.ckpt", tmp_path / "hf"
+    command = [sys.executable, "-m", "lightning_d9d.convert", "dcp-to-hf", str(checkpoint), str(out)]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    example = _example_module()
+    config = example.MODELS["tiny-moe"]()
+    # the demo's held-out samples (30 steps of 16 sequences of 64 tokens; 4 batches of 8 on each of 2 ranks)
+    val = example.SyntheticCorpus(config.vocab_size, 64, 64, first_sample=16 * 30)
+    samples = [val[i] for i in range(len(val))]
+    input_ids = torch.stack([s["input_ids"] for s in samples])
+    labels = torch.stack([s["labels"] for s in samples])
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    print(f"demo val/loss {val_loss:.4f}, transformers on the converted checkpoint {float(loss):.4f}")
+    assert abs(float(loss) - val_loss) < 2e-3
