@@ -290,6 +290,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         instance=True,
     ),
     PrivateName(
+        "torch.distributed.tensor.experimental._attention",
+        "_enable_context_parallel_dispatcher",
+        ("modules/context_attention.py",),
+        "routes SDPA on sequence-sharded DTensors to torch's ring kernels (TorchRingAttention, CUDA)",
+    ),
+    PrivateName(
+        "torch.distributed.tensor.experimental._attention",
+        "_cp_options",
+        ("modules/context_attention.py",),
+        "its enable_load_balance must be on: torch's ring then assumes our head-and-tail sequence layout",
+    ),
+    PrivateName(
         "torch.nn",
         "Module._apply",
         ("models/qwen3.py",),

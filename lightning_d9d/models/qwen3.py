@@ -379,7 +379,7 @@ class Qwen3Stage(nn.Module):
             parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
             self.sequence_shards = dims.tp
         if dims.cp_enabled:
-            parallelize_context(self, dims.mesh_for("cp"))
+            parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
         # Before the layers are wrapped: TP and CP (above). No dropout in the layers: no RNG state to keep.
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
@@ -465,7 +465,7 @@ class Qwen3ForCausalLM(CausalLM):
             )
             self.model.sequence_shards = dims.tp
         if dims.cp_enabled:
-            parallelize_context(self, dims.mesh_for("cp"))
+            parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
         # Before the layers are wrapped: TP and CP (above). The decoder layers have no dropout (Qwen3's
         # attention_dropout is 0), so activation checkpointing need not save and restore the RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)

@@ -8,17 +8,33 @@ a causal mask early chunks attend to few keys and late chunks to many, so pairin
 all-gathers K and V over the cp group (the backward reduce-scatters their gradients: each rank's keys serve
 every rank's queries), puts them back in sequence order and runs ``scaled_dot_product_attention`` with an
 explicit causal mask from the global positions of this rank's queries. Memory for K/V grows with the whole
-sequence, which is fine for the moderate cp degrees this path is for; torch's ring attention
-(``torch.distributed.tensor.experimental.context_parallel``) has CUDA kernels only.
+sequence, which is fine for the moderate cp degrees this path is for.
+
+:class:`TorchRingAttention` is torch's own context-parallel attention (the DTensor SDPA dispatcher of
+``torch.distributed.tensor.experimental``): flash / memory-efficient / cuDNN kernels per K/V block, merged by their
+log-sum-exp, with the same head-and-tail layout. It has CUDA kernels only. :func:`context_attention` picks one
+(``"auto"``: torch's on CUDA meshes, all-gather elsewhere) and logs the choice once.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_d9d.compat import import_private
+from lightning_d9d.modules.attention import repeat_kv
+
+log = logging.getLogger("lightning_d9d.modules")
+
+#: The context-parallel attention paths by name (``ParallelOptions.context_attention``).
+CONTEXT_ATTENTION = ("auto", "all_gather", "torch_ring")
 
 
 @dataclass(frozen=True)
@@ -134,3 +150,74 @@ class AllGatherAttention:
 
     def __repr__(self) -> str:
         return f"AllGatherAttention(cp={self.split.cp}, rank={self.split.rank})"
+
+
+_TORCH_CP = "torch.distributed.tensor.experimental._attention"
+
+
+class TorchRingAttention:
+    """torch's context-parallel SDPA (CUDA only): this rank's ``q``/``k``/``v`` become sequence-sharded DTensors
+    and ``scaled_dot_product_attention`` on them runs torch's ring kernels, forward and backward.
+
+    torch's kernels need as many K/V heads as query heads, so grouped K/V heads are repeated first. Its
+    load balancing must be on: it then assumes exactly the head-and-tail layout of :class:`LoadBalancedSplit`.
+    """
+
+    def __init__(self, split: LoadBalancedSplit, mesh: DeviceMesh) -> None:
+        if mesh.device_type != "cuda":
+            raise ValueError(
+                f"context_attention='torch_ring' needs a CUDA mesh (torch has CUDA kernels only), got a "
+                f"{mesh.device_type!r} mesh; use 'all_gather' (or 'auto')"
+            )
+        if mesh.size() != split.cp:
+            raise ValueError(f"TorchRingAttention: the cp mesh has {mesh.size()} ranks, the split {split.cp}")
+        options = import_private(_TORCH_CP, "_cp_options")
+        if not options.enable_load_balance:
+            raise ValueError(
+                "torch's context-parallel load balancing is off (torch.distributed.tensor.experimental._attention."
+                "_cp_options.enable_load_balance = False): lightning_d9d's sequence layout needs it on"
+            )
+        import_private(_TORCH_CP, "_enable_context_parallel_dispatcher")()
+        self.split = split
+        self.mesh = mesh
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        placements = [Shard(2)]
+        q_d, k_d, v_d = (
+            DTensor.from_local(t.contiguous(), self.mesh, placements, run_check=False) for t in (q, k, v)
+        )
+        out = F.scaled_dot_product_attention(q_d, k_d, v_d, is_causal=True)
+        if not isinstance(out, DTensor):  # the dispatcher returns the sharded output
+            raise TypeError(f"torch's context-parallel SDPA returned a {type(out).__name__}, not a DTensor")
+        return out.to_local()
+
+    def __repr__(self) -> str:
+        return f"TorchRingAttention(cp={self.split.cp}, rank={self.split.rank})"
+
+
+_logged: set[str] = set()
+
+
+def context_attention(
+    split: LoadBalancedSplit, mesh: DeviceMesh, name: str = "auto"
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The context-parallel attention called ``name`` (one of :data:`CONTEXT_ATTENTION`) over the 1-D cp
+    ``mesh``; ``"auto"`` is torch's ring kernels on CUDA and the portable all-gather path elsewhere. The
+    choice is logged once per process (INFO, ``lightning_d9d.modules``)."""
+    if name not in CONTEXT_ATTENTION:
+        raise ValueError(
+            f"context_attention={name!r}: choose one of {', '.join(map(repr, CONTEXT_ATTENTION))}"
+        )
+    chosen = name if name != "auto" else ("torch_ring" if mesh.device_type == "cuda" else "all_gather")
+    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    if chosen == "torch_ring":
+        attention = TorchRingAttention(split, mesh)
+    else:
+        attention = AllGatherAttention(split, mesh.get_group())
+    if chosen not in _logged:
+        _logged.add(chosen)
+        why = "asked for" if name != "auto" else f"auto on a {mesh.device_type} mesh"
+        log.info("context-parallel attention: %s (%s), cp=%d", chosen, why, split.cp)
+    return attention

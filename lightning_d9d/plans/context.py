@@ -4,7 +4,7 @@ cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` (see
 :class:`~lightning_d9d.modules.context_attention.LoadBalancedSplit`). Everything but attention is position-wise,
 so it runs on the local tokens unchanged; attention sees the whole sequence's keys and values through
 :class:`~lightning_d9d.modules.context_attention.AllGatherAttention`, the portable exact path (CPU/gloo and
-GPUs). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
+GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
 and labels alike) before the model. The loss of each rank is its local tokens' mean, weighed by the strategy
 over the ``loss`` view (which includes cp) into the global token mean; FSDP shards over ``dp_shard * cp``.
 """
@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.modules.attention import Attention
-from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit
+from lightning_d9d.modules.context_attention import LoadBalancedSplit, context_attention
 
 
 @runtime_checkable
@@ -28,10 +28,12 @@ class ContextSplitAware(Protocol):
     context_split: LoadBalancedSplit | None
 
 
-def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh) -> LoadBalancedSplit:
-    """Switch every :class:`~lightning_d9d.modules.Attention` in ``module`` to all-gather attention over the 1-D
-    ``cp_mesh`` and hand the split to every :class:`ContextSplitAware` submodule (for its positions), in place.
+def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto") -> LoadBalancedSplit:
+    """Switch every :class:`~lightning_d9d.modules.Attention` in ``module`` to context-parallel attention over the
+    1-D ``cp_mesh`` and hand the split to every :class:`ContextSplitAware` submodule (for its positions), in place.
 
+    ``attention`` names the path (:func:`~lightning_d9d.modules.context_attention.context_attention`):
+    ``"auto"`` (torch's ring kernels on CUDA, all-gather elsewhere), ``"all_gather"`` or ``"torch_ring"``.
     Returns the split, which says what :func:`split_batch` cuts each batch into.
     """
     if cp_mesh.ndim != 1:
@@ -39,11 +41,11 @@ def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh) -> LoadBalancedS
             f"parallelize_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
         )
     split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attention = AllGatherAttention(split, cp_mesh.get_group())
+    attend = context_attention(split, cp_mesh, attention)
     switched = 0
     for submodule in module.modules():
         if isinstance(submodule, Attention):
-            submodule.context = attention
+            submodule.context = attend
             switched += 1
         if isinstance(submodule, ContextSplitAware):
             submodule.context_split = split

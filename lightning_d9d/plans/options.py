@@ -18,9 +18,12 @@ class ParallelOptions:
             backward (ZeRO-2, more memory, fewer all-gathers).
         activation_checkpointing: recompute each repeated block's activations in backward.
         compile: ``torch.compile`` each repeated block.
+        context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
+            CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = True
     activation_checkpointing: bool = False
     compile: bool = False
+    context_attention: str = "auto"

@@ -33,7 +33,7 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.modules.context_attention import LoadBalancedSplit
+from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -78,6 +78,8 @@ class D9DStrategy(ModelParallelStrategy):
             head as ``stage_embedding_weight`` / ``stage_head_weight`` layers.
         activation_checkpointing: recompute each transformer block in backward.
         compile: ``torch.compile`` each transformer block.
+        context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
+            all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
 
@@ -107,6 +109,7 @@ class D9DStrategy(ModelParallelStrategy):
         stage_head_weight: float = 1.0,
         activation_checkpointing: bool = False,
         compile: bool = False,
+        context_attention: str = "auto",
         reshard_after_forward: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -133,6 +136,12 @@ class D9DStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         self._activation_checkpointing = activation_checkpointing
         self._compile = compile
+        if context_attention not in CONTEXT_ATTENTION:
+            raise ValueError(
+                f"D9DStrategy: context_attention={context_attention!r}; choose one of "
+                f"{', '.join(map(repr, CONTEXT_ATTENTION))}"
+            )
+        self._context_attention = context_attention
         self._reshard_after_forward = reshard_after_forward
 
     @classmethod
@@ -253,6 +262,7 @@ class D9DStrategy(ModelParallelStrategy):
             and not (self._requested_dims.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES),
             activation_checkpointing=self._activation_checkpointing,
             compile=self._compile,
+            context_attention=self._context_attention,
         )
 
     def _parallelize(self, module: nn.Module, stages: dict[int, nn.Module] | None = None) -> None:

@@ -78,3 +78,39 @@ def test_all_gather_attention_equals_full_causal_attention(
     for rank, differences in enumerate(run_distributed(_attention_parity, world, seq_len, q_heads, kv_heads)):
         for name, difference in differences.items():
             assert difference <= TOLERANCE, f"rank {rank}: {name} differs by {difference:.3g}"
+
+
+def _choices() -> dict[str, object]:
+    """What context_attention picks on a 2-rank gloo (CPU) mesh, and the errors of what it refuses."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lightning_d9d.modules.context_attention import context_attention
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    split = LoadBalancedSplit(2, dist.get_rank())
+    errors = {}
+    for name in ("torch_ring", "ring_of_fire"):
+        try:
+            context_attention(split, mesh, name)
+        except ValueError as error:
+            errors[name] = str(error)
+    return {
+        "auto": type(context_attention(split, mesh, "auto")).__name__,
+        "all_gather": type(context_attention(split, mesh, "all_gather")).__name__,
+        "errors": errors,
+    }
+
+
+def test_context_attention_picks_all_gather_off_cuda_and_names_what_it_refuses() -> None:
+    for chosen in run_distributed(_choices, 2):
+        assert chosen["auto"] == chosen["all_gather"] == "AllGatherAttention"
+        errors = chosen["errors"]
+        assert "needs a CUDA mesh" in errors["torch_ring"] and "'cpu' mesh" in errors["torch_ring"]
+        assert "context_attention='ring_of_fire'" in errors["ring_of_fire"]
+
+
+def test_the_strategy_refuses_an_unknown_context_attention_when_built() -> None:
+    from lightning_d9d import D9DStrategy
+
+    with pytest.raises(ValueError, match="context_attention='flash'; choose one of 'auto', 'all_gather'"):
+        D9DStrategy(cp=2, context_attention="flash")
