@@ -65,6 +65,51 @@ def interrupted_replacement(final: Path) -> Path | None:
     return max(aside, key=lambda path: path.stat().st_mtime, default=None)
 
 
+def agree(check: Callable[[], T], *, distributed: bool) -> T:
+    """Run ``check`` on every rank and agree on the outcome: its value where every rank passed; else every rank
+    raises (the failed rank its own error, the others the same type and message naming that rank), so no rank
+    goes on into a collective the others have left."""
+    result: T | None = None
+    failure: BaseException | None = None
+    try:
+        result = check()
+    except Exception as error:
+        failure = error
+    if not distributed:
+        if failure is not None:
+            raise failure
+        return result  # type: ignore[return-value]
+    import torch.distributed as dist
+
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    mine = None if failure is None else (type(failure).__name__, str(failure), getattr(failure, "path", None))
+    dist.all_gather_object(outcomes, mine)
+    if failure is not None:
+        raise failure
+    for rank, outcome in enumerate(outcomes):
+        if outcome is not None:
+            name, message, path = outcome
+            raise _rebuilt(name, f"rank {rank}: {message}", path)
+    return result  # type: ignore[return-value]
+
+
+def _rebuilt(name: str, message: str, path: str | None) -> Exception:
+    """Another rank's error as this rank raises it: the same class where it is ours or a builtin one."""
+    import builtins
+
+    from . import errors
+
+    kind = getattr(errors, name, None) or getattr(builtins, name, None)
+    if isinstance(kind, type) and issubclass(kind, CheckpointFileError) and path is not None:
+        return kind(message, path=path)
+    if isinstance(kind, type) and issubclass(kind, Exception) and not issubclass(kind, CheckpointFileError):
+        try:
+            return kind(message)
+        except TypeError:
+            pass
+    return CheckpointError(message)
+
+
 class AtomicDirectory:
     """``open()`` → each rank writes into the returned temporary directory inside ``gather(write)`` →
     ``commit(finish)``. Any failure removes the temporary directory and leaves the destination as it was.

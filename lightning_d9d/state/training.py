@@ -9,9 +9,14 @@ their state keys; ``LoadHFWeights`` and ``ExportHF`` record the model's Hugging 
 ``"hf_config"``, which ``python -m lightning_d9d.convert dcp-to-hf`` reads.
 
 Saving is atomic and agreed across ranks (``AtomicDirectory``): the directory appears complete or not at all,
-and replaces only a training checkpoint (or a checkpoint file Lightning overwrites), never other data. Loading
-checks every file before it touches the model: ``meta.pt`` is read first, then ``.metadata``, and every chunk it
-lists must lie within an existing ``.distcp`` file.
+and replaces only a training checkpoint (or a checkpoint file Lightning overwrites), never other data. The last
+file written is ``manifest.json`` (``manifest.py``): every other file with its size and CRC-32.
+
+Loading checks every file before it touches the model, and the ranks agree on the outcome (one rank's damaged
+view fails every rank, with that rank's reason): the manifest (sizes, then checksums, each rank a share of the
+files), ``meta.pt`` (``weights_only`` unless the caller says otherwise), ``.metadata`` (through an allow-list,
+never a plain unpickle), and every chunk it lists must lie within an existing ``.distcp`` file. A folder of
+checkpoints resolves to the newest complete one (``selection.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from .atomic import AtomicDirectory, fsync, interrupted_replacement
+from . import manifest, selection, untrusted
+from .atomic import AtomicDirectory, agree, fsync, interrupted_replacement
 from .errors import (
     CheckpointError,
     CheckpointFileError,
@@ -107,13 +113,28 @@ def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
                 path=str(temp),
             ) from error
 
-    directory.gather(write_tensors)
+    def write_tensors_and_checksum() -> dict[str, manifest.FileEntry]:
+        write_tensors()
+        # every rank's files exist once dcp.save returns: each rank checksums its share (page-cache reads)
+        names = [
+            entry.name for entry in temp.iterdir() if entry.name not in (META_NAME, manifest.MANIFEST_NAME)
+        ]
+        mine = manifest.share(names, directory.rank, directory.world_size)
+        return {name: manifest.checksum(temp / name) for name in mine}
 
-    def write_meta(temp: Path) -> None:
+    shares = directory.gather(write_tensors_and_checksum)
+
+    def write_meta_then_manifest(temp: Path) -> None:
         torch.save(meta, temp / META_NAME)
         fsync(temp / META_NAME)
+        entries = {name: entry for part in shares for name, entry in part.items()}
+        entries[META_NAME] = manifest.checksum(temp / META_NAME)
+        unlisted = {entry.name for entry in temp.iterdir()} - entries.keys()
+        if unlisted:  # a file appeared that no rank checksummed: the manifest would not cover it
+            raise CheckpointError(f"files without a checksum in {temp}: {format_keys(unlisted)}")
+        manifest.write_manifest(temp, entries)  # last: its presence says the directory is complete
 
-    return directory.commit(write_meta)
+    return directory.commit(write_meta_then_manifest)
 
 
 # -------------------------------------------------------------------------------------------------- loading
@@ -127,7 +148,8 @@ def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None
             path=str(meta_path),
         )
     try:
-        meta = torch.load(meta_path, map_location=map_location, weights_only=weights_only)
+        # weights_only unless the caller asked otherwise: a checkpoint is untrusted input
+        meta = torch.load(meta_path, map_location=map_location, weights_only=weights_only is not False)
     except Exception as error:  # a truncated zip, or a pickle weights_only refuses: the reason says which
         raise CheckpointFileError(
             f"{meta_path} cannot be read ({type(error).__name__}: {error}); if it is truncated, choose another "
@@ -144,8 +166,6 @@ def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None
 
 def read_dcp_metadata(path: Path) -> Metadata:
     """DCP's ``.metadata`` of the checkpoint at ``path``, with errors naming the file."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     name = path / DCP_METADATA_NAME
     if not name.is_file():
         raise MissingShardError(
@@ -153,7 +173,9 @@ def read_dcp_metadata(path: Path) -> Metadata:
             path=str(name),
         )
     try:
-        metadata: Metadata = FileSystemReader(str(path)).read_metadata()
+        metadata: Metadata = untrusted.read_metadata(name)
+    except CorruptIndexError:
+        raise
     except Exception as error:  # a pickle of DCP classes: anything can go wrong in a damaged file
         raise CorruptIndexError(f"{name} cannot be read: {error!r}", path=str(name)) from error
     return metadata
@@ -204,6 +226,28 @@ def _check_sections(path: Path, metadata: Metadata, optimizers: int) -> None:
         )
 
 
+def _checked(path: Path, optimizers: int, weights_only: bool | None) -> dict[str, Any]:
+    """This rank's checks of the checkpoint at ``path`` (its share of the checksums); ``meta.pt`` once every
+    file checked out."""
+    if not path.is_dir():
+        previous = interrupted_replacement(path)
+        if previous is not None:
+            raise FileNotFoundError(
+                f"checkpoint {str(path)!r} does not exist: a save replacing it was interrupted, and the previous "
+                f"checkpoint is {str(previous)!r}. Rename it back to {path.name!r} to resume from it"
+            )
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
+    entries = manifest.read_manifest(path)
+    manifest.check_sizes(path, entries)
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    manifest.check_checksums(path, entries, manifest.share(list(entries), rank, world_size))
+    meta = read_meta(path, weights_only=weights_only)
+    metadata = read_dcp_metadata(path)
+    _check_sections(path, metadata, optimizers)
+    check_chunks(path, metadata)
+    return meta
+
+
 def load(
     path: str | os.PathLike[str],
     module: nn.Module,
@@ -214,26 +258,18 @@ def load(
 ) -> dict[str, Any]:
     """Load model and optimizer state in place (any mesh: DCP reshards) and return the rest (``meta.pt``).
 
-    Every file is checked first; a damaged checkpoint raises an error naming the file with the model and the
-    optimizers untouched.
+    Every file is checked first, and every rank of the default process group (if any) agrees on the outcome: a
+    damaged checkpoint raises an error naming the file on every rank, with the model and the optimizers
+    untouched. ``path`` may also be a folder of checkpoints: the newest complete one is loaded (see
+    :func:`~lightning_d9d.state.selection.newest_complete`).
     """
-    path = Path(path).absolute()
-    if not path.is_dir():
-        previous = interrupted_replacement(path)
-        if previous is not None:
-            raise FileNotFoundError(
-                f"checkpoint {str(path)!r} does not exist: a save replacing it was interrupted, and the previous "
-                f"checkpoint is {str(previous)!r}. Rename it back to {path.name!r} to resume from it"
-            )
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
-    meta = read_meta(path, weights_only=weights_only)
-    metadata = read_dcp_metadata(path)
-    _check_sections(path, metadata, len(optimizers))
-    check_chunks(path, metadata)
+    distributed = dist.is_available() and dist.is_initialized()
+    path = selection.resolve(Path(path).absolute(), distributed=distributed)
+    meta = agree(lambda: _checked(path, len(optimizers), weights_only), distributed=distributed)
     state: dict[str, Any] = {MODEL_SECTION: get_model_state_dict(module)}
     state.update({optimizer_section(i): optimizer_state(module, opt) for i, opt in optimizers.items()})
     try:
-        dcp.load(state, checkpoint_id=path)
+        dcp.load(state, checkpoint_id=path, storage_reader=untrusted.RestrictedFileSystemReader(path))
     except (Exception, CheckpointException) as error:  # DCP wraps the ranks' failures in a BaseException
         raise CheckpointFileError(
             f"{path}: cannot load its model and optimizer state ({dcp_failure_reason(error)}). If it is a checkpoint of this model, "

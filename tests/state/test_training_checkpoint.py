@@ -16,6 +16,7 @@ from distributed import run_distributed
 from torch import nn
 
 import lightning_d9d.state.atomic as atomic
+import lightning_d9d.state.manifest as manifest
 import lightning_d9d.state.training as training
 from lightning_d9d.state import CheckpointError, CheckpointFileError, CorruptShardError
 from lightning_d9d.state.training import META_NAME, load, optimizer_state, save
@@ -262,10 +263,20 @@ def truncate(path: Path, fraction: float) -> None:
     path.write_bytes(content[: int(len(content) * fraction)])
 
 
+def agreeing_manifest(checkpoint: Path) -> None:
+    """Rewrite the manifest to match the damaged files: the checks behind it must still catch the damage."""
+    names = [entry.name for entry in checkpoint.iterdir() if entry.name != manifest.MANIFEST_NAME]
+    manifest.write_manifest(checkpoint, {name: manifest.checksum(checkpoint / name) for name in names})
+
+
 def test_a_truncated_meta_pt_fails_naming_it_before_the_model_is_touched(checkpoint: Path) -> None:
     truncate(checkpoint / META_NAME, 0.5)
     module, optimizer = trained(seed=1)
     before = snapshot(module, optimizer)
+    with pytest.raises(CorruptShardError, match=r"manifest\.json lists") as caught:
+        load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert str(checkpoint / META_NAME) in str(caught.value)
+    agreeing_manifest(checkpoint)
     with pytest.raises(CheckpointFileError, match="cannot be read") as caught:
         load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
     assert str(checkpoint / META_NAME) in str(caught.value)
@@ -277,11 +288,19 @@ def test_a_truncated_distcp_fails_naming_it_before_the_model_is_touched(checkpoi
     truncate(data, 0.6)
     module, optimizer = trained(seed=1)
     before = snapshot(module, optimizer)
+    with pytest.raises(CorruptShardError, match=r"manifest\.json lists") as caught:
+        load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert str(data) in str(caught.value)
+    agreeing_manifest(checkpoint)
     with pytest.raises(CorruptShardError, match="is truncated") as caught:
         load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
     assert str(data) in str(caught.value)
     assert_unchanged(before, module, optimizer)
     data.unlink()
+    with pytest.raises(CheckpointFileError, match=r"listed in its manifest\.json, does not exist") as caught:
+        load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert str(data) in str(caught.value)
+    agreeing_manifest(checkpoint)
     with pytest.raises(CheckpointFileError, match="which does not exist") as caught:
         load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
     assert str(data) in str(caught.value)

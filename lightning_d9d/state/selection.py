@@ -1,0 +1,111 @@
+"""Which checkpoint to resume from, and which ones may be deleted.
+
+``Trainer.fit(ckpt_path=<folder of checkpoints>)`` resolves to the newest *complete* checkpoint in that folder:
+a directory with a ``manifest.json`` whose files all exist with the listed sizes (checksums are checked by the
+load itself). Newest means the latest manifest, the file a save writes last. Every other candidate that was
+passed over for being incomplete is logged with the reason. (``ckpt_path="last"`` is Lightning's: it resolves
+to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks, which an atomic save keeps complete.)
+
+Deleting (``save_top_k`` / keep-last-N, through the strategy's ``remove_checkpoint``) never removes the only
+complete checkpoint of a folder.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from . import manifest
+from .errors import CheckpointError, MissingShardError
+
+log = logging.getLogger(__name__)
+
+META_NAME = "meta.pt"
+DCP_METADATA_NAME = ".metadata"
+
+
+def looks_like_checkpoint(path: Path) -> bool:
+    """A training checkpoint's directory, complete or not (it has any of the files a save writes)."""
+    return path.is_dir() and any(
+        (path / name).exists() for name in (META_NAME, DCP_METADATA_NAME, manifest.MANIFEST_NAME)
+    )
+
+
+def incomplete_reason(path: Path) -> str | None:
+    """Why ``path`` is not a complete checkpoint (cheap: the manifest and file sizes), or None if it is."""
+    try:
+        manifest.check_sizes(path, manifest.read_manifest(path))
+    except CheckpointError as error:
+        return str(error)
+    return None
+
+
+def newest_complete(folder: Path) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest complete checkpoint directly inside ``folder``, and the newer ones skipped with why.
+
+    Hidden entries (temporary and set-aside directories of saves in flight or crashed) are never candidates.
+    """
+    candidates = [
+        entry for entry in folder.iterdir() if not entry.name.startswith(".") and looks_like_checkpoint(entry)
+    ]
+
+    def written(entry: Path) -> float:
+        for name in (manifest.MANIFEST_NAME, META_NAME, DCP_METADATA_NAME):
+            if (entry / name).exists():
+                return (entry / name).stat().st_mtime
+        return entry.stat().st_mtime
+
+    skipped: list[tuple[Path, str]] = []
+    for candidate in sorted(candidates, key=lambda entry: (written(entry), entry.name), reverse=True):
+        reason = incomplete_reason(candidate)
+        if reason is None:
+            return candidate, skipped
+        skipped.append((candidate, reason))
+    listed = "".join(f"\n  {path.name}: {reason}" for path, reason in skipped)
+    raise MissingShardError(
+        f"{folder} holds no complete checkpoint to resume from"
+        + (f"; incomplete:{listed}" if skipped else " (no checkpoint directories at all)"),
+        path=str(folder),
+    )
+
+
+def _choose(path: Path) -> Path:
+    if not path.is_dir() or looks_like_checkpoint(path):
+        return path  # a checkpoint itself (complete or not: its load says what is wrong), or nothing
+    chosen, skipped = newest_complete(path)
+    for entry, reason in skipped:
+        log.warning("skipping checkpoint %s: %s", entry, reason)
+    log.warning("resuming from %s, the newest complete checkpoint in %s", chosen, path)
+    return chosen
+
+
+def resolve(path: Path, *, distributed: bool) -> Path:
+    """``path`` itself, or for a folder of checkpoints the newest complete one (rank 0 decides and logs; every
+    rank gets its choice, or its error)."""
+    if not distributed:
+        return _choose(path)
+    import torch.distributed as dist
+
+    from .atomic import agree
+
+    def on_rank_zero() -> Path | None:
+        return _choose(path) if dist.get_rank() == 0 else None
+
+    choice = [agree(on_rank_zero, distributed=True)]
+    dist.broadcast_object_list(choice, src=0)
+    assert choice[0] is not None
+    return Path(choice[0])
+
+
+def keep_reason(path: Path) -> str | None:
+    """Why deleting the checkpoint ``path`` would be wrong (it is the only complete one in its folder), or None."""
+    if not path.is_dir() or incomplete_reason(path) is not None:
+        return None
+    others = [
+        entry
+        for entry in path.parent.iterdir()
+        if entry != path and not entry.name.startswith(".") and looks_like_checkpoint(entry)
+    ]
+    if any(incomplete_reason(entry) is None for entry in others):
+        return None
+    return f"{path} is the only complete checkpoint in {path.parent}"

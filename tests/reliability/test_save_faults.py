@@ -1,0 +1,47 @@
+"""Fault injection: a rank SIGKILLed at each point of a save (and once mid-step, outside any save); a fresh run
+on the same folder resumes from the newest complete checkpoint and ends exactly where an uninterrupted run does.
+
+Two forked gloo ranks, a tiny FSDP model (``kill_points.py``); one uninterrupted run is the reference for all,
+and one launch resumes every killed run's folder.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kill_points import KILL_POINTS, STEPS, launch, resume_each, train
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """``{"uninterrupted": result, point: (what each rank of the killed run returned, the resumed result)}``."""
+    root = tmp_path_factory.mktemp("faults")
+    uninterrupted = launch(root / "uninterrupted", train, str(root / "uninterrupted_ckpt"), None, False)[0]
+    assert uninterrupted is not None, "the uninterrupted run failed"
+    killed = {
+        point: launch(root / f"{point}_killed", train, str(root / point), point, False)
+        for point in KILL_POINTS
+    }
+    resumed = launch(root / "resumed", resume_each, [str(root / point) for point in KILL_POINTS])[0]
+    assert resumed is not None, [path.read_text() for path in root.glob("resumed.*.error")]
+    results: dict = {point: (killed[point], resumed[str(root / point)]) for point in KILL_POINTS}
+    return {**results, "uninterrupted": uninterrupted, "root": root}
+
+
+@pytest.mark.parametrize("point", sorted(KILL_POINTS))
+def test_a_fresh_run_resumes_from_the_last_complete_checkpoint(point: str, runs: dict) -> None:
+    victim, expected_step = KILL_POINTS[point]
+    killed, run = runs[point]
+    assert killed[victim] is None, f"rank {victim} was to die at {point!r} but finished"
+    assert "error" not in run, run.get("error")
+    assert (runs["root"] / point / run["resumed_from"]).is_dir()
+    assert run["losses"].keys() == set(range(expected_step + 1, STEPS + 1)), (
+        f"resumed after step {min(run['losses']) - 1}, expected {expected_step}"
+    )
+    uninterrupted = runs["uninterrupted"]
+    for step, loss in run["losses"].items():
+        assert loss == uninterrupted["losses"][step], (
+            f"step {step}: {loss} vs {uninterrupted['losses'][step]}"
+        )
+    for name, value in uninterrupted["params"].items():
+        assert torch.equal(run["params"][name], value), name

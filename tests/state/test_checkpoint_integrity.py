@@ -1,0 +1,175 @@
+"""Damaged and untrusted training checkpoints: the manifest's sizes and checksums, ranks agreeing on a damage
+only one of them reads, a crafted ``.metadata``, and choosing the newest complete checkpoint of a folder."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from distributed import run_distributed
+from test_training_checkpoint import assert_unchanged, lightning_checkpoint, snapshot, trained
+
+from lightning_d9d.state import manifest, selection
+from lightning_d9d.state.errors import CorruptIndexError, CorruptShardError, MissingShardError
+from lightning_d9d.state.training import DCP_METADATA_NAME, load, save
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+def saved(path: Path, seed: int = 0) -> Path:
+    module, optimizer = trained(seed)
+    save(path, lightning_checkpoint(module, optimizer))
+    return path
+
+
+def flip_a_byte(path: Path) -> None:
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    path.write_bytes(bytes(content))
+
+
+def failed_load(checkpoint: Path, error: type[Exception], match: str) -> str:
+    """Load into a fresh module: the error raised (its message), with model and optimizer left untouched."""
+    module, optimizer = trained(seed=1)
+    before = snapshot(module, optimizer)
+    with pytest.raises(error, match=match) as caught:
+        load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert_unchanged(before, module, optimizer)
+    return str(caught.value)
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+    entries = manifest.read_manifest(checkpoint)
+    on_disk = {entry.name for entry in checkpoint.iterdir()} - {manifest.MANIFEST_NAME}
+    assert entries.keys() == on_disk and any(name.endswith(".distcp") for name in on_disk)
+    for name, entry in entries.items():
+        assert entry.size == (checkpoint / name).stat().st_size
+    # written last: no file of the checkpoint is newer than it
+    written = (checkpoint / manifest.MANIFEST_NAME).stat().st_mtime_ns
+    assert all((checkpoint / name).stat().st_mtime_ns <= written for name in on_disk)
+
+
+def test_flipped_bytes_in_a_shard_fail_naming_it(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+    (shard,) = checkpoint.glob("*.distcp")
+    flip_a_byte(shard)  # same size: only the checksum tells
+    message = failed_load(checkpoint, CorruptShardError, "CRC-32")
+    assert str(shard) in message
+
+
+def test_a_deleted_manifest_makes_the_checkpoint_incomplete(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+    (checkpoint / manifest.MANIFEST_NAME).unlink()
+    message = failed_load(checkpoint, MissingShardError, "is incomplete")
+    assert str(checkpoint / manifest.MANIFEST_NAME) in message
+
+
+def test_a_damaged_manifest_fails_naming_it(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+    (checkpoint / manifest.MANIFEST_NAME).write_text('{"format": "something else"}')
+    assert str(checkpoint / manifest.MANIFEST_NAME) in failed_load(checkpoint, CorruptIndexError, "damaged")
+    entries = manifest.read_manifest(saved(tmp_path / "other"))
+    manifest.write_manifest(checkpoint, {"../outside": next(iter(entries.values()))})
+    failed_load(checkpoint, CorruptIndexError, "not a file name")
+
+
+class Payload:
+    """What a crafted pickle would run on load: here it only leaves a mark."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(Payload.mark),))
+
+    mark = Path()
+
+
+def test_a_crafted_dcp_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+    Payload.mark = tmp_path / "was_run"
+    (checkpoint / DCP_METADATA_NAME).write_bytes(pickle.dumps(Payload()))
+    entries = manifest.read_manifest(checkpoint)  # the manifest agreeing: a crafted checkpoint, not a damaged one
+    entries[DCP_METADATA_NAME] = manifest.checksum(checkpoint / DCP_METADATA_NAME)
+    manifest.write_manifest(checkpoint, entries)
+    message = failed_load(checkpoint, CorruptIndexError, "refusing to unpickle")
+    assert "posix.mkdir" in message and str(checkpoint / DCP_METADATA_NAME) in message
+    assert not Payload.mark.exists()
+
+
+# ------------------------------------------------------------------------- ranks agree on what one of them saw
+def _load_after_rank_1s_share_is_damaged(root: str) -> str:
+    import torch.distributed as dist
+
+    checkpoint = Path(root) / "ckpt"
+    module, optimizer = trained(seed=0)
+    save(checkpoint, lightning_checkpoint(module, optimizer))
+    if dist.get_rank() == 0:  # a file only rank 1 checksums (ranks split the sorted list)
+        flip_a_byte(checkpoint / manifest.share(list(manifest.read_manifest(checkpoint)), 1, 2)[0])
+    dist.barrier()
+    try:
+        load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    except CorruptShardError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_every_rank_fails_when_one_rank_finds_damage(tmp_path: Path) -> None:
+    ranks = run_distributed(_load_after_rank_1s_share_is_damaged, 2, str(tmp_path), timeout=120)
+    assert all("CRC-32" in outcome for outcome in ranks), ranks
+    assert ranks[0].startswith("rank 1: ")  # rank 0 names the rank that saw it
+
+
+# ------------------------------------------------------------------------------------ choosing a checkpoint
+def test_a_folder_resolves_to_the_newest_complete_checkpoint_and_logs_the_skipped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "checkpoints"
+    older = saved(folder / "step=2.ckpt", seed=0)
+    newest_complete = saved(folder / "step=4.ckpt", seed=1)
+    incomplete = saved(folder / "step=6.ckpt", seed=2)
+    (incomplete / manifest.MANIFEST_NAME).unlink()
+    truncated = saved(folder / "step=8.ckpt", seed=3)
+    (shard,) = truncated.glob("*.distcp")
+    shard.write_bytes(shard.read_bytes()[:10])
+    (folder / ".step=10.ckpt.tmp-0badf00d").mkdir()  # a save in flight or crashed: never a candidate
+    os.utime(older / manifest.MANIFEST_NAME, (1e9, 1e9))
+    module, optimizer = trained(seed=5)
+    with caplog.at_level(logging.WARNING, logger=selection.__name__):
+        load(folder, module, {0: optimizer}, strict=True, weights_only=True)
+    assert torch.equal(module[0].weight, trained(seed=1)[0][0].weight)
+    text = caplog.text
+    assert f"resuming from {newest_complete}" in text
+    assert f"skipping checkpoint {incomplete}" in text and "no manifest.json" in text
+    assert f"skipping checkpoint {truncated}" in text and "has 10 bytes" in text
+    assert str(older) not in text  # older than the chosen one: not considered, not logged
+
+
+def test_a_folder_without_a_complete_checkpoint_fails_listing_why(tmp_path: Path) -> None:
+    folder = tmp_path / "checkpoints"
+    incomplete = saved(folder / "step=2.ckpt")
+    (incomplete / manifest.MANIFEST_NAME).unlink()
+    module, optimizer = trained(seed=5)
+    with pytest.raises(MissingShardError, match="holds no complete checkpoint") as caught:
+        load(folder, module, {0: optimizer}, strict=True, weights_only=True)
+    assert "step=2.ckpt: checkpoint" in str(caught.value)
+
+
+def test_the_only_complete_checkpoint_is_kept(tmp_path: Path) -> None:
+    only = saved(tmp_path / "step=2.ckpt")
+    incomplete = saved(tmp_path / "step=4.ckpt")
+    (incomplete / manifest.MANIFEST_NAME).unlink()
+    assert selection.keep_reason(only) is not None
+    assert selection.keep_reason(incomplete) is None
+    saved(tmp_path / "step=6.ckpt")
+    assert selection.keep_reason(only) is None
