@@ -43,6 +43,7 @@ from lightning_d9d.pipeline import (
     check_pipeline_config,
     find_splittable,
 )
+from lightning_d9d.pipeline.checks import check_pipeline_model, has_splittable_child
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
@@ -57,6 +58,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
+from lightning_d9d.strategies.launch import check_before_launch
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 
@@ -181,6 +183,8 @@ class D9DStrategy(ModelParallelStrategy):
         # process is launched.
         self._resolve_dims()
         super()._configure_launcher()
+        if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
+            check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))
 
     @override
     def setup_environment(self) -> None:
@@ -233,6 +237,7 @@ class D9DStrategy(ModelParallelStrategy):
                 "itself: remove the wrapper"
             )
         if not getattr(model, "_d9d_parallelized", False):
+            self._check_pipeline_model(built_only=False)  # on every rank alike, before the first collective
             self._broadcast_plain_tensors(model)
             runner = None
             if self.parallel_dims.pp_enabled:
@@ -253,6 +258,14 @@ class D9DStrategy(ModelParallelStrategy):
             self.precision_plugin.norm_reduce_groups = self._runner.grad_norm_groups
         self._sync_metrics_over_data_ranks(model)
         return model
+
+    def _check_pipeline_model(self, *, built_only: bool) -> None:
+        """Pipeline settings against the model (stages vs. layers, tied weights); ``built_only``: skip if the
+        pipelined model does not exist yet (``configure_model`` builds it after the processes start)."""
+        module, pp = self.lightning_module, self._requested_dims.pp
+        if module is None or pp <= 1 or (built_only and not has_splittable_child(module)):
+            return
+        check_pipeline_model(module, self.pipeline, pp, self._stage_layout)
 
     def parallel_options(self) -> ParallelOptions:
         return ParallelOptions(
