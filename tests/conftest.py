@@ -5,6 +5,11 @@ import warnings
 import pytest
 import torch
 
+# Without a GPU the Triton kernels' tests run in Triton's CPU interpreter, which triton.jit picks when triton is
+# imported (torch._dynamo imports it, below).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Imported before any fork so that ranks do not each pay for these lazy imports.
 import torch._dynamo
 import torch.distributed.tensor

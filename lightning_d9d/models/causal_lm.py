@@ -6,12 +6,24 @@ A model keeps ``self.model`` (with ``embed_tokens``, a ``layers`` ModuleDict key
 
 from __future__ import annotations
 
+import logging
+import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from typing_extensions import Self
+
+from lightning_d9d.kernels.linear_cross_entropy import linear_cross_entropy
+from lightning_d9d.modules.loss import CausalLMLoss
+
+FUSED_LOSS_ENV = "LIGHTNING_D9D_FUSED_LOSS"
+log = logging.getLogger("lightning_d9d.models")
+_ANNOUNCED: set[str] = set()
+_FSDP_REGISTERED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 class CausalLM(nn.Module):
@@ -20,6 +32,30 @@ class CausalLM(nn.Module):
     config: Any
     model: Any  # the decoder: embed_tokens, layers (ModuleDict), norm
     lm_head: nn.Linear | None
+    # Whether the strategy's ``model_loss`` with ``causal_lm_loss`` calls :meth:`forward_loss` (head and loss
+    # fused, no [tokens, vocab] logits) instead of ``forward`` then the loss. None: on CUDA, where the logits'
+    # memory matters (on CPU the logits path keeps results bitwise equal to a plain loop), unless
+    # $LIGHTNING_D9D_FUSED_LOSS=1 / 0 says otherwise.
+    fuse_head_loss: bool | None = None
+
+    def forward_loss(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        *,
+        ignore_index: int = -100,
+    ) -> torch.Tensor:
+        """``causal_lm_loss(self(input_ids), labels)`` without materialising the logits: the mean cross-entropy
+        over the labels that are not ``ignore_index``, computed from the final hidden states chunk by chunk
+        (:func:`~lightning_d9d.kernels.linear_cross_entropy`). Under FSDP call it through
+        :func:`fused_causal_lm_loss`, which registers it as a forward method (so the head is unsharded)."""
+        if self.lm_head is None:
+            raise ValueError(
+                f"{type(self).__name__}.forward_loss needs the LM head; this pipeline stage does not hold it"
+            )
+        hidden = self.model(input_ids, position_ids)
+        return linear_cross_entropy(hidden, self.lm_head.weight, labels, ignore_index=ignore_index)
 
     def _tie_weights(self) -> None:
         head, embedding = self.lm_head, self.model.embed_tokens
@@ -57,3 +93,55 @@ class CausalLM(nn.Module):
         if not last:
             self.model.norm = None
             self.lm_head = None
+
+
+def fused_causal_lm_loss(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    loss_fn: object,
+    *,
+    tensor_parallel: bool = False,
+) -> torch.Tensor | None:
+    """``loss_fn(model(*inputs), labels)`` through :meth:`CausalLM.forward_loss` when that is the same loss
+    (``loss_fn`` is a plain :class:`~lightning_d9d.modules.loss.CausalLMLoss`, ``model`` a :class:`CausalLM`
+    holding its head, fusion not switched off); None where the caller must run the logits path.
+
+    Under tensor parallelism the head's logits stay vocabulary-sharded and torch's loss parallel computes the
+    cross-entropy on the shards: that path is kept (logged once).
+    """
+    if type(loss_fn) is not CausalLMLoss or not isinstance(model, CausalLM):
+        return None
+    if model.lm_head is None or not 1 <= len(inputs) <= 2 or not _fusing(model, model.lm_head.weight):
+        return None
+    if tensor_parallel:
+        _announce(
+            "tp", "fused LM head + cross-entropy off under tp > 1: the logits path with loss parallel runs"
+        )
+        return None
+    if isinstance(model, FSDPModule) and model not in _FSDP_REGISTERED:
+        # FSDP gathers the root's parameters (the head) only around registered forward methods.
+        register_fsdp_forward_method(model, "forward_loss")
+        _FSDP_REGISTERED.add(model)
+    _announce("fused", "LM head + cross-entropy fused (no [tokens, vocab] logits)")
+    position_ids = inputs[1] if len(inputs) == 2 else None
+    return model.forward_loss(inputs[0], labels, position_ids, ignore_index=loss_fn.ignore_index)
+
+
+def _fusing(model: CausalLM, head_weight: torch.Tensor) -> bool:
+    if model.fuse_head_loss is not None:
+        return model.fuse_head_loss
+    setting = os.environ.get(FUSED_LOSS_ENV)
+    if setting not in (None, "", "0", "1"):
+        raise ValueError(
+            f"${FUSED_LOSS_ENV}={setting!r}: set 1 (fuse), 0 (logits path) or leave it unset (CUDA only)"
+        )
+    if setting:
+        return setting == "1"
+    return head_weight.device.type == "cuda"
+
+
+def _announce(key: str, message: str) -> None:
+    if key not in _ANNOUNCED:
+        _ANNOUNCED.add(key)
+        log.info(message)

@@ -5,12 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_d9d.kernels.rmsnorm import rms_norm
+
 
 class RMSNorm(nn.Module):
     """``weight * x / sqrt(mean(x**2) + eps)`` over the last dim.
 
     The statistics are computed in fp32 and the normalised value is cast back to the input dtype *before* the
     weight is applied, which is the order Hugging Face's Qwen/Llama norms use: bf16 outputs then match theirs.
+    Any leading shape: Qwen3's q/k norms normalise ``[B, T, heads, head_dim]`` per head.
     """
 
     def __init__(self, dim: int, eps: float = 1e-6, *, device: torch.device | str | None = None) -> None:
@@ -19,9 +22,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        # A Triton kernel on CUDA, the PyTorch reference elsewhere (lightning_d9d.kernels.dispatch).
+        return rms_norm(x, self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)

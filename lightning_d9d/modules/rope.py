@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lightning_d9d.kernels.rope import apply_rope
+
 
 def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
     """``1 / theta**(2i / head_dim)`` for ``i < head_dim / 2``, in fp32 on CPU."""
@@ -98,6 +100,5 @@ def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q`` and ``k`` (``[B, heads, T, head_dim]``) by the angles whose ``cos``/``sin`` are
-    ``[B or 1, T, head_dim]``."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    ``[B or 1, T, head_dim]``: both in one Triton pass on CUDA, the PyTorch reference elsewhere."""
+    return apply_rope(q, k, cos, sin)

@@ -1,0 +1,82 @@
+"""When the Triton kernels run instead of their PyTorch references, and how a kernel is launched on CPU tensors.
+
+``$LIGHTNING_D9D_KERNELS``: ``auto`` (the default) runs Triton on CUDA tensors in eager mode and the references
+everywhere else; ``reference`` always runs the references; ``triton`` runs Triton wherever it can, CPU tensors
+included when ``TRITON_INTERPRET=1`` (how CI tests the kernels without a GPU).
+
+The references run where Triton cannot or need not: DTensors (tensor / sequence parallel activations: the
+reference's ops dispatch on them), and inside ``torch.compile`` (Inductor fuses the reference itself, and the
+compiled blocks are traced with ``fullgraph=True``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+ENV_VAR = "LIGHTNING_D9D_KERNELS"
+MODES = ("auto", "reference", "triton")
+log = logging.getLogger("lightning_d9d.kernels")
+_ANNOUNCED: set[str] = set()
+_INTERPRETED: dict[int, Any] = {}
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Triton's CPU interpreter is on (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def kernel_mode() -> str:
+    mode = os.environ.get(ENV_VAR) or "auto"
+    if mode not in MODES:
+        raise ValueError(f"${ENV_VAR}={mode!r}: choose one of {MODES}")
+    return mode
+
+
+def use_triton(name: str, *tensors: torch.Tensor) -> bool:
+    """Whether kernel ``name`` runs its Triton version on these tensors (see the module docstring); logs the
+    choice once per kernel."""
+    mode = kernel_mode()
+    if mode == "reference" or torch.compiler.is_compiling():
+        return False
+    if any(isinstance(t, DTensor) for t in tensors) or not triton_installed():
+        return False
+    on_cuda = all(t.is_cuda for t in tensors)
+    chosen = (
+        on_cuda
+        if mode == "auto"
+        else on_cuda or (interpreting() and all(t.device.type == "cpu" for t in tensors))
+    )
+    if chosen and name not in _ANNOUNCED:
+        _ANNOUNCED.add(name)
+        log.info("%s: Triton kernel (set $%s=reference for the PyTorch reference)", name, ENV_VAR)
+    return chosen
+
+
+def launchable(kernel: Any, device: torch.device) -> Any:
+    """``kernel`` as it can run on ``device``: itself on CUDA; on CPU, under ``TRITON_INTERPRET=1``, its
+    interpreted twin (``triton.jit`` decides at import time, so a kernel imported before the variable was set
+    would otherwise refuse CPU tensors)."""
+    if device.type == "cuda":
+        return kernel
+    if not interpreting():
+        raise RuntimeError(
+            f"Triton kernels take CUDA tensors, got {device}; set TRITON_INTERPRET=1 to run them on CPU"
+        )
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(kernel, InterpretedFunction):
+        return kernel
+    twin = _INTERPRETED.get(id(kernel))
+    if twin is None:
+        twin = _INTERPRETED[id(kernel)] = InterpretedFunction(kernel.fn)
+    return twin

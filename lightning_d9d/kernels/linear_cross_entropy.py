@@ -1,0 +1,171 @@
+"""Fused LM head + cross-entropy: ``cross_entropy(hidden @ weight.T, labels)`` without ``[tokens, vocab]`` logits.
+
+A causal LM's head and loss, done the plain way, keep the whole ``[tokens, vocab]`` logits, their fp32 upcast
+and the softmax gradient alive at once: at vocab 151,936 and 16k tokens that is ~15 GiB. Here the tokens are
+cut into chunks; each chunk's logits are computed, turned into its loss *and* its gradient
+(``softmax - onehot``) right away, multiplied back into ``grad_hidden`` and accumulated into ``grad_weight``,
+then freed. Only one chunk of logits exists at a time, and the backward pass has nothing left to do but scale
+the saved gradients by the incoming one (the work of a recomputing backward saved: three matmuls, not four).
+
+The numbers are those of the reference (:func:`linear_cross_entropy_reference`): logits in the inputs' dtype,
+softmax in fp32, the sum of the per-token losses of labels that are not ``ignore_index`` divided by their
+count (``reduction="mean"``; 0 with zero gradients when nothing is counted) or not divided (``"sum"``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+REDUCTIONS = ("mean", "sum")
+# fp32 logits per chunk: ~1 GiB at any vocabulary (2**28 elements), which amortises the matmuls on a GPU
+# and keeps the peak a fraction of the full logits at the vocabularies where fusing matters.
+CHUNK_ELEMENTS = 2**28
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk: ``CHUNK_ELEMENTS / vocab`` rounded down to a multiple of 128 (at least 128)."""
+    return max(128, (CHUNK_ELEMENTS // max(vocab, 1)) // 128 * 128)
+
+
+def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r}: choose one of {REDUCTIONS}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)}: weight must be [vocab, hidden] "
+            f"with hidden = hidden's last dim"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"hidden {tuple(hidden.shape)} and labels {tuple(labels.shape)} disagree on the token dims"
+        )
+    if labels.dtype.is_floating_point:
+        raise ValueError(f"labels must be integer class ids, got {labels.dtype}")
+
+
+def linear_cross_entropy_reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """The plain way: full logits, fp32 cross-entropy (what ``CausalLMLoss`` computes on the head's logits)."""
+    _check(hidden, weight, labels, reduction)
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    flat = labels.reshape(-1)
+    total = F.cross_entropy(logits.float(), flat, ignore_index=ignore_index, reduction="sum")
+    if reduction == "sum":
+        return total
+    return total / (flat != ignore_index).sum().clamp(min=1)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore_index: int,
+        mean: bool,
+        chunk_tokens: int,
+    ) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        valid = labels != ignore_index
+        # Scale of each token's gradient: 1/count for the mean (on the device: no host synchronisation).
+        scale = 1.0 / valid.sum().clamp(min=1).float() if mean else hidden.new_ones((), dtype=torch.float32)
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
+        )
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, tokens, chunk_tokens):
+            stop = min(start + chunk_tokens, tokens)
+            h, y, keep = hidden[start:stop], labels[start:stop], valid[start:stop]
+            logits = (h @ weight.t()).float()  # the head's dtype first, as the reference rounds them
+            target = torch.where(keep, y, 0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            losses = (lse - logits.gather(1, target).squeeze(1)) * keep
+            total = total + losses.sum()
+            if not (need_hidden or need_weight):
+                continue
+            # d loss / d logits = softmax - onehot, per counted token, times the reduction's scale; in place.
+            grad = logits.sub_(lse.unsqueeze(1)).exp_()
+            grad.scatter_add_(1, target, torch.full_like(lse, -1.0).unsqueeze(1))
+            grad.mul_((keep.float() * scale).unsqueeze(1))
+            grad_low = grad.to(hidden.dtype)
+            del logits, grad
+            if grad_hidden is not None:
+                torch.matmul(grad_low, weight, out=grad_hidden[start:stop])
+            if grad_weight is not None:
+                grad_weight.add_(grad_low.t() @ h)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, labels)`` over ``chunk_tokens`` tokens at a time (see the module
+    docstring); ``hidden`` is ``[..., H]``, ``weight`` ``[V, H]``, ``labels`` ``hidden``'s leading shape."""
+    _check(hidden, weight, labels, reduction)
+    if chunk_tokens is not None and chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
+    if hidden.dtype != weight.dtype:
+        raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(
+        flat_hidden, weight, labels.reshape(-1), ignore_index, reduction == "mean", chunk
+    )
+    return loss
+
+
+ENV_VAR = "LIGHTNING_D9D_LINEAR_CE"
+BACKENDS = ("chunked", "reference")
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    backend: str | None = None,
+) -> torch.Tensor:
+    """The LM head's loss: ``chunked`` (the default, any device) or the ``reference`` (full logits), chosen by
+    ``backend`` or ``$LIGHTNING_D9D_LINEAR_CE``."""
+    name = backend or os.environ.get(ENV_VAR) or "chunked"
+    if name == "chunked":
+        return chunked_linear_cross_entropy(
+            hidden, weight, labels, ignore_index=ignore_index, reduction=reduction
+        )
+    if name == "reference":
+        return linear_cross_entropy_reference(
+            hidden, weight, labels, ignore_index=ignore_index, reduction=reduction
+        )
+    raise ValueError(f"unknown linear cross-entropy backend {name!r}: choose one of {BACKENDS} (${ENV_VAR})")

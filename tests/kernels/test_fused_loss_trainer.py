@@ -1,0 +1,34 @@
+"""``Trainer(strategy="d9d")`` with the fused LM head + cross-entropy (forced on CPU, where it is off by default)
+equals the single-process loop on logits: FSDP over 2 processes with padded labels (token-weighted ranks),
+gradient accumulation, and a head tied to the embedding."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
+from test_trainer_parity import BASE, assert_matches_reference, run_trainer
+
+CASES = {
+    "fused_fsdp2_padded_accumulate": {
+        "devices": 2,
+        "dp": 2,
+        "max_steps": 3,
+        "accumulate": 2,
+        "pad": True,
+        "lr": 3e-4,
+        "validate": True,
+    },
+    "fused_fsdp2_tied": {"devices": 2, "dp": 2, "max_steps": 3, "model": {"tie_word_embeddings": True}},
+}
+
+
+def test_fused_loss_matches_the_logits_loop(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("LIGHTNING_D9D_FUSED_LOSS", "1")  # the launched ranks inherit it
+    configs = {name: {**BASE, **case} for name, case in CASES.items()}
+    results = run_trainer(list(configs.values()), tmp_path, "fused_loss", names=list(configs))
+    for name, config in configs.items():
+        assert_matches_reference(results[name], config)

@@ -1,0 +1,138 @@
+"""The Triton RMSNorm, SwiGLU and RoPE kernels equal their PyTorch references, forward and gradients, run on
+CPU tensors in Triton's interpreter (``TRITON_INTERPRET=1``) at small shapes with non-power-of-two sizes; the
+modules use them only where they should (``LIGHTNING_D9D_KERNELS``). The same checks at real shapes in bf16 run
+on the GPU (tests/gpu/test_kernels_gpu.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from kernel_checks import grads, leaf, poisoned_allocations, relative_error
+
+from lightning_d9d.kernels import dispatch
+from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from lightning_d9d.kernels.rope import rope_reference, rope_triton
+from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
+from lightning_d9d.modules import RMSNorm, SwiGLU, apply_rotary
+
+pytest.importorskip("triton")
+# fp32: the kernels and the references differ in summation order only. bf16 in the interpreter: numpy has no
+# bf16, and the interpreter truncates fp32 -> bf16 (up to 1 ulp, 2**-7 relative) where the GPU rounds.
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+
+
+@pytest.fixture(autouse=True)
+def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((5, 24), torch.float32),
+        ((2, 3, 100), torch.float32),  # a row length that is not a power of two
+        ((2, 3, 5, 16), torch.float32),  # q/k norm: [B, T, heads, head_dim]
+        ((37, 48), torch.bfloat16),
+    ],
+)
+def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    x = leaf(*shape, dtype=dtype, device="cpu", seed=1)
+    w = leaf(shape[-1], dtype=dtype, device="cpu", seed=2, scale=0.1, shift=1.0)
+    with poisoned_allocations():
+        out = rms_norm_triton(x, w, 1e-6)
+        got = grads((out,), (x, w))
+    ref = rms_norm_reference(x, w, 1e-6)
+    expected = grads((ref,), (x, w))
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    assert relative_error(out, ref) < BOUND[dtype]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[dtype]
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"), [((3, 7), torch.float32), ((2, 2500), torch.float32), ((999,), torch.bfloat16)]
+)
+def test_swiglu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    gate, up = (
+        leaf(*shape, dtype=dtype, device="cpu", seed=3),
+        leaf(*shape, dtype=dtype, device="cpu", seed=4),
+    )
+    with poisoned_allocations():
+        out = swiglu_triton(gate, up)
+        got = grads((out,), (gate, up))
+    ref = swiglu_reference(gate, up)
+    expected = grads((ref,), (gate, up))
+    assert relative_error(out, ref) < BOUND[dtype]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[dtype]
+
+
+@pytest.mark.parametrize(
+    ("batch", "q_heads", "k_heads", "seq", "head_dim", "table_batch", "dtype"),
+    [
+        (2, 4, 2, 5, 16, 1, torch.float32),
+        (
+            2,
+            6,
+            3,
+            7,
+            12,
+            2,
+            torch.float32,
+        ),  # heads and half head_dim not powers of two; per-sequence positions
+        (1, 3, 1, 4, 8, 1, torch.bfloat16),
+    ],
+)
+def test_rope(
+    batch: int, q_heads: int, k_heads: int, seq: int, head_dim: int, table_batch: int, dtype: torch.dtype
+) -> None:
+    # As the attention block makes them: [B, heads, T, D] views of [B, T, heads, D] projections.
+    q = leaf(batch, seq, q_heads, head_dim, dtype=dtype, device="cpu", seed=5).transpose(1, 2)
+    k = leaf(batch, seq, k_heads, head_dim, dtype=dtype, device="cpu", seed=6).transpose(1, 2)
+    angles = torch.rand(table_batch, seq, head_dim // 2) * 6
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    with poisoned_allocations():
+        q_out, k_out = rope_triton(q, k, cos, sin)
+        got = grads((q_out, k_out), (q, k))
+    q_ref, k_ref = rope_reference(q, k, cos, sin)
+    expected = grads((q_ref, k_ref), (q, k))
+    assert q_out.stride() == q_ref.stride() or q_out.stride() == q.stride()
+    assert relative_error(q_out, q_ref) < BOUND[dtype]
+    assert relative_error(k_out, k_ref) < BOUND[dtype]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[dtype]
+
+
+def test_rope_refuses_mismatched_tables() -> None:
+    q = torch.randn(2, 4, 5, 8)
+    with pytest.raises(ValueError, match=r"cos \(1, 4, 8\) must be \[1 or 2, 5, 8\]"):
+        rope_triton(q, q, torch.ones(1, 4, 8), torch.ones(1, 5, 8))
+
+
+def test_modules_use_the_references_on_cpu_unless_forced(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    x = torch.randn(2, 3, 40)
+    assert not dispatch.use_triton("rms_norm", x)  # auto: CUDA only
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    assert dispatch.use_triton("rms_norm", x)
+    monkeypatch.setenv(dispatch.ENV_VAR, "fast")
+    with pytest.raises(ValueError, match="LIGHTNING_D9D_KERNELS='fast'"):
+        dispatch.use_triton("rms_norm", x)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    monkeypatch.setattr(dispatch, "_ANNOUNCED", set())
+    torch.manual_seed(0)
+    norm, mlp = RMSNorm(40), SwiGLU(40, 24)
+    qk, table = torch.randn(2, 3, 4, 10), torch.randn(1, 4, 10)
+    with caplog.at_level(logging.INFO, logger="lightning_d9d.kernels"):
+        forced = (norm(x), mlp(x), apply_rotary(qk, qk, table.cos(), table.sin()))
+        norm(x)
+    assert caplog.text.count("rms_norm: Triton kernel") == 1  # logged once
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    reference = (norm(x), mlp(x), apply_rotary(qk, qk, table.cos(), table.sin()))
+    torch.testing.assert_close(forced[0], reference[0])
+    torch.testing.assert_close(forced[1], reference[1])
+    torch.testing.assert_close(forced[2], reference[2])
