@@ -1,0 +1,58 @@
+"""Pipeline settings checked against the model before any process or collective depends on them.
+
+Every check here is pure (no process group, no data): the strategy runs it in the launching process before the
+other processes start when the model is built already, and on every rank before the first collective otherwise
+(a model built in ``configure_model`` exists only after the process group is up). Every rank reaches the same
+verdict, so no rank waits in a collective for one that stopped.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from lightning_d9d.pipeline.carve import StageLayout, find_splittable
+from lightning_d9d.pipeline.schedules import PipelineConfig
+from lightning_d9d.pipeline.split import balanced_stage_layers
+from lightning_d9d.pipeline.traits import PipelineSplittable
+
+
+def tied_parameters(module: nn.Module) -> list[tuple[str, str]]:
+    """Pairs of names under which ``module`` holds one and the same parameter (tied weights)."""
+    first_name: dict[int, str] = {}
+    pairs = []
+    for name, parameter in module.named_parameters(remove_duplicate=False):
+        if id(parameter) in first_name:
+            pairs.append((first_name[id(parameter)], name))
+        else:
+            first_name[id(parameter)] = name
+    return pairs
+
+
+def has_splittable_child(owner: nn.Module) -> bool:
+    """Whether ``owner`` holds its pipelined model yet (not when it is built later, in ``configure_model``)."""
+    return any(isinstance(child, PipelineSplittable) for child in owner.children())
+
+
+def check_pipeline_model(owner: nn.Module, config: PipelineConfig, pp: int, layout: StageLayout) -> None:
+    """Raise ``ValueError`` with the numbers and the fix if ``owner``'s pipelined model cannot be split into
+    ``pp * stages_per_rank`` stages: fewer layers than stages, ``layers_per_stage`` that do not fit, or tied
+    parameters (they would live on two ranks as two copies that drift apart)."""
+    if pp <= 1:
+        return
+    model = find_splittable(owner)
+    assert isinstance(model, PipelineSplittable)
+    balanced_stage_layers(
+        model.num_pipeline_layers,
+        config.num_stages(pp),
+        embedding_weight=layout.embedding_weight,
+        head_weight=layout.head_weight,
+        layers_per_stage=layout.layers_per_stage,
+    )
+    tied = tied_parameters(model)
+    if tied:
+        shown = ", ".join(f"{a} = {b}" for a, b in tied[:3])
+        raise ValueError(
+            f"pp={pp}: {type(model).__name__} ties parameters ({shown}); the pipeline stages holding them sit "
+            "on different ranks, where they would become two copies. Untie them (for our models: "
+            "tie_word_embeddings=False) or use pp=1"
+        )
