@@ -14,12 +14,14 @@ The style builders below name the layouts once; a model's plan maps its module n
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -58,10 +60,47 @@ def check_sequence_length(seq_len: int, tp: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- styles
-def vocab_parallel_embedding() -> ParallelStyle:
+class VocabParallelEmbedding(ParallelStyle):
     """Embedding rows (the vocabulary) split over tp; token ids come in whole, the output leaves
-    sequence-sharded (a reduce-scatter instead of an all-reduce)."""
-    return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(SEQUENCE_DIM))
+    sequence-sharded (a reduce-scatter of the rows' partial sums instead of an all-reduce).
+
+    Like torch's ``RowwiseParallel`` on an ``nn.Embedding`` (the weight a ``Shard(0)`` DTensor), but the lookup
+    runs on the local rows: ids outside them read row 0 and are zeroed. Its backward then makes only this
+    rank's ``[vocab / tp, hidden]`` gradient; torch's DTensor embedding backward builds the whole
+    ``[vocab, hidden]`` gradient on every rank first (0.6 GB in fp32 at Qwen3's 151,936 x 1,024).
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(f"VocabParallelEmbedding applies to nn.Embedding, not {type(module).__name__}")
+        if module.num_embeddings % device_mesh.size() != 0:
+            raise ValueError(
+                f"VocabParallelEmbedding: tp ({device_mesh.size()}) must divide the vocabulary "
+                f"({module.num_embeddings})"
+            )
+        weight = distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)])
+        module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        module.forward = types.MethodType(_vocab_parallel_lookup, module)  # type: ignore[method-assign]
+        return module
+
+
+def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    assert isinstance(weight, DTensor)
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    first = mesh.get_local_rank() * local.shape[0]
+    shifted = ids - first
+    outside = (shifted < 0) | (shifted >= local.shape[0])
+    rows = F.embedding(shifted.masked_fill(outside, 0), local)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+    partial = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
+    return partial.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+
+
+def vocab_parallel_embedding() -> ParallelStyle:
+    """Embedding rows (the vocabulary) split over tp, the output sequence-sharded (:class:`VocabParallelEmbedding`)."""
+    return VocabParallelEmbedding()
 
 
 def sequence_parallel_norm() -> ParallelStyle:

@@ -113,9 +113,10 @@ def model_body(tp: int, tied: bool) -> dict[str, Any]:
         loss = full(causal_lm_loss(logits, labels[rows]))
         loss.backward()  # FSDP averages the gradients over the data ranks
     result["logits_local_shape"] = tuple(logits.to_local().shape)
-    # [..., vocab]: logits or their gradient. (torch's embedding backward does make a full [vocab, hidden]
-    # gradient before sharding it: that is the table's gradient, not per-token logits.)
+    # [..., vocab]: logits or their gradient; [vocab, ...]: the whole embedding table or its gradient (torch's
+    # own DTensor embedding backward builds that on every rank; VocabParallelEmbedding does not)
     result["vocab_shapes"] = sorted(shape for shape in recorder.shapes if shape[-1:] == (VOCAB,))
+    result["table_shapes"] = sorted(shape for shape in recorder.shapes if shape[:1] == (VOCAB,))
     # the recorder can see one: gathering the logits makes the [B, T, vocab] tensor it must not find
     control = RecordShapes()
     with control:
@@ -172,6 +173,7 @@ def test_tensor_parallel_qwen3_matches_one_process(world: int, tp: int, tied: bo
         assert rank["tied"] == tied
         assert rank["logits_local_shape"] == (2 * tp // world, 8, VOCAB // tp)
         assert rank["vocab_shapes"] == [], "a full-vocabulary tensor was materialised"
+        assert rank["table_shapes"] == [], "a whole embedding table (or its gradient) was materialised"
         assert (2 * tp // world, 8, VOCAB) in rank["control_vocab_shapes"]
         assert rank["loss_error"] <= 1e-6
         assert rank["grad_error"] <= 1e-6
