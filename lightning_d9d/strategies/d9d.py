@@ -56,9 +56,11 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
+from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
+from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 
@@ -145,6 +147,7 @@ class D9DStrategy(ModelParallelStrategy):
             )
         self._context_attention = context_attention
         self._reshard_after_forward = reshard_after_forward
+        self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
 
     @classmethod
     @override
@@ -218,6 +221,11 @@ class D9DStrategy(ModelParallelStrategy):
         if self._runner is not None and trainer.state.fn == TrainerFn.FITTING:
             # Zero gradients before the schedule computes them (a private Lightning class: see compat).
             use_automatic_optimization(trainer, ZeroGradFirstOptimization)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.memory_plan is None:  # printed once, on rank 0, when the batch shape is first known
+            self.memory_plan = report_memory_plan(self, batch)
 
     @override
     def model_to_device(self) -> None:

@@ -1,0 +1,197 @@
+"""How much device memory one rank needs: parameters, gradients, optimizer state and activations.
+
+Pure functions (no process group, no device): the strategy prints the plan on rank 0 at the first training batch
+(``strategies/memory_report.py``), when the shapes are known, so that a user sees before the first step whether a
+mesh fits. Parameters, gradients and optimizer state are counted from the parameters as parallelized (a DTensor's
+global size divided over the mesh dims it is sharded on); activations are an estimate from the model config (a
+decoder-only transformer: hidden size, heads, MLP or MoE sizes, vocabulary) and the tokens one rank holds at a
+time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Shard
+
+GIB = 1024**3
+
+# Optimizer state tensors of the parameter's size, per parameter (the step counters are scalars).
+_STATES_PER_PARAMETER = {
+    "Adam": 2,
+    "AdamW": 2,
+    "NAdam": 2,
+    "RAdam": 2,
+    "Adamax": 2,
+    "Adagrad": 1,
+    "Adadelta": 2,
+}
+
+
+def optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int | None:
+    """Tensors of a parameter's size the optimizer keeps per parameter; None for one this table does not know."""
+    name = type(optimizer).__name__
+    if name == "SGD":
+        return int(any(group.get("momentum", 0) for group in optimizer.param_groups))
+    if name == "RMSprop":
+        group = optimizer.param_groups[0]
+        return 1 + int(bool(group.get("momentum", 0))) + int(bool(group.get("centered", False)))
+    if name in _STATES_PER_PARAMETER:
+        amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
+        return _STATES_PER_PARAMETER[name] + int(amsgrad)
+    return None
+
+
+def local_numel(parameter: torch.Tensor) -> float:
+    """This rank's share of a parameter: its global size over the mesh dims it is sharded on (DTensor), else all."""
+    if isinstance(parameter, DTensor):
+        ways = math.prod(
+            parameter.device_mesh.size(dim)
+            for dim, placement in enumerate(parameter.placements)
+            if isinstance(placement, Shard)
+        )
+        return parameter.numel() / ways
+    return float(parameter.numel())
+
+
+@dataclass(frozen=True)
+class ActivationShape:
+    """What one rank computes on at a time: ``tokens`` per microbatch (after the cp split), the transformer
+    ``layers`` it holds, how many microbatches are alive at once (``in_flight``: 1 without pipelines), the
+    activation element size, the tp degree (sequence parallel splits everything a block saves), and whether it
+    holds the LM head (``head``) and recomputes blocks in backward (``recompute``)."""
+
+    tokens: int
+    layers: int
+    in_flight: int = 1
+    dtype_bytes: int = 2
+    tp: int = 1
+    head: bool = True
+    recompute: bool = False
+
+
+def _config_value(config: Any, *names: str, default: int | None = None) -> int | None:
+    source: Mapping[str, Any] = config if isinstance(config, Mapping) else vars(config)
+    for name in names:
+        if source.get(name) is not None:
+            return int(source[name])
+    return default
+
+
+def block_elements_per_token(config: Any) -> int | None:
+    """Elements a decoder block saves for backward per token, counted for our blocks: the two norms' inputs
+    and outputs (4 hidden widths); q before its norm, after RoPE (kept by the attention kernel), the attention
+    output and its copy into o_proj (4 q widths); k before its norm and after RoPE, and v (3 kv widths); per
+    MLP the gate, the up projection and their activated product (3 intermediate widths); an MoE layer keeps
+    that for each of its top-k experts with their inputs and outputs, plus the router logits. Assumes an
+    attention kernel that keeps no ``[tokens, tokens]`` scores (flash / memory-efficient SDPA). None when
+    ``config`` lacks the sizes."""
+    hidden = _config_value(config, "hidden_size")
+    heads = _config_value(config, "num_attention_heads")
+    if hidden is None or heads is None:
+        return None
+    head_dim = _config_value(config, "head_dim", default=hidden // heads) or hidden // heads
+    kv_heads = _config_value(config, "num_key_value_heads", default=heads) or heads
+    experts = _config_value(config, "num_experts", default=0) or 0
+    if experts > 0:
+        top_k = _config_value(config, "num_experts_per_tok", default=1) or 1
+        width = _config_value(config, "moe_intermediate_size", "intermediate_size")
+        if width is None:
+            return None
+        mlp = top_k * (3 * width + 2 * hidden) + experts  # expert inputs/outputs per choice, router logits
+    else:
+        width = _config_value(config, "intermediate_size")
+        if width is None:
+            return None
+        mlp = 3 * width
+    return 4 * hidden + 4 * heads * head_dim + 3 * kv_heads * head_dim + mlp
+
+
+def activation_bytes(config: Any, shape: ActivationShape) -> int | None:
+    """Bytes of activations alive at the peak (the start of backward) on one rank; None if unknown.
+
+    Without recompute every held layer keeps :func:`block_elements_per_token` per token; with recompute a layer
+    keeps only its input (h) and one layer at a time is recomputed in full. The head's peak comes in the
+    cross-entropy's backward: the float32 log-softmax it saved, the gradient arriving for it and the gradient it
+    computes, all ``[tokens, vocab]`` float32 (12 bytes per token and vocabulary entry; a fused LM-head loss
+    keeps far less, so this overestimates it).
+    """
+    block = block_elements_per_token(config)
+    hidden = _config_value(config, "hidden_size")
+    vocab = _config_value(config, "vocab_size", default=0) or 0
+    if block is None or hidden is None:
+        return None
+    tokens = shape.tokens * shape.in_flight
+    # with recompute: each layer's input, and one layer recomputed in full (for one microbatch)
+    per_token = shape.layers * hidden + block / shape.in_flight if shape.recompute else shape.layers * block
+    total = tokens * per_token * shape.dtype_bytes / shape.tp
+    if shape.head:
+        total += shape.tokens * vocab * 12 / shape.tp
+    return int(total)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per rank; ``activations`` / ``optimizer`` are None when they cannot be estimated."""
+
+    parameters: int
+    gradients: int
+    optimizer: int | None
+    activations: int | None
+    device_memory: int | None = None  # what the device has, when known
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + (self.optimizer or 0) + (self.activations or 0)
+
+    @property
+    def exceeds_device(self) -> bool:
+        return self.device_memory is not None and self.total > self.device_memory
+
+    def describe(self, heading: str) -> str:
+        def gib(value: int | None) -> str:
+            return "unknown" if value is None else f"{value / GIB:.3f} GiB"
+
+        device = "" if self.device_memory is None else f" of {gib(self.device_memory)} on the device"
+        return "\n".join(
+            [
+                heading,
+                f"  parameters   {gib(self.parameters)}",
+                f"  gradients    {gib(self.gradients)}",
+                f"  optimizer    {gib(self.optimizer)}",
+                f"  activations  {gib(self.activations)} (estimate)",
+                f"  total        {gib(self.total)}{device}",
+            ]
+        )
+
+
+def plan_memory(
+    parameters: Iterable[torch.Tensor],
+    *,
+    optimizer_states: int | None,
+    config: Any | None,
+    activations: ActivationShape | None,
+    device_memory: int | None = None,
+) -> MemoryPlan:
+    """The memory plan of one rank from its (parallelized) parameters, the optimizer's states per parameter, the
+    model config and the activation shape. Gradients and optimizer states take the parameters' dtype (under
+    ``bf16-mixed`` the parameters are float32 master weights; FSDP computes in bf16 from gathered copies)."""
+    held = list(parameters)
+    parameter_bytes = sum(local_numel(p) * p.element_size() for p in held)
+    # frozen parameters have no gradient and no optimizer state
+    trainable_bytes = sum(local_numel(p) * p.element_size() for p in held if p.requires_grad)
+    optimizer = None if optimizer_states is None else int(trainable_bytes * optimizer_states)
+    activation = None
+    if config is not None and activations is not None:
+        activation = activation_bytes(config, activations)
+    return MemoryPlan(
+        parameters=int(parameter_bytes),
+        gradients=int(trainable_bytes),
+        optimizer=optimizer,
+        activations=activation,
+        device_memory=device_memory,
+    )

@@ -1,0 +1,108 @@
+"""The memory plan of this run, printed once on rank 0 at the first training batch (the first moment the batch
+shape is known), with a warning when it exceeds the device's memory. The numbers come from
+:mod:`lightning_d9d.plans.memory`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_d9d.compat import unwrap_optimizer
+from lightning_d9d.plans.memory import (
+    ActivationShape,
+    MemoryPlan,
+    optimizer_states_per_parameter,
+    plan_memory,
+)
+
+if TYPE_CHECKING:
+    from lightning_d9d.strategies.d9d import D9DStrategy
+
+
+def token_batch_shape(batch: Any) -> tuple[int, int] | None:
+    """``(sequences, tokens per sequence)`` of the first 2-D integer tensor in ``batch`` (the input ids)."""
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 2 and not torch.is_floating_point(batch):
+            return int(batch.shape[0]), int(batch.shape[1])
+        return None
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(values, (Sequence, type({}.values()))) and not isinstance(values, str):
+        for value in values:
+            found = token_batch_shape(value)
+            if found is not None:
+                return found
+    return None
+
+
+def transformer_config(module: nn.Module) -> Any | None:
+    """The config of the first submodule whose ``config`` names a ``hidden_size`` (our models, HF-style ones)."""
+    for sub in module.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and getattr(config, "hidden_size", None) is not None:
+            return config
+    return None
+
+
+def _activation_shape(strategy: D9DStrategy, batch: Any, config: Any) -> ActivationShape | None:
+    shape = token_batch_shape(batch)
+    layers = getattr(config, "num_hidden_layers", None)
+    if shape is None or layers is None:
+        return None
+    dims, pipeline = strategy.parallel_dims, strategy.pipeline
+    sequences, length = shape
+    in_flight, head = 1, True
+    if dims.pp > 1:
+        sequences = max(1, sequences // pipeline.microbatches)
+        stages = pipeline.num_stages(dims.pp)
+        # GPipe keeps every microbatch alive; 1F1B-like schedules at most one per stage ahead of it
+        in_flight = (
+            pipeline.microbatches if pipeline.schedule == "GPipe" else min(pipeline.microbatches, stages)
+        )
+        head = dims.mesh_for("pp").get_local_rank() == (0 if pipeline.v_shape else dims.pp - 1)
+    precision = str(strategy.precision_plugin.precision)
+    return ActivationShape(
+        tokens=sequences * max(1, length // dims.cp),
+        layers=math.ceil(int(layers) / dims.pp),
+        in_flight=in_flight,
+        dtype_bytes=2 if "16" in precision else 4,
+        tp=dims.tp,
+        head=head,
+        recompute=strategy.parallel_options().activation_checkpointing,
+    )
+
+
+def report_memory_plan(strategy: D9DStrategy, batch: Any) -> MemoryPlan | None:
+    """Compute this rank's plan; rank 0 prints it (and warns when it exceeds the device's memory)."""
+    module = strategy.lightning_module
+    if module is None:
+        return None
+    optimizers = strategy.optimizers
+    states = optimizer_states_per_parameter(unwrap_optimizer(optimizers[0])) if optimizers else 0
+    config = transformer_config(module)
+    device = strategy.root_device
+    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    plan = plan_memory(
+        module.parameters(),
+        optimizer_states=states,
+        config=config,
+        activations=None if config is None else _activation_shape(strategy, batch, config),
+        device_memory=device_memory,
+    )
+    dims = strategy.parallel_dims
+    heading = (
+        f"memory plan per rank ({dims}, precision {strategy.precision_plugin.precision}, activation "
+        f"checkpointing {'on' if strategy.parallel_options().activation_checkpointing else 'off'}):"
+    )
+    rank_zero_info(plan.describe(heading))
+    if plan.exceeds_device:
+        rank_zero_warn(
+            f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank, more than the device's "
+            f"{(plan.device_memory or 0) / 2**30:.1f} GiB: raise dp_shard / tp / pp, turn on "
+            "activation_checkpointing, or lower the batch size or sequence length"
+        )
+    return plan
