@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
+from lightning_d9d.plans.checkpointing import apply_activation_checkpointing, checkpointing_kind
 from lightning_d9d.plans.compile import apply_compile
 from lightning_d9d.plans.data_parallel import parallelize_data
 from lightning_d9d.plans.options import ParallelOptions
@@ -34,9 +34,10 @@ def parallelize_blocks(
     whose blocks draw no random numbers (no dropout) may pass it; otherwise recompute draws other dropout
     masks than forward did and the gradients are silently wrong.
     """
+    kind = checkpointing_kind(options.activation_checkpointing)
     for blocks in block_lists:
-        if options.activation_checkpointing:
-            apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state)
+        if kind is not None:
+            apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
         if options.compile:
             apply_compile(blocks)
     # Read the blocks after wrapping: the FSDP units are the checkpoint wrappers, not the modules inside.

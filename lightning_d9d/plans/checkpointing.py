@@ -1,21 +1,78 @@
-"""Activation checkpointing of repeated blocks (recompute activations in backward to save memory)."""
+"""Activation checkpointing of repeated blocks (recompute activations in backward to save memory).
+
+Two kinds: ``"full"`` keeps only each block's input and recomputes the whole block in backward; ``"selective"``
+(op-level) also keeps the outputs of the matmuls and of attention, so backward recomputes only the cheap
+element-wise ops (norms, activations, RoPE, residual adds). Selective recompute costs a few percent of step
+time instead of a whole extra forward of the blocks, and keeps more memory than full.
+"""
 
 from __future__ import annotations
 
+from functools import partial
+from typing import Any, Literal
+
+import torch
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from lightning_d9d.compat import checkpoint_wrapper
 
+CheckpointingKind = Literal["full", "selective"]
+#: What ``activation_checkpointing`` accepts (strategy and ParallelOptions): off, full, or selective.
+CHECKPOINTING_CHOICES: tuple[bool | str, ...] = (False, True, "full", "selective")
+
+_aten = torch.ops.aten
+# Outputs that selective checkpointing keeps: the matmuls and attention, the ops whose recompute costs FLOPs.
+SAVED_BY_SELECTIVE = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten._grouped_mm.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+        _aten._scaled_dot_product_cudnn_attention.default,
+        _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    }
+)
+
+
+def checkpointing_kind(value: bool | str) -> CheckpointingKind | None:
+    """``False`` -> None, ``True`` / ``"full"`` -> ``"full"``, ``"selective"``; anything else is refused."""
+    if value is False:
+        return None
+    if value is True or value == "full":
+        return "full"
+    if value == "selective":
+        return "selective"
+    raise ValueError(
+        f"activation_checkpointing={value!r}: choose False, True (or 'full': recompute whole blocks) or "
+        "'selective' (keep matmul and attention outputs, recompute the element-wise ops)"
+    )
+
+
+def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
+
 
 def apply_activation_checkpointing(
-    blocks: nn.ModuleList | nn.ModuleDict, *, preserve_rng_state: bool = True
+    blocks: nn.ModuleList | nn.ModuleDict,
+    *,
+    preserve_rng_state: bool = True,
+    kind: CheckpointingKind = "full",
 ) -> None:
     """Wrap every block of ``blocks`` in place. Parameter names gain a ``_checkpoint_wrapped_module``
     segment inside the wrapper; ``torch.distributed.checkpoint`` state dicts strip it again.
 
     ``preserve_rng_state`` restores the RNG state before each recompute, so dropout draws the same masks as in
     forward. Turn it off (it costs a state save and restore per block) only for blocks without random ops.
+    ``kind`` is ``"full"`` or ``"selective"`` (see the module's docstring).
     """
+    if kind not in ("full", "selective"):
+        raise ValueError(f"apply_activation_checkpointing: kind={kind!r}; choose 'full' or 'selective'")
+    extra: dict[str, Any] = {}
+    if kind == "selective":
+        extra["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
     for key in keys:
-        blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=preserve_rng_state)  # type: ignore[index]
+        blocks[key] = checkpoint_wrapper(blocks[key], preserve_rng_state=preserve_rng_state, **extra)  # type: ignore[index]

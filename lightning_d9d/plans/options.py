@@ -16,7 +16,9 @@ class ParallelOptions:
             the parameters' own dtype for compute and communication.
         reshard_after_forward: free the unsharded parameters after forward (ZeRO-3) or keep them until
             backward (ZeRO-2, more memory, fewer all-gathers).
-        activation_checkpointing: recompute each repeated block's activations in backward.
+        activation_checkpointing: recompute each repeated block's activations in backward: ``True`` (or
+            ``"full"``) the whole block, ``"selective"`` only its element-wise ops (matmul and attention
+            outputs kept); ``False`` keeps everything.
         compile: ``torch.compile`` each repeated block.
         context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
             CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
@@ -24,6 +26,6 @@ class ParallelOptions:
 
     mp_policy: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = True
-    activation_checkpointing: bool = False
+    activation_checkpointing: bool | str = False
     compile: bool = False
     context_attention: str = "auto"

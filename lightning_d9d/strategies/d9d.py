@@ -56,6 +56,7 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
+from lightning_d9d.plans.checkpointing import checkpointing_kind
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
@@ -80,7 +81,8 @@ class D9DStrategy(ModelParallelStrategy):
         stages_per_rank: pipeline stages per rank (default: 1, or 2 for the interleaved and V schedules).
         layers_per_stage: explicit layer counts per stage; default: balanced, counting the embedding and the
             head as ``stage_embedding_weight`` / ``stage_head_weight`` layers.
-        activation_checkpointing: recompute each transformer block in backward.
+        activation_checkpointing: recompute in backward: ``True`` / ``"full"`` each transformer block whole,
+            ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
         compile: ``torch.compile`` each transformer block.
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
@@ -111,7 +113,7 @@ class D9DStrategy(ModelParallelStrategy):
         layers_per_stage: Sequence[int] | None = None,
         stage_embedding_weight: float = 1.0,
         stage_head_weight: float = 1.0,
-        activation_checkpointing: bool = False,
+        activation_checkpointing: bool | str = False,
         compile: bool = False,
         context_attention: str = "auto",
         reshard_after_forward: bool = True,
@@ -138,6 +140,7 @@ class D9DStrategy(ModelParallelStrategy):
         # Refuse degrees without plans (ep for now) before any process group exists.
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
+        checkpointing_kind(activation_checkpointing)  # refuses anything else, before any process group
         self._activation_checkpointing = activation_checkpointing
         self._compile = compile
         if context_attention not in CONTEXT_ATTENTION:

@@ -129,6 +129,12 @@ LAUNCHES: dict[str, dict[str, dict]] = {
             "max_steps": 3,
             "dims": {"activation_checkpointing": True},
         },
+        "selective_activation_checkpointing": {
+            "devices": 2,
+            "dp": 2,
+            "max_steps": 3,
+            "dims": {"activation_checkpointing": "selective"},
+        },
         # last: inductor's compile time is the largest cost here, so a 1-layer model
         "compile": {
             "devices": 2,
