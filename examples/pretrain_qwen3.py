@@ -24,7 +24,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from torch.utils.data import DataLoader, Dataset
 
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
@@ -204,6 +204,14 @@ class PrintProgress(Callback):
 MODELS = {"tiny-moe": Qwen3MoeConfig.tiny, "tiny": Qwen3Config.tiny, "0.6b": Qwen3Config.qwen3_0_6b}
 
 
+def make_logger(kind: str, output: Path) -> Logger:
+    """CSV (``metrics.csv``) or TensorBoard event files (through ``tensorboard`` or, if only that is installed,
+    ``tensorboardX``, a dependency of lightning-d9d) under ``output/logs``."""
+    if kind == "tensorboard":
+        return TensorBoardLogger(output, name="logs")
+    return CSVLogger(output, name="logs")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,6 +235,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--output", type=Path, default=Path("runs/pretrain_qwen3"))
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--logger", choices=["csv", "tensorboard"], default="csv", help="where metrics go")
     return parser.parse_args(argv)
 
 
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> None:
         val_check_interval=max(1, args.max_steps // 2) * args.accumulate,
         check_val_every_n_epoch=None,
         limit_val_batches=4,
-        logger=CSVLogger(args.output, name="logs"),
+        logger=make_logger(args.logger, args.output),
         callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10)],
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -283,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"done: {metrics}; the corpus entropy (best reachable loss) is {train.entropy():.4f}")
         print(f"mesh: {trainer.strategy.parallel_dims}")
         print(f"checkpoint: {checkpoints.last_model_path}")
-        print(f"logs: {trainer.logger.log_dir}/metrics.csv")
+        print(f"logs: {trainer.logger.log_dir}")
 
 
 if __name__ == "__main__":

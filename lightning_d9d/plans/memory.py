@@ -154,7 +154,9 @@ class MemoryPlan:
 
     def describe(self, heading: str) -> str:
         def gib(value: int | None) -> str:
-            return "unknown" if value is None else f"{value / GIB:.3f} GiB"
+            if value is None:
+                return "unknown"
+            return f"{value / GIB:.2f} GiB" if value >= GIB / 10 else f"{value / 2**20:.2f} MiB"
 
         device = "" if self.device_memory is None else f" of {gib(self.device_memory)} on the device"
         return "\n".join(
