@@ -72,8 +72,15 @@ def _activation_shape(strategy: D9DStrategy, batch: Any, config: Any) -> Activat
         dtype_bytes=2 if "16" in precision else 4,
         tp=dims.tp,
         head=head,
-        recompute=strategy.parallel_options().activation_checkpointing,
+        # whole-block recompute; "selective" keeps the matmul outputs, counted as no recompute (an upper bound)
+        recompute=strategy.parallel_options().activation_checkpointing in (True, "full"),
     )
+
+
+def _checkpointing_name(setting: bool | str) -> str:
+    if isinstance(setting, bool):
+        return "on" if setting else "off"
+    return setting  # "full" or "selective"
 
 
 def report_memory_plan(strategy: D9DStrategy, batch: Any) -> MemoryPlan | None:
@@ -96,7 +103,7 @@ def report_memory_plan(strategy: D9DStrategy, batch: Any) -> MemoryPlan | None:
     dims = strategy.parallel_dims
     heading = (
         f"memory plan per rank ({dims}, precision {strategy.precision_plugin.precision}, activation "
-        f"checkpointing {'on' if strategy.parallel_options().activation_checkpointing else 'off'}):"
+        f"checkpointing {_checkpointing_name(strategy.parallel_options().activation_checkpointing)}):"
     )
     rank_zero_info(plan.describe(heading))
     if plan.exceeds_device:
