@@ -97,6 +97,14 @@ def resolve(path: Path, *, distributed: bool) -> Path:
     return Path(choice[0])
 
 
+def keep(path: Path) -> bool:
+    """Whether a deletion of ``path`` is to be refused (and logged): see :func:`keep_reason`."""
+    reason = keep_reason(path)
+    if reason is not None:
+        log.warning("not deleting %s: %s", path, reason)
+    return reason is not None
+
+
 def keep_reason(path: Path) -> str | None:
     """Why deleting the checkpoint ``path`` would be wrong (it is the only complete one in its folder), or None."""
     if not path.is_dir() or incomplete_reason(path) is not None:

@@ -58,6 +58,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.checkpointing import checkpointing_kind
 from lightning_d9d.plans.memory import MemoryPlan
+from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
@@ -556,6 +557,13 @@ class D9DStrategy(ModelParallelStrategy):
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+
+    @override
+    def remove_checkpoint(self, filepath: FilePath) -> None:
+        # save_top_k / keep-last-N never deletes the only complete checkpoint of its folder (it logs why)
+        if self.is_global_zero and checkpoint_selection.keep(Path(filepath)):
+            return
+        super().remove_checkpoint(filepath)
 
 
 def _weighed(

@@ -99,7 +99,9 @@ def test_a_crafted_dcp_metadata_is_refused_without_running_it(tmp_path: Path) ->
     checkpoint = saved(tmp_path / "ckpt")
     Payload.mark = tmp_path / "was_run"
     (checkpoint / DCP_METADATA_NAME).write_bytes(pickle.dumps(Payload()))
-    entries = manifest.read_manifest(checkpoint)  # the manifest agreeing: a crafted checkpoint, not a damaged one
+    entries = manifest.read_manifest(
+        checkpoint
+    )  # the manifest agreeing: a crafted checkpoint, not a damaged one
     entries[DCP_METADATA_NAME] = manifest.checksum(checkpoint / DCP_METADATA_NAME)
     manifest.write_manifest(checkpoint, entries)
     message = failed_load(checkpoint, CorruptIndexError, "refusing to unpickle")
@@ -173,3 +175,18 @@ def test_the_only_complete_checkpoint_is_kept(tmp_path: Path) -> None:
     assert selection.keep_reason(incomplete) is None
     saved(tmp_path / "step=6.ckpt")
     assert selection.keep_reason(only) is None
+
+
+def test_the_strategy_does_not_remove_the_only_complete_checkpoint(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from lightning_d9d import D9DStrategy
+
+    strategy = D9DStrategy()  # what ModelCheckpoint calls for save_top_k / keep-last-N
+    only = saved(tmp_path / "step=2.ckpt")
+    with caplog.at_level(logging.WARNING, logger=selection.__name__):
+        strategy.remove_checkpoint(only)
+    assert only.is_dir() and f"not deleting {only}: {only} is the only complete checkpoint" in caplog.text
+    saved(tmp_path / "step=4.ckpt")
+    strategy.remove_checkpoint(only)
+    assert not only.exists()
