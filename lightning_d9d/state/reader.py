@@ -82,23 +82,73 @@ class TensorInfo:
         return self.end - self.start
 
 
+# A header is JSON of a few KB per thousand tensors; safetensors itself refuses more than 100 MB.
+MAX_HEADER_BYTES = 100_000_000
+# bytes per element of each safetensors dtype (sub-byte and exotic ones are refused by safe_open already)
+_ITEM_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}  # fmt: skip
+
+
+def _malformed(path: Path, why: str) -> CorruptShardError:
+    return CorruptShardError(f"{path} has a malformed safetensors header: {why}", path=str(path))
+
+
 def _header(path: Path) -> dict[str, TensorInfo]:
-    """Every tensor's entry in the header alone (which safe_open has validated)."""
+    """Every tensor's entry in the header, checked before anything is allocated from it: the header's length
+    within the file (and 100 MB), each entry a known dtype, a shape of non-negative ints, and data offsets
+    inside the file's data section that span exactly ``shape x dtype`` bytes."""
+    size = path.stat().st_size
     with open(path, "rb") as file:
-        (length,) = struct.unpack("<Q", file.read(8))
-        header: dict[str, Any] = json.loads(file.read(length))
+        prefix = file.read(8)
+        if len(prefix) < 8:
+            raise _malformed(path, f"the file has {size} bytes, fewer than the 8 of the header's length")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > min(size - 8, MAX_HEADER_BYTES):
+            raise _malformed(
+                path, f"it claims {length} bytes, but the file has {size} (at most 100 MB allowed)"
+            )
+        raw = file.read(length)
+    try:
+        header = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise _malformed(path, f"not JSON ({error})") from error
+    if not isinstance(header, dict):
+        raise _malformed(path, f"a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
-    return {
-        key: TensorInfo(
-            path.name,
-            str(info["dtype"]),
-            tuple(int(n) for n in info["shape"]),
-            int(info["data_offsets"][0]),
-            int(info["data_offsets"][1]),
-            8 + length,
+    data_size = size - 8 - length
+    infos: dict[str, TensorInfo] = {}
+    for key, info in header.items():
+        infos[key] = _entry(path, key, info, 8 + length, data_size)
+    return infos
+
+
+def _entry(path: Path, key: str, info: Any, data_offset: int, data_size: int) -> TensorInfo:
+    if not isinstance(info, dict):
+        raise _malformed(path, f"entry {key!r} is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in _ITEM_BYTES:
+        raise _malformed(path, f"{key!r} has dtype {dtype!r}; known: {', '.join(sorted(_ITEM_BYTES))}")
+    if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+        raise _malformed(path, f"{key!r} has shape {shape!r}, not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(n, int) for n in offsets)
+        or not 0 <= offsets[0] <= offsets[1] <= data_size
+    ):
+        raise _malformed(
+            path, f"{key!r} has data_offsets {offsets!r}, outside the {data_size} bytes of the data section"
         )
-        for key, info in header.items()
-    }
+    elements = 1
+    for n in shape:
+        elements *= n
+    if offsets[1] - offsets[0] != elements * _ITEM_BYTES[dtype]:
+        raise _malformed(
+            path,
+            f"{key!r} spans {offsets[1] - offsets[0]} bytes, but shape {shape} of {dtype} needs "
+            f"{elements * _ITEM_BYTES[dtype]}",
+        )
+    return TensorInfo(path.name, dtype, tuple(shape), offsets[0], offsets[1], data_offset)
 
 
 class _Files:
@@ -212,6 +262,13 @@ class CheckpointReader(MappedReader):
             raise CorruptIndexError(f"{path} is not a valid index: {error!r}", path=str(path)) from error
         if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
             raise CorruptIndexError(f"{path}: 'weight_map' must map keys to file names", path=str(path))
+        outside = sorted({v for v in weight_map.values() if Path(v).name != v or v in ("", ".", "..")})
+        if outside:  # a name with a directory part could read files outside the checkpoint
+            raise CorruptIndexError(
+                f"{path}: 'weight_map' names {format_keys(outside, limit=3)}, which are not file names in "
+                f"{path.parent}",
+                path=str(path),
+            )
         return dict(weight_map)
 
     def keys(self) -> frozenset[str]:
