@@ -205,7 +205,8 @@ def select_grouped_gemm_backend(
                 f"grouped GEMM backend {name!r} cannot run these inputs: {reason}. "
                 f"Choose another backend (or {AUTO!r}) with backend= or ${ENV_VAR}"
             )
-    if chosen.name not in _ANNOUNCED:
+    # Not while torch.compile traces (a fullgraph compile cannot hold a logging call): an eager call logs.
+    if chosen.name not in _ANNOUNCED and not torch.compiler.is_compiling():
         _ANNOUNCED.add(chosen.name)
         log.info("grouped GEMM backend: %s (from %s)", chosen.name, name)
     return chosen

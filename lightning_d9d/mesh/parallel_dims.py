@@ -21,14 +21,19 @@ _FLATTENED_VIEWS = {
     "fsdp": ("dp_shard", "cp"),
     "loss": ("dp_replicate", "dp_shard", "cp"),
 }
-VIEW_NAMES = (*MESH_DIM_NAMES, "dp", "batch", "fsdp", "loss", "hsdp")
+VIEW_NAMES = (*MESH_DIM_NAMES, "dp", "batch", "fsdp", "loss", "hsdp", "ep", "efsdp", "ehsdp")
+# The expert layout: the dp_shard*cp*tp ranks of each (pp, dp_replicate) cell cut into ``efsdp`` groups of
+# ``ep`` consecutive ranks (ep innermost: an ep group is ranks next to each other, on one host when it can be).
+EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "efsdp", "ep")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """Degrees of the 6-D layout. ``dp_shard=-1`` means "whatever the world size leaves over".
 
-    ``ep`` (expert parallel) is not a mesh dim of its own: it is carved out of ``dp_shard * cp * tp``.
+    ``ep`` (expert parallel) is not a mesh dim of its own: it is carved out of ``dp_shard * cp * tp``. With
+    ``ep > 1`` a second mesh of the same ranks, ``(pp, dp_replicate, efsdp, ep)``, holds the expert layout:
+    experts are sharded over ``ep`` and their shards over the remaining ``efsdp = dp_shard*cp*tp / ep`` ranks.
     """
 
     pp: int = 1
@@ -105,6 +110,13 @@ class ParallelDims:
         return self.dp_shard * self.cp
 
     @property
+    def efsdp(self) -> int:
+        """Ranks that one expert shard is sharded over (the data ranks of the ep domain that hold the same
+        experts): ``dp_shard * cp * tp / ep``."""
+        self._require_resolved("efsdp")
+        return self.dp_shard * self.cp * self.tp // self.ep
+
+    @property
     def pp_enabled(self) -> bool:
         return self.pp > 1
 
@@ -135,19 +147,39 @@ class ParallelDims:
         views.update({view: flatten_mesh(mesh, dims, view) for view, dims in _FLATTENED_VIEWS.items()})
         views["batch"] = views["dp"]
         views["hsdp"] = mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "fsdp"]
+        views.update(self._expert_views(mesh, views))
         return replace(self, mesh=mesh, _views=views)
+
+    def _expert_views(self, mesh: DeviceMesh, views: dict[str, DeviceMesh]) -> dict[str, DeviceMesh]:
+        """``ep``, ``efsdp`` and the 2-D ``ehsdp`` (dp_replicate, efsdp). Without ep, experts shard like every
+        other parameter (``efsdp`` is ``fsdp``) and no extra process group is made."""
+        if self.ep == 1:
+            return {"efsdp": views["fsdp"], "ehsdp": views["hsdp"]}
+        ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep)
+        # Its own root (ep cuts across dp_shard, cp and tp), so that FSDP can compose efsdp with ep: both are
+        # dims of one mesh, as FSDP requires of a data-parallel mesh and the mesh its parameters are split on.
+        expert_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIM_NAMES)
+        return {
+            "ep": expert_mesh["ep"],
+            "efsdp": expert_mesh["efsdp"],
+            "ehsdp": expert_mesh["dp_replicate", "efsdp"],
+        }
 
     def mesh_for(self, view: str) -> DeviceMesh:
         """A named view of the mesh.
 
         ``pp, dp_replicate, dp_shard, cp, tp``: single dims; ``dp`` / ``batch``: ranks that see different data
         (samplers, metrics); ``fsdp``: parameter sharding (dp_shard*cp); ``loss``: ranks whose losses are
-        averaged (dp*cp); ``hsdp``: the 2-D (dp_replicate, fsdp) mesh used for HSDP.
+        averaged (dp*cp); ``hsdp``: the 2-D (dp_replicate, fsdp) mesh used for HSDP; ``ep``: the ranks that
+        split the experts (only when ep > 1); ``efsdp``: the ranks that shard one expert shard; ``ehsdp``: the
+        2-D (dp_replicate, efsdp) mesh for the experts under HSDP.
         """
         if self.mesh is None:
             raise RuntimeError(
                 "ParallelDims.mesh_for() needs a mesh: call build_mesh() after the process group exists"
             )
+        if view == "ep" and self.ep == 1:
+            raise KeyError("the 'ep' mesh view exists only when ep > 1 (experts are not split over ranks)")
         if view not in self._views:
             raise KeyError(f"unknown mesh view {view!r}; known views: {', '.join(VIEW_NAMES)}")
         return self._views[view]

@@ -56,13 +56,20 @@ from lightning_d9d.modules.init import Fill
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.modules.moe.experts import GroupedExperts
 from lightning_d9d.modules.moe.router import TopKRouter
-from lightning_d9d.plans import DATA_PARALLEL, ParallelOptions, parallelize_blocks, require_degrees
+from lightning_d9d.plans import (
+    DATA_PARALLEL,
+    ParallelOptions,
+    parallelize_blocks,
+    parallelize_expert,
+    require_degrees,
+)
 
 _NOT_YET = {
-    "tp": "tensor parallelism of the experts comes with the MoE parallelism slice; use tp=1",
-    "cp": "context parallelism is not implemented for any model yet",
-    "ep": "expert parallelism (the all-to-all dispatcher) comes with the next MoE slice",
+    "tp": "tensor parallelism is not implemented for Qwen3-MoE yet (ep splits the experts instead)",
+    "cp": "context parallelism is not implemented for Qwen3-MoE yet",
 }
+# ep splits the experts over data ranks; tp and cp ranks hold the same tokens and are refused above.
+_SUPPORTED = (*DATA_PARALLEL, "ep")
 
 
 @dataclass
@@ -83,6 +90,9 @@ class Qwen3MoeConfig:
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     router_z_loss_coef: float = 0.0
+    # Ours: a per-expert selection bias in every router (auxiliary-loss-free balancing, moved after each
+    # optimizer step by lightning_d9d.callbacks.ExpertLoadBalancing). transformers' Qwen3-MoE has none.
+    router_selection_bias: bool = False
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1e6
     max_position_embeddings: int = 40960
@@ -160,7 +170,8 @@ class Qwen3MoeConfig:
         values = {
             key: value
             for key, value in self.__dict__.items()
-            if key != "router_z_loss_coef" or value  # ours only: written when used
+            # ours only (transformers has neither): written when used
+            if key not in ("router_z_loss_coef", "router_selection_bias") or value
         }
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -210,6 +221,7 @@ class Qwen3MoeConfig:
             output_router_logits=d.get("output_router_logits", False),
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
             router_z_loss_coef=d.get("router_z_loss_coef", 0.0),
+            router_selection_bias=d.get("router_selection_bias", False),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
             max_position_embeddings=d.get("max_position_embeddings", 40960),
@@ -271,6 +283,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
                 config.num_experts_per_tok,
                 config.moe_intermediate_size,
                 normalize_top_k=config.norm_topk_prob,
+                selection_bias=config.router_selection_bias,
                 aux_loss_coef=config.layer_aux_loss_coef,
                 z_loss_coef=config.layer_z_loss_coef,
             )
@@ -324,9 +337,10 @@ class Qwen3MoeStage(nn.Module):
         return self.lm_head(hidden) if self.lm_head is not None else hidden
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Activation checkpointing, compile and data parallelism per decoder layer; each stage its own FSDP
-        root. tp / cp / ep: not yet."""
-        require_degrees(dims, supported=("pp", *DATA_PARALLEL), owner="Qwen3MoeStage", alternatives=_NOT_YET)
+        """Experts split over ep, then activation checkpointing, compile and data parallelism per decoder
+        layer; each stage its own FSDP root. tp / cp: not yet."""
+        require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage", alternatives=_NOT_YET)
+        parallelize_expert(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
@@ -406,18 +420,20 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Activation checkpointing, per-layer ``torch.compile``, then FSDP/HSDP per decoder layer plus the root
-        (embedding, final norm, head). Only data parallelism for now: tp, cp and ep are refused (the expert
-        parallel plan and the all-to-all dispatcher come with the next MoE slice)."""
+        """Experts split over ``ep`` (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch,
+        expert weights sharded over ep and FSDP over the remaining data ranks), then activation checkpointing,
+        per-layer ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (embedding, final norm,
+        head). tp and cp are refused."""
         require_degrees(
             dims,
-            supported=DATA_PARALLEL,
+            supported=_SUPPORTED,
             owner="Qwen3MoeForCausalLM",
             alternatives={
                 **_NOT_YET,
                 "pp": "call Qwen3MoeStage.parallelize on each pipeline stage (the d9d strategy does)",
             },
         )
+        parallelize_expert(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.loss import CountedLoss
+from lightning_d9d.modules.moe import paused_load_counting
 from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
 from lightning_d9d.pipeline.schedules import PipelineConfig, build_schedule
 from lightning_d9d.pipeline.split import rank_of_stage
@@ -63,6 +64,12 @@ class AccumulatingStage(PipelineStage):
             super().perform_reduce_grad(grad_scale_factor)
         finally:
             del module.set_requires_gradient_sync  # the class's method again
+
+    def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+        # torch infers shapes on the first step with a forward over placeholder tensors: MoE routers must not
+        # count that forward's expert load (the bias update would see tokens that were never trained on).
+        with paused_load_counting(self.submod):
+            return super()._prepare_forward_infra(*args, **kwargs)
 
 
 def _digest(tensor: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ from lightning_d9d.plans.context import ContextSplitAware, parallelize_context, 
 from lightning_d9d.plans.data_parallel import parallelize_data
 from lightning_d9d.plans.default import parallelize_default, repeated_blocks
 from lightning_d9d.plans.degrees import DATA_PARALLEL, IMPLEMENTED, require_degrees
+from lightning_d9d.plans.expert import check_expert_split, parallelize_expert
 from lightning_d9d.plans.fsdp import parallelize_fsdp
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
@@ -35,6 +36,7 @@ __all__ = [
     "SeededInit",
     "apply_activation_checkpointing",
     "apply_compile",
+    "check_expert_split",
     "check_sequence_length",
     "check_tensor_parallel_sizes",
     "column_parallel",
@@ -45,6 +47,7 @@ __all__ = [
     "parallelize_context",
     "parallelize_data",
     "parallelize_default",
+    "parallelize_expert",
     "parallelize_fsdp",
     "parallelize_replicate",
     "parallelize_tensor",

@@ -17,9 +17,9 @@ FEATURES = {
 }
 # What the data-parallel plan (FSDP / HSDP / replication) covers on its own.
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
-# What lightning_d9d has plans for today (tp and cp: for models whose plan splits them, Qwen3); ep joins when
-# its plan lands.
-IMPLEMENTED = ("pp", *DATA_PARALLEL, "cp", "tp")
+# What lightning_d9d has plans for today (tp and cp: for models whose plan splits them, Qwen3; ep: for models
+# with MoE blocks, Qwen3-MoE, through plans/expert.py).
+IMPLEMENTED = ("pp", *DATA_PARALLEL, "cp", "tp", "ep")
 
 
 def require_degrees(

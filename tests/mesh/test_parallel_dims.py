@@ -64,3 +64,41 @@ def test_named_views_group_the_right_ranks() -> None:
     assert rank0["loss"] == (4, [0, 1, 2, 3])
     assert rank0["hsdp"][0] == 4
     assert results[5]["dp"] == (4, [4, 5, 6, 7])
+
+
+def _expert_views(kwargs: dict) -> dict[str, tuple[int, list[int]]]:
+    dims = ParallelDims(**kwargs).resolve(dist.get_world_size()).build_mesh("cpu")
+    views = {}
+    for view in ("ep", "efsdp", "fsdp"):
+        mesh = dims.mesh_for(view)
+        views[view] = (mesh.size(), sorted(dist.get_process_group_ranks(mesh.get_group())))
+    views["ehsdp"] = (dims.mesh_for("ehsdp").size(), list(dims.mesh_for("ehsdp").mesh_dim_names or ()))
+    return views
+
+
+def test_expert_views_cut_the_data_ranks_into_ep_groups() -> None:
+    # 8 ranks as pp=2 x dp_shard=4, ep=2: each pp stage's 4 data ranks make 2 ep groups of 2 neighbours
+    results = run_distributed(_expert_views, 8, {"pp": 2, "dp_shard": 4, "ep": 2})
+    assert results[0]["ep"] == (2, [0, 1])
+    assert results[0]["efsdp"] == (2, [0, 2])
+    assert results[3]["ep"] == (2, [2, 3])
+    assert results[3]["efsdp"] == (2, [1, 3])
+    assert results[5]["ep"] == (2, [4, 5])
+    assert results[5]["efsdp"] == (2, [5, 7])
+    assert results[0]["fsdp"] == (4, [0, 1, 2, 3])  # the dense parameters still shard over all 4
+    assert results[0]["ehsdp"] == (2, ["dp_replicate", "efsdp"])
+
+
+def _views_without_ep() -> tuple[bool, str]:
+    dims = ParallelDims().resolve(dist.get_world_size()).build_mesh("cpu")
+    try:
+        dims.mesh_for("ep")
+    except KeyError as error:
+        return dims.mesh_for("efsdp") is dims.mesh_for("fsdp"), str(error)
+    return False, "no error"
+
+
+def test_without_ep_experts_shard_like_the_rest() -> None:
+    same, error = run_distributed(_views_without_ep, 2)[0]
+    assert same
+    assert "only when ep > 1" in error

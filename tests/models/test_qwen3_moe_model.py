@@ -209,10 +209,17 @@ def test_init_is_seeded_by_name_and_independent_of_construction_path() -> None:
     assert not torch.equal(other.model.layers["0"].mlp.gate.weight, router.weight)
 
 
-@pytest.mark.parametrize("name", ["tp", "cp", "ep", "pp"])
+@pytest.mark.parametrize("name", ["tp", "cp", "pp"])
 def test_parallelize_refuses_unimplemented_degrees(name: str) -> None:
     dims = ParallelDims(**{name: 2}).resolve(2)
     with pytest.raises(NotImplementedError, match=f"Qwen3MoeForCausalLM: {name}=2"):
+        Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny()).parallelize(dims, ParallelOptions())
+
+
+def test_expert_parallel_needs_ep_to_divide_the_experts() -> None:
+    # refused before any mesh or collective is touched (the dims here have no mesh at all)
+    dims = ParallelDims(ep=3).resolve(3)
+    with pytest.raises(ValueError, match=r"ep \(3\) must divide the number of experts \(8\)"):
         Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny()).parallelize(dims, ParallelOptions())
 
 

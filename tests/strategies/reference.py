@@ -15,6 +15,7 @@ from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.moe import routers_in, update_expert_bias
 
 
 class PaddedCorpus(Dataset):
@@ -51,6 +52,20 @@ def uncounted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return causal_lm_loss(logits, labels)
 
 
+def exclude_experts(module: torch.nn.Module, experts: list[int]) -> None:
+    """A selection bias of -1000 for ``experts`` in every router: no token chooses them (uneven expert loads,
+    some experts with none), and a bias update of a few steps cannot bring them back."""
+    for router in routers_in(module):
+        assert router.expert_bias is not None, "exclude_experts needs routers with a selection bias"
+        router.expert_bias[experts] = -1e3
+
+
+def _microbatches(config: dict) -> int:
+    """How many forwards each rank's batch makes: the pipeline's microbatches under pp, else one."""
+    dims = config.get("dims", {})
+    return int(dims.get("microbatches", 1)) if dims.get("pp", 1) > 1 else 1
+
+
 def reference_run(config: dict) -> dict:
     """Train like the Trainer should: same init seed, same global batches, same optimizer and schedule."""
     seed, accumulate = config["seed"], config.get("accumulate", 1)
@@ -65,7 +80,10 @@ def reference_run(config: dict) -> dict:
         moe = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(**config["moe"]))
         # The router losses are each data-parallel rank's own (they are not linear in the batch), averaged
         # over the ranks like the gradients: run each rank's part of the global batch on its own.
-        moe.set_router_loss_scale(1 / (config["dp"] * accumulate))
+        # Under pp each microbatch is a forward of its own (router losses per microbatch, scaled alike).
+        moe.set_router_loss_scale(1 / (config["dp"] * accumulate * _microbatches(config)))
+        if config.get("moe_balance"):
+            exclude_experts(moe, config["moe_balance"]["unchosen"])
         module.model = moe  # type: ignore[assignment]
     else:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
@@ -100,7 +118,14 @@ def reference_run(config: dict) -> dict:
                         low.copy_(master)
             if config.get("moe") is not None:  # rank r's batch is rows r, r + dp, ... of the global batch
                 dp, ids, labels = config["dp"], batch["input_ids"], batch["labels"]
-                parts = [causal_lm_loss(compute_model(ids[r::dp]), labels[r::dp]) for r in range(dp)]
+                chunks = _microbatches(config)
+                parts = [
+                    causal_lm_loss(compute_model(rows), row_labels)
+                    for r in range(dp)
+                    for rows, row_labels in zip(
+                        ids[r::dp].tensor_split(chunks), labels[r::dp].tensor_split(chunks), strict=True
+                    )
+                ]
                 loss = torch.stack(parts).mean()  # unpadded: the global token mean
             else:
                 loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
@@ -124,6 +149,8 @@ def reference_run(config: dict) -> dict:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
+                if config.get("moe_balance"):  # every rank's load of the whole step, summed
+                    update_expert_bias(routers_in(module.model), config["moe_balance"]["rate"])
             if len(losses) == micro_steps:
                 break
         epoch += 1

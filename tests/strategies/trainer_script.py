@@ -21,9 +21,10 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
-from reference import train_corpus, uncounted_loss
+from reference import exclude_experts, train_corpus, uncounted_loss
 
 from lightning_d9d import D9DStrategy
+from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -61,6 +62,16 @@ class RecordGradNorms(Callback):
         self.norms.append(sum(squares.values()) ** 0.5)
 
 
+class ExcludeExperts(Callback):
+    """Give ``experts`` a selection bias no token overcomes, after the strategy initialised the routers."""
+
+    def __init__(self, experts: list[int]) -> None:
+        self.experts = experts
+
+    def on_train_start(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        exclude_experts(pl_module, self.experts)
+
+
 def plain_name(name: str) -> str:
     """The parameter's name without the wrappers that activation checkpointing and compile insert."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -84,6 +95,11 @@ def main(config: dict) -> None:
     recorder = RecordLosses()
     grad_norms = RecordGradNorms(pipelined=dims.get("pp", 1) > 1)
     callbacks: list[Callback] = [recorder, grad_norms]
+    if config.get("moe_balance"):  # {"rate": bias update rate, "unchosen": experts no token may choose}
+        callbacks += [
+            ExcludeExperts(config["moe_balance"]["unchosen"]),
+            ExpertLoadBalancing(config["moe_balance"]["rate"]),
+        ]
     if config.get("save_every"):
         callbacks.append(
             ModelCheckpoint(
@@ -132,6 +148,7 @@ def main(config: dict) -> None:
     if config.get("validate"):
         metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
         result["val_loss"] = metrics[0]["val/loss"]
+    result["moe_load"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")}
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
     result["backend"] = dist.get_backend() if dist.is_initialized() else None
     # that compile and activation checkpointing were applied: blocks compiled in place, blocks wrapped

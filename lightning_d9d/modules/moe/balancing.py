@@ -11,7 +11,8 @@ Call it after ``optimizer.step()`` on every rank (the later Lightning edge does,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -46,3 +47,17 @@ def update_expert_bias(
             router.expert_bias.add_(rate * torch.sign(load_float.mean() - load_float))
         router.expert_load.zero_()
     return loads
+
+
+@contextmanager
+def paused_load_counting(module: nn.Module) -> Generator[None, None, None]:
+    """Forwards of ``module`` inside this block count no expert load: for forwards that run the model without
+    training on its tokens (torch's pipeline stages run one on placeholder tensors to infer shapes)."""
+    routers = routers_in(module)
+    for router in routers:
+        router.count_load = False
+    try:
+        yield
+    finally:
+        for router in routers:
+            router.count_load = True

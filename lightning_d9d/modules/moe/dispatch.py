@@ -9,14 +9,15 @@ One interface, :class:`TokenDispatcher`, two calls around the experts::
 Implementations:
 
 - :class:`LocalDispatcher` (here): every expert is on this rank; permute, no communication.
-- All-to-all over the ``ep`` process group (the next slice), the same two calls: ``dispatch`` permutes by
+- :class:`~lightning_d9d.modules.moe.AllToAllDispatcher`: all-to-all over the ``ep`` process group, the same two calls: ``dispatch`` permutes by
   global expert (experts ``r * E/ep ... (r+1) * E/ep - 1`` live on ``ep`` rank ``r``), exchanges the per-expert
   counts (``all_to_all_single``), sends the rows with ``all_to_all_single`` (split sizes from the counts), and
   re-sorts what arrived by local expert; ``tokens_per_expert`` then counts this rank's local experts over
   all source ranks. ``combine`` runs the same steps backwards. The handle (:class:`Dispatched`) carries what
   the way back needs (split sizes, permutations) plus the routing weights, which never travel: the weighted
   sum happens on the token's own rank, after the rows come back.
-- DeepEP, when ``deep_ep`` is installed: its dispatch / combine calls fit the same two methods.
+- :class:`~lightning_d9d.modules.moe.DeepEPDispatcher`, when ``deep_ep`` is installed: its dispatch / combine
+  calls fit the same two methods (the weights travel there: see :mod:`lightning_d9d.modules.moe.deepep`).
 """
 
 from __future__ import annotations

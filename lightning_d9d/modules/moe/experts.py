@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
 
@@ -55,12 +56,20 @@ class GroupedExperts(nn.Module):
 
     def forward(self, grouped: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``."""
-        gate = grouped_mm(grouped, self.gate_proj, tokens_per_expert, backend=self.gemm_backend)
-        up = grouped_mm(grouped, self.up_proj, tokens_per_expert, backend=self.gemm_backend)
-        return grouped_mm(F.silu(gate) * up, self.down_proj, tokens_per_expert, backend=self.gemm_backend)
+        gate_proj, up_proj, down_proj = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate = grouped_mm(grouped, gate_proj, tokens_per_expert, backend=self.gemm_backend)
+        up = grouped_mm(grouped, up_proj, tokens_per_expert, backend=self.gemm_backend)
+        return grouped_mm(F.silu(gate) * up, down_proj, tokens_per_expert, backend=self.gemm_backend)
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, gemm_backend={self.gemm_backend}"
         )
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts: under expert parallelism the weights are ``DTensor``s split over ``ep`` on dim 0
+    (FSDP has gathered its own dim by now) and the kernels take plain tensors; the gradient flows back into the
+    ``DTensor`` with the same layout."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight

@@ -53,6 +53,8 @@ class TopKRouter(nn.Module):
 
     expert_load: torch.Tensor
     expert_bias: torch.Tensor | None
+    # Off while a forward is not training (torch's pipeline metadata inference: see balancing.paused_load_counting)
+    count_load: bool = True
 
     def __init__(
         self,
@@ -97,7 +99,7 @@ class TopKRouter(nn.Module):
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         tokens_per_expert = count_tokens_per_expert(indices, self.num_experts)
-        if self.training:
+        if self.training and self.count_load:
             with torch.no_grad():
                 self.expert_load.add_(tokens_per_expert)
         return Routing(

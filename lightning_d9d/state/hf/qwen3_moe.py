@@ -13,6 +13,12 @@ and shapes. The routed experts differ in layout; two file layouts are read:
 Ours is ``mlp.experts.{gate,up}_proj [E, hidden, ffn]`` and ``mlp.experts.down_proj [E, ffn, hidden]``
 (:class:`~lightning_d9d.modules.moe.GroupedExperts`): stack the experts (or split gate from up), then swap the
 last two dims. Which layers are sparse follows transformers' rule (``mlp_only_layers``, ``decoder_sparse_step``).
+
+The routers' selection bias (``router_selection_bias: true`` in the config, ours: auxiliary-loss-free balancing)
+has no tensor in transformers' Qwen3-MoE. It is written as ``mlp.gate.e_score_correction_bias [E]`` (fp32),
+DeepSeek-V3's name for the same per-expert bias, and read back from it; transformers' Qwen3-MoE loads such a
+file with an "unused weights" warning and routes without the bias (which only changes which experts are chosen,
+never the weights of the chosen ones).
 """
 
 from __future__ import annotations
@@ -21,13 +27,16 @@ from collections.abc import Collection
 from typing import Any
 
 from ..compose import Parallel, Sequential, per_layer
-from ..mapper import Chunk, Identity, ModelStateMapper, Stack, Transpose
+from ..mapper import Chunk, Identity, ModelStateMapper, Rename, Stack, Transpose
 from .qwen3 import LAYER, _layer_shapes, _top_shapes, qwen3_signature, qwen3_tied
 from .registry import HFConfig, HFFormat, register_hf_format
 
 PER_EXPERT = "per_expert"
 FUSED = "fused"
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+# Our router's selection bias <-> its name in the file (DeepSeek-V3's), relative to a layer.
+EXPERT_BIAS = "mlp.gate.expert_bias"
+FILE_EXPERT_BIAS = "mlp.gate.e_score_correction_bias"
 
 
 def num_experts(config: HFConfig) -> int:
@@ -62,6 +71,8 @@ def _sparse_mlp_shapes(config: HFConfig, layout: str) -> dict[str, tuple[int, ..
     """A sparse layer's MLP tensors in the file, relative to ``model.layers.{i}.``."""
     experts, hidden, ffn = _moe_sizes(config)
     shapes: dict[str, tuple[int, ...]] = {"mlp.gate.weight": (experts, hidden)}
+    if config.get("router_selection_bias", False):
+        shapes[FILE_EXPERT_BIAS] = (experts,)
     if layout == FUSED:
         shapes["mlp.experts.gate_up_proj"] = (experts, 2 * ffn, hidden)
         shapes["mlp.experts.down_proj"] = (experts, hidden, ffn)
@@ -99,12 +110,10 @@ def _experts_from_hf(config: HFConfig, layout: str) -> ModelStateMapper:
 def _layer_from_hf(config: HFConfig, layout: str, sparse: bool) -> ModelStateMapper:
     if not sparse:
         return Identity(_layer_shapes(config))
-    return Parallel(
-        [
-            Identity([*_attention_shapes(config), "mlp.gate.weight"]),
-            _experts_from_hf(config, layout),
-        ]
-    )
+    parts = [Identity([*_attention_shapes(config), "mlp.gate.weight"]), _experts_from_hf(config, layout)]
+    if config.get("router_selection_bias", False):
+        parts.append(Rename({FILE_EXPERT_BIAS: EXPERT_BIAS}))
+    return Parallel(parts)
 
 
 def qwen3_moe_hf_shapes(config: HFConfig, layout: str | None = None) -> dict[str, tuple[int, ...]]:
@@ -152,6 +161,7 @@ def qwen3_moe_signature(config: HFConfig) -> dict[str, Any]:
         "moe_intermediate_size": int(config.get("moe_intermediate_size", 0) or 0),
         "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
         "sparse_layers": sparse_layers(config),
+        "router_selection_bias": bool(config.get("router_selection_bias", False)),
     }
 
 

@@ -1,0 +1,95 @@
+"""``ExpertLoadBalancing``: the auxiliary-loss-free bias update after every optimizer step, and each MoE layer's
+expert load (min / max / coefficient of variation) in the loggers.
+
+Routers count the slots each expert received in every training forward (``TopKRouter.expert_load``), so after
+an optimizer step the counters hold the whole accumulation window (and every pipeline microbatch). This
+callback sums them over the ranks that routed different tokens through the same router replica (the d9d
+strategy's ``loss`` view: data-parallel x context-parallel ranks, ep ranks included, never pp or tp peers;
+the world under other strategies), moves each selection bias by ``rate * sign(mean load - load)``
+(:func:`~lightning_d9d.modules.moe.update_expert_bias`), and resets the counters. Every rank applies the same
+update, so the replicas stay equal.
+
+An optimizer step is recognised by ``trainer.global_step`` moving, which also covers the short last window of an
+epoch. Under activation checkpointing recomputation counts a forward twice: the bias update (a sign) and the
+coefficient of variation do not change, ``load_min`` / ``load_max`` double.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
+
+from lightning_d9d.modules.moe import TopKRouter, update_expert_bias
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+class ExpertLoadBalancing(Callback):
+    """After each optimizer step: update the routers' selection biases by ``bias_update_rate`` (routers built
+    without a selection bias are only counted) and log per-layer load as ``moe/layer{i}/load_{min,max,cv}``
+    (``log_load=False`` turns the logging off)."""
+
+    def __init__(self, bias_update_rate: float = 1e-3, *, log_load: bool = True) -> None:
+        if bias_update_rate < 0:
+            raise ValueError(
+                f"bias_update_rate ({bias_update_rate}) must be >= 0 (0 keeps the biases and only logs the load)"
+            )
+        self.bias_update_rate = bias_update_rate
+        self.log_load = log_load
+        self._last_step: int | None = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_step:
+            return  # an accumulation micro-step: keep counting
+        self._last_step = trainer.global_step
+        named = routers_by_layer(pl_module)
+        if not named:
+            return
+        loads = update_expert_bias(list(named.values()), self.bias_update_rate, _data_group(trainer))
+        if self.log_load:
+            for name, load in zip(named, loads, strict=True):
+                for stat, value in load_statistics(load).items():
+                    # the loads are already summed over the data ranks: every rank logs the same value
+                    pl_module.log(f"moe/{name}/load_{stat}", value, on_step=True, on_epoch=False)
+
+
+def routers_by_layer(module: torch.nn.Module) -> dict[str, TopKRouter]:
+    """The routers of ``module`` keyed ``layer{i}`` by their decoder layer (their module path otherwise)."""
+    named: dict[str, TopKRouter] = {}
+    for path, child in module.named_modules():
+        if isinstance(child, TopKRouter):
+            match = _LAYER.search(path + ".")
+            named[f"layer{match.group(1)}" if match else path] = child
+    return named
+
+
+def load_statistics(load: torch.Tensor) -> dict[str, float]:
+    """``min``, ``max`` and coefficient of variation (population std / mean; 0 for perfect balance) of one
+    layer's per-expert load."""
+    as_float = load.double()
+    mean = as_float.mean()
+    cv = (as_float.std(correction=0) / mean).item() if mean > 0 else 0.0
+    return {"min": as_float.min().item(), "max": as_float.max().item(), "cv": cv}
+
+
+def _data_group(trainer: pl.Trainer) -> dist.ProcessGroup | None:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is not None and dims.mesh is not None:
+        group: dist.ProcessGroup = dims.mesh_for("loss").get_group()
+        return group
+    return dist.group.WORLD
