@@ -190,3 +190,17 @@ def test_the_strategy_does_not_remove_the_only_complete_checkpoint(
     saved(tmp_path / "step=4.ckpt")
     strategy.remove_checkpoint(only)
     assert not only.exists()
+
+
+def test_pieces_are_checksummed_in_parallel_and_the_damaged_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(manifest, "PIECE_BYTES", 256)  # many pieces in a small shard
+    checkpoint = saved(tmp_path / "ckpt")
+    (shard,) = checkpoint.glob("*.distcp")
+    pieces = manifest.read_manifest(checkpoint)[shard.name].crc32
+    assert len(pieces) == -(-shard.stat().st_size // 256) > 4
+    content = bytearray(shard.read_bytes())
+    content[3 * 256 + 7] ^= 0x01  # one bit in the fourth piece
+    shard.write_bytes(bytes(content))
+    assert str(shard) in failed_load(checkpoint, CorruptShardError, "its bytes 768 to 1024 does not match")
