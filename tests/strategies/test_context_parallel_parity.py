@@ -9,7 +9,6 @@ share one launch.
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 from test_trainer_parity import (
@@ -17,7 +16,7 @@ from test_trainer_parity import (
     assert_matches_reference,
     assert_same_grad_norms,
     assert_same_training,
-    run_trainer,
+    launcher_by_world_size,
 )
 
 CP2 = {"devices": 2, "dp": 1, "max_steps": 5, "dims": {"cp": 2}}
@@ -67,28 +66,7 @@ CASES: dict[str, dict] = {
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
-    """``launched(case)``: the result of ``case``, running all cases of its world size on first use."""
-    results: dict[str, dict] = {}
-
-    def result(case: str) -> dict:
-        if case not in results:
-            devices = CASES[case]["devices"]
-            names = [name for name, config in CASES.items() if config["devices"] == devices]
-            tmp = tmp_path_factory.mktemp(f"cp_{devices}")
-            # checkpoint paths relative to this launch's directory; the cases run in order, saver first
-            configs = [_in_directory(CASES[name], name, tmp) for name in names]
-            results.update(run_trainer(configs, tmp, f"devices{devices}", names=names))
-        return results[case]
-
-    return result
-
-
-def _in_directory(config: dict, name: str, directory: Path) -> dict:
-    if config.get("save_every"):
-        return {**config, "ckpt_dir": str(directory / name)}
-    if config.get("resume_from"):
-        return {**config, "resume_from": str(directory / config["resume_from"])}
-    return config
+    return launcher_by_world_size(CASES, tmp_path_factory, "cp")
 
 
 @pytest.mark.parametrize("case", sorted(name for name in CASES if not CASES[name].get("resume_from")))

@@ -16,6 +16,7 @@ from test_trainer_parity import (
     assert_matches_reference,
     assert_same_grad_norms,
     assert_same_training,
+    launcher_by_world_size,
     run_trainer,
 )
 
@@ -78,26 +79,7 @@ def config_of(case: str) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
-    """``launched(case)``: the result of ``case``, running all cases of its world size on first use."""
-    checkpoints = tmp_path_factory.mktemp("tp_checkpoints")
-    results: dict[str, dict] = {}
-
-    def result(case: str) -> dict:
-        if case not in results:
-            devices = CASES[case]["devices"]
-            names = [name for name, config in CASES.items() if config["devices"] == devices]
-            configs = [
-                {**CASES[name], "ckpt_dir": str(checkpoints / name)}
-                if CASES[name].get("save_every")
-                else CASES[name]
-                for name in names
-            ]
-            tmp = tmp_path_factory.mktemp(f"tp_{devices}")
-            results.update(run_trainer(configs, tmp, f"devices{devices}", names=names))
-        return results[case]
-
-    result.checkpoints = checkpoints  # type: ignore[attr-defined]
-    return result
+    return launcher_by_world_size(CASES, tmp_path_factory, "tp")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -195,6 +195,42 @@ def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Cal
     return result
 
 
+def launcher_by_world_size(
+    cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory, prefix: str
+) -> Callable[[str], dict]:
+    """``launched(case)`` for a test module's ``cases``: the result of ``case``, running every case of its
+    world size (``devices``) in one launch on first use, in dict order (a saver before the case resuming from
+    it). A case with ``save_every`` saves to ``launched.checkpoints / case``; a relative ``resume_from`` is read
+    from there. A failed launch fails every case of it without relaunching."""
+    checkpoints = tmp_path_factory.mktemp(f"{prefix}_checkpoints")
+    launches: dict[int, dict | AssertionError] = {}
+
+    def placed(config: dict, name: str) -> dict:
+        if config.get("save_every"):
+            config = {**config, "ckpt_dir": str(checkpoints / name)}
+        if config.get("resume_from"):
+            config = {**config, "resume_from": str(checkpoints / config["resume_from"])}
+        return config
+
+    def result(case: str) -> dict:
+        devices = cases[case]["devices"]
+        if devices not in launches:
+            names = [name for name, config in cases.items() if config["devices"] == devices]
+            tmp = tmp_path_factory.mktemp(f"{prefix}_{devices}")
+            configs = [placed(cases[name], name) for name in names]
+            try:
+                launches[devices] = run_trainer(configs, tmp, f"{prefix}{devices}", names=names)
+            except AssertionError as error:
+                launches[devices] = error
+        outcome = launches[devices]
+        if isinstance(outcome, AssertionError):
+            raise outcome
+        return outcome[case]
+
+    result.checkpoints = checkpoints  # type: ignore[attr-defined]
+    return result
+
+
 def assert_matches_reference(actual: dict, config: dict) -> None:
     """An fp32 Trainer run against the single-process loop: losses, parameters, pre-clip gradient norms, the
     validation loss; and a clip threshold must bite on every step, or the case tests nothing about clipping."""
