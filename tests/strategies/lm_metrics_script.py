@@ -1,5 +1,5 @@
-"""A 2-process run of the example's module with ``Throughput`` and its validation perplexity, for
-``test_lm_metrics_trainer.py``: ``torchrun --nproc-per-node=2 lm_metrics_script.py '<json list of configs>'``.
+"""A 2- or 4-process run of the example's module with ``Throughput`` and its validation perplexity, for
+``test_lm_metrics_trainer.py``: ``torchrun --nproc-per-node=N lm_metrics_script.py '<json list of configs>'``.
 
 Each config trains two steps (``fit``: throughput every step) or none, then validates on padded data (ranks and microbatches
 hold different token counts). Rank 0 saves the logged values and the full parameters, from which the test
@@ -9,6 +9,7 @@ computes the perplexity in one process.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def main(config: dict[str, Any]) -> None:
     trainer = L.Trainer(
         strategy=D9DStrategy(**dims),
         accelerator="cpu",
-        devices=2,
+        devices=int(os.environ["WORLD_SIZE"]),
         max_steps=2,
         callbacks=[Throughput(window=1), record],
         logger=False,

@@ -1,6 +1,7 @@
-"""The example's validation perplexity and ``Throughput`` in real 2-process Trainer runs (dp=2 and pp=2, one
-launch), against one process: the perplexity of the run's own final weights computed in the test process over
-the same padded validation data, and the tokens counted once per data-parallel rank."""
+"""The example's validation perplexity and ``Throughput`` in real Trainer runs (dp=2 and pp=2 in one 2-process
+launch, dp=2 x tp=2 in a 4-process one), against one process: the perplexity of the run's own final weights
+computed in the test process over the same padded validation data, and the tokens counted once per
+data-parallel rank."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from lm_metrics_script import GLOBAL_BATCH, SEQ_LEN, val_corpus
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 
 SCRIPT = Path(__file__).with_name("lm_metrics_script.py")
+WORLD = {"dp2": 2, "pp2": 2, "dp2tp2": 4}
 RUNS = {
     # validation only: dp is the world here, so throughput's count is checked where it is not (pp2)
     "dp2": {"dims": {"dp_shard": 2}, "dp": 2, "model": {}, "fit": False},
@@ -27,22 +29,23 @@ RUNS = {
         "model": {"tie_word_embeddings": False},
         "fit": True,
     },
+    # tp peers hold the same tokens: the metric must sync over the 2 data-parallel ranks, not the 4
+    "dp2tp2": {"dims": {"dp_shard": 2, "tp": 2}, "dp": 2, "model": {}, "fit": False},
 }
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("lm_metrics")
-    configs = [{**config, "out": str(folder / f"{name}.pt")} for name, config in RUNS.items()]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    command += [str(SCRIPT), json.dumps(configs)]
+    configs = {name: {**config, "out": str(folder / f"{name}.pt")} for name, config in RUNS.items()}
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {
-        name: torch.load(config["out"], weights_only=False)
-        for name, config in zip(RUNS, configs, strict=True)
-    }
+    for world in sorted(set(WORLD.values())):  # one launch per world size
+        launch = [config for name, config in configs.items() if WORLD[name] == world]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
+        command += [str(SCRIPT), json.dumps(launch)]
+        proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {name: torch.load(config["out"], weights_only=False) for name, config in configs.items()}
 
 
 # Measured: 7e-9 to 5e-8 relative between the runs and the one-process value; the wrong reductions below were
