@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-from . import manifest, selection, untrusted
+from . import manifest, rng, selection, untrusted
 from .atomic import AtomicDirectory, agree, fsync, interrupted_replacement
 from .errors import (
     CheckpointError,
@@ -113,16 +113,17 @@ def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
                 path=str(temp),
             ) from error
 
-    def write_tensors_and_checksum() -> dict[str, manifest.FileEntry]:
+    def write_tensors_and_checksum() -> tuple[dict[str, manifest.FileEntry], dict[str, Any]]:
         write_tensors()
         # every rank's files exist once dcp.save returns: each rank checksums its share (page-cache reads)
         names = [
             entry.name for entry in temp.iterdir() if entry.name not in (META_NAME, manifest.MANIFEST_NAME)
         ]
         mine = manifest.share(names, directory.rank, directory.world_size)
-        return {name: manifest.checksum(temp / name) for name in mine}
+        return {name: manifest.checksum(temp / name) for name in mine}, rng.collect()
 
-    shares = directory.gather(write_tensors_and_checksum)
+    shares, rng_states = zip(*directory.gather(write_tensors_and_checksum), strict=True)
+    meta[rng.RNG_KEY] = list(rng_states)  # every rank's, in rank order
 
     def write_meta_then_manifest(temp: Path) -> None:
         torch.save(meta, temp / META_NAME)
@@ -281,4 +282,6 @@ def load(
         set_optimizer_state_dict(
             module, opt, optim_state_dict=state[optimizer_section(i)], options=OPTIMIZER_OPTIONS
         )
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    rng.restore_rank(meta.pop(rng.RNG_KEY, None), rank, world_size)
     return meta

@@ -204,3 +204,32 @@ def test_pieces_are_checksummed_in_parallel_and_the_damaged_one_is_named(
     content[3 * 256 + 7] ^= 0x01  # one bit in the fourth piece
     shard.write_bytes(bytes(content))
     assert str(shard) in failed_load(checkpoint, CorruptShardError, "its bytes 768 to 1024 does not match")
+
+
+# ------------------------------------------------------------------------------------ random-number states
+def _draws_after_resume(root: str) -> tuple[list[float], list[float]]:
+    """Each rank draws from torch, Python and NumPy right after a save and right after loading it back, with
+    its generators reseeded in between (as a fresh run would be)."""
+    import random
+
+    import numpy as np
+    import torch.distributed as dist
+
+    def draws() -> list[float]:
+        return [float(torch.rand(())), random.random(), float(np.random.rand())]
+
+    rank = dist.get_rank()
+    torch.manual_seed(100 + rank), random.seed(200 + rank), np.random.seed(300 + rank)
+    module, optimizer = trained(seed=0)
+    save(Path(root) / "ckpt", lightning_checkpoint(module, optimizer))
+    expected = draws()
+    torch.manual_seed(0), random.seed(0), np.random.seed(0)  # a fresh run's seeds: the same on every rank
+    load(Path(root) / "ckpt", module, {0: optimizer}, strict=True, weights_only=True)
+    return expected, draws()
+
+
+def test_every_ranks_random_states_come_back(tmp_path: Path) -> None:
+    ranks = run_distributed(_draws_after_resume, 2, str(tmp_path), timeout=120)
+    for expected, resumed in ranks:
+        assert resumed == expected
+    assert ranks[0][0] != ranks[1][0]  # the ranks' streams differ, and each got its own back
