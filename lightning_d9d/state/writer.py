@@ -116,11 +116,16 @@ def _check_disjoint(shards: list[_Shard]) -> list[_Shard]:
     return shards
 
 
+def _raise(error: BaseException) -> None:
+    raise error
+
+
 class ShardedWriter:
     """``with ShardedWriter(directory, max_shard_bytes=...) as writer: writer.add(key, tensor)``.
 
     Leaving the ``with`` block normally commits; an exception aborts (the temporary directory is deleted and an
-    existing checkpoint at ``directory`` is untouched).
+    existing checkpoint at ``directory`` is untouched). Distributed, a rank that leaves with an exception still
+    joins the ranks' exchange, so that ranks committing meanwhile raise at once, naming it.
     """
 
     def __init__(
@@ -166,6 +171,16 @@ class ShardedWriter:
     ) -> None:
         if kind is None:
             self.commit()
+        elif self.distributed and self._temp is not None and not self._done:
+            # The other ranks may be in commit's exchange, waiting for this one: join it with the failure, so
+            # they raise (naming this rank) instead of waiting for the process-group timeout.
+            failure = error if isinstance(error, Exception) else RuntimeError(f"interrupted: {kind.__name__}")
+            try:
+                self._atomic.gather(lambda: _raise(failure))
+            except BaseException:
+                pass  # this rank's own error is the one that propagates
+            finally:
+                self.abort()
         else:
             self.abort()
 

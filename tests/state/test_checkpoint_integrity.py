@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -233,3 +234,30 @@ def test_every_ranks_random_states_come_back(tmp_path: Path) -> None:
     for expected, resumed in ranks:
         assert resumed == expected
     assert ranks[0][0] != ranks[1][0]  # the ranks' streams differ, and each got its own back
+
+
+# ------------------------------------------------------------------------ a rank failing in ShardedWriter
+def _one_rank_fails_while_writing(root: str) -> tuple[str, float]:
+    import torch.distributed as dist
+
+    from lightning_d9d.state import ShardedWriter
+
+    start = time.perf_counter()
+    try:
+        with ShardedWriter(Path(root) / "hf", distributed=True) as writer:
+            writer.add(f"w{dist.get_rank()}", torch.ones(4))
+            if dist.get_rank() == 1:
+                raise OSError("rank 1 ran out of memory")
+        outcome = "committed"
+    except Exception as error:
+        outcome = f"{type(error).__name__}: {error}"
+    return outcome, time.perf_counter() - start
+
+
+def test_a_rank_failing_inside_sharded_writer_fails_every_rank_promptly(tmp_path: Path) -> None:
+    ranks = run_distributed(_one_rank_fails_while_writing, 2, str(tmp_path), timeout=30)
+    (rank0, seconds0), (rank1, _) = ranks
+    assert rank1 == "OSError: rank 1 ran out of memory"
+    assert "failed on rank 1" in rank0 and "rank 1 ran out of memory" in rank0, rank0
+    assert seconds0 < 10
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # no temporary directory left
