@@ -1,12 +1,31 @@
-"""Causal grouped-query self-attention with optional per-head q/k norms (Qwen3)."""
+"""Causal grouped-query self-attention with optional per-head q/k norms (Qwen3), and the attention backends.
+
+The attention block runs through a registry of backends, each ``run(q, k, v) -> out`` for causal attention on
+``[B, heads, T, head_dim]`` with fewer (grouped) key/value heads. ``auto`` picks, per device and dtype, the
+first backend of the registry's order that prefers these inputs; a name (``Attention.attention_backend`` or
+``$LIGHTNING_D9D_ATTENTION``) forces one, refused with the reason when it cannot run them. The choice is logged
+once per backend.
+
+On an H200 (bf16, head dim 128, GQA 16/8, seq 2048-8192; docs/benchmarks.md) SDPA's cuDNN kernel with grouped
+heads is the fastest (410-540 TFLOP/s forward+backward), flash is about half of it, memory-efficient has no
+grouped-heads kernel (it needs the heads repeated) and math is 20x slower: CUDA bf16/fp16 takes
+``sdpa_cudnn``, then ``sdpa_flash``; everything else (CPU, fp32) plain ``sdpa``, which lets torch choose as
+before. ``flash_attn`` is registered when the package is installed. Other paths (e.g. a context-parallel one)
+join with :func:`register_attention_backend`.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import logging
+import os
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import apply_rotary
@@ -18,6 +37,150 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
         return x
     b, kv_heads, t, d = x.shape
     return x[:, :, None].expand(b, kv_heads, groups, t, d).reshape(b, kv_heads * groups, t, d)
+
+
+ENV_VAR = "LIGHTNING_D9D_ATTENTION"
+AUTO = "auto"
+log = logging.getLogger("lightning_d9d.modules")
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """``run(q, k, v)``: causal attention, ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, H_kv, T, D]`` with
+    ``H_kv`` dividing ``H``. ``unsupported`` says why it cannot run these inputs (None: it can); ``preferred``
+    whether ``auto`` takes it for them."""
+
+    name: str
+    run: AttentionFn
+    unsupported: Callable[[torch.Tensor], str | None]
+    preferred: Callable[[torch.Tensor], bool]
+
+
+def _sdpa_with(backend: SDPBackend | None, *, repeat_heads: bool = False) -> AttentionFn:
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        groups = q.shape[1] // k.shape[1]
+        if repeat_heads and groups > 1:
+            k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+        gqa = groups > 1 and not repeat_heads
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        with sdpa_kernel([backend]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    return run
+
+
+def _half_on_cuda(q: torch.Tensor, min_capability: int) -> str | None:
+    if not q.is_cuda:
+        return f"runs on CUDA only, got {q.device}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return f"runs bf16/fp16 only, got {q.dtype}"
+    if torch.cuda.get_device_capability(q.device)[0] < min_capability:
+        return f"needs compute capability >= {min_capability}.0"
+    return None
+
+
+def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    function = importlib.import_module("flash_attn").flash_attn_func
+    # flash-attn takes [B, T, heads, D] and grouped key/value heads as they are.
+    out: torch.Tensor = function(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    return out.transpose(1, 2)
+
+
+def _flash_attn_unsupported(q: torch.Tensor) -> str | None:
+    if importlib.util.find_spec("flash_attn") is None:
+        return "the flash-attn package is not installed"
+    return _half_on_cuda(q, 8)
+
+
+_BACKENDS: dict[str, AttentionBackend] = {}
+_ANNOUNCED: set[str] = set()
+
+
+def register_attention_backend(backend: AttentionBackend, *, before: str | None = None) -> None:
+    """Add (or replace) a backend; ``before`` puts it ahead of that one in ``auto``'s order."""
+    if backend.name == AUTO:
+        raise ValueError(f"{AUTO!r} is reserved for automatic selection: choose another backend name")
+    _BACKENDS.pop(backend.name, None)
+    if before is not None and before not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {before!r}: choose one of {sorted(_BACKENDS)}")
+    entries = list(_BACKENDS.items())
+    position = [name for name, _ in entries].index(before) if before is not None else len(entries)
+    entries.insert(position, (backend.name, backend))
+    _BACKENDS.clear()
+    _BACKENDS.update(entries)
+
+
+def attention_backends() -> tuple[str, ...]:
+    """The registered names, in ``auto``'s order."""
+    return tuple(_BACKENDS)
+
+
+def select_attention_backend(q: torch.Tensor, name: str | None = None) -> AttentionBackend:
+    """``name`` (else ``$LIGHTNING_D9D_ATTENTION``, else ``auto``) resolved for queries like ``q``."""
+    wanted = name or os.environ.get(ENV_VAR) or AUTO
+    if wanted == AUTO:
+        chosen = next((b for b in _BACKENDS.values() if b.preferred(q)), _BACKENDS["sdpa"])
+    else:
+        if wanted not in _BACKENDS:
+            raise ValueError(
+                f"unknown attention backend {wanted!r}: choose one of {[AUTO, *_BACKENDS]} "
+                f"(Attention.attention_backend or ${ENV_VAR})"
+            )
+        chosen = _BACKENDS[wanted]
+        reason = chosen.unsupported(q)
+        if reason is not None:
+            raise ValueError(
+                f"attention backend {wanted!r} cannot run {q.dtype} queries on {q.device}: it {reason}. "
+                f"Choose another (or {AUTO!r}) with Attention.attention_backend or ${ENV_VAR}"
+            )
+    # Not while torch.compile traces a block (fullgraph: a logging call cannot be traced); eager calls log.
+    if chosen.name not in _ANNOUNCED and not torch.compiler.is_compiling():
+        _ANNOUNCED.add(chosen.name)
+        log.info("attention backend: %s (from %s, %s on %s)", chosen.name, wanted, q.dtype, q.device.type)
+    return chosen
+
+
+def _never(q: torch.Tensor) -> bool:
+    return False
+
+
+def _can_always(q: torch.Tensor) -> str | None:
+    return None
+
+
+register_attention_backend(
+    AttentionBackend(
+        "sdpa_cudnn",
+        _sdpa_with(SDPBackend.CUDNN_ATTENTION),
+        lambda q: _half_on_cuda(q, 8),
+        lambda q: _half_on_cuda(q, 9) is None,  # measured fastest on Hopper; sm80 keeps flash first
+    )
+)
+register_attention_backend(
+    AttentionBackend(
+        "flash_attn", _flash_attn, _flash_attn_unsupported, lambda q: _flash_attn_unsupported(q) is None
+    )
+)
+register_attention_backend(
+    AttentionBackend(
+        "sdpa_flash",
+        _sdpa_with(SDPBackend.FLASH_ATTENTION),
+        lambda q: _half_on_cuda(q, 8),
+        lambda q: _half_on_cuda(q, 8) is None,
+    )
+)
+register_attention_backend(
+    AttentionBackend(
+        "sdpa_efficient",
+        _sdpa_with(SDPBackend.EFFICIENT_ATTENTION, repeat_heads=True),  # no grouped-heads kernel
+        lambda q: None if q.is_cuda else f"runs on CUDA only, got {q.device}",
+        _never,
+    )
+)
+register_attention_backend(AttentionBackend("sdpa_math", _sdpa_with(SDPBackend.MATH), _can_always, _never))
+register_attention_backend(AttentionBackend("sdpa", _sdpa_with(None), _can_always, _never))
 
 
 class Attention(nn.Module):
@@ -57,6 +220,8 @@ class Attention(nn.Module):
         self.q_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
         self.k_norm: RMSNorm | None = RMSNorm(head_dim, norm_eps, device=device) if qk_norm else None
         self.repeat_kv_heads = False
+        # A registered backend's name, or None for $LIGHTNING_D9D_ATTENTION / automatic selection.
+        self.attention_backend: str | None = None
         # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values
         # (``AllGatherAttention``); None attends within the local sequence.
         self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -77,7 +242,7 @@ class Attention(nn.Module):
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and self.repeat_kv_heads:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=groups > 1 and not self.repeat_kv_heads
-        )
+        # Repeated heads mark torch's context-parallel SDPA, which dispatches on plain SDPA: left to torch.
+        name = self.attention_backend or ("sdpa" if self.repeat_kv_heads else None)
+        out = select_attention_backend(q, name).run(q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

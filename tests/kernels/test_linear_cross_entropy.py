@@ -48,8 +48,22 @@ def _inputs(tokens: tuple[int, int] = (3, 37), hidden: int = 24, vocab: int = 10
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-@pytest.mark.parametrize("chunk_tokens", [1, 16, 37, 1000])
-def test_chunked_equals_the_definition(reduction: str, chunk_tokens: int) -> None:
+@pytest.mark.parametrize(
+    ("chunk_tokens", "kernels"),
+    [
+        (1, "reference"),
+        (16, "reference"),
+        (37, "reference"),
+        (1000, "reference"),
+        (16, "triton"),
+        (1000, "triton"),
+    ],
+)
+def test_chunked_equals_the_definition(
+    reduction: str, chunk_tokens: int, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``kernels="triton"``: each chunk's softmax gradient by the Triton kernel (in the interpreter on CPU)."""
+    monkeypatch.setenv("LIGHTNING_D9D_KERNELS", kernels)
     h, w, y = _inputs()
     loss = chunked_linear_cross_entropy(h, w, y, reduction=reduction, chunk_tokens=chunk_tokens)
     grads = torch.autograd.grad(loss * 2.5, (h, w))  # a grad_output other than 1 must scale the gradients
@@ -84,7 +98,9 @@ def test_bf16_equals_bf16_logits_with_fp32_softmax() -> None:
         assert relative_error(grad, want) < 1e-2  # bf16 rounding: 2**-8 per element
 
 
-def test_no_counted_token_gives_zero_not_nan() -> None:
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_no_counted_token_gives_zero_not_nan(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_D9D_KERNELS", kernels)
     h, w, y = _inputs()
     loss = chunked_linear_cross_entropy(h, w, torch.full_like(y, -100), chunk_tokens=16)
     loss.backward()
@@ -93,7 +109,9 @@ def test_no_counted_token_gives_zero_not_nan() -> None:
     assert not h.grad.any() and not w.grad.any()
 
 
-def test_without_gradients() -> None:
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_without_gradients(kernels: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LIGHTNING_D9D_KERNELS", kernels)
     h, w, y = _inputs()
     with torch.no_grad():
         loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=16)

@@ -1,0 +1,337 @@
+"""Kernel benchmark on one CUDA GPU: ours against torch eager, ``torch.compile`` of the reference, and the
+libraries that have the same kernel (``liger-kernel``, ``cut-cross-entropy``) where they import.
+
+    python benchmarks/kernels.py [--out results.json] [--quick]
+
+Per kernel and shape: forward and forward+backward time, achieved GB/s (the bytes a fused kernel must move,
+counted once) against the copy bandwidth measured in the same run; the fused LM-head cross-entropy's peak
+memory against logits + cross-entropy at vocab 151,936; and the attention table: SDPA's backends (and
+``flash-attn`` if installed) at seq 2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s.
+Everything is bf16. Results go to docs/benchmarks.md by hand (with the GPU, versions and date printed here).
+"""
+
+# Each loop iteration builds closures over its own inputs and runs them before the next iteration: B023 is moot.
+# ruff: noqa: B023
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import platform
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from lightning_d9d.kernels.linear_cross_entropy import (
+    chunked_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from lightning_d9d.kernels.rope import rope_reference, rope_triton
+from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
+
+DTYPE = torch.bfloat16
+Run = Callable[[], Any]
+
+
+def timed(fn: Run, iters: int = 20, warmup: int = 3) -> float:
+    """Mean GPU milliseconds per call over ``iters`` calls after ``warmup``.
+
+    A long sleep kernel is queued first, so the host has enqueued the calls before the GPU reaches them and the
+    events time the GPU's work alone, as in a training step where the host runs ahead (without it, kernels of
+    tens of microseconds would time Python's launch overhead). A call that synchronises still pays for it.
+    """
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+    start.record()
+    for _ in range(iters):
+        fn()
+    stop.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(stop) / iters
+
+
+def copy_bandwidth() -> float:
+    """GB/s of ``dst.copy_(src)`` on 1 GiB (read + write counted)."""
+    src = torch.empty(2**29, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), iters=30)
+    return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+def _library(module: str, name: str) -> Callable[..., Any] | None:
+    try:
+        return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
+    except Exception:  # not installed, or not importable with this torch/triton: left out of the table
+        return None
+
+
+def fwd_bwd(forward: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Run, Run]:
+    """(forward only, forward + backward against fixed random incoming gradients)."""
+    outs = forward()
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    incoming = [torch.randn_like(o) for o in outs]
+
+    def fb() -> None:
+        result = forward()
+        result = result if isinstance(result, tuple) else (result,)
+        torch.autograd.backward(result, incoming)
+        for t in inputs:
+            t.grad = None
+
+    def f() -> None:
+        with torch.no_grad():
+            forward()
+
+    return f, fb
+
+
+def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    liger_rms = _library("liger_kernel.transformers.functional", "liger_rms_norm")
+    liger_swiglu = _library("liger_kernel.transformers.functional", "liger_swiglu")
+    liger_rope = _library("liger_kernel.transformers.functional", "liger_rope")
+    compiled_rms = torch.compile(rms_norm_reference)
+    compiled_swiglu = torch.compile(swiglu_reference)
+    compiled_rope = torch.compile(rope_reference)
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", dtype=DTYPE).requires_grad_()
+
+    norm_shapes = [(4, 4096, 1024), (4, 4096, 16, 128)] if not quick else [(4, 4096, 1024)]
+    for shape in norm_shapes:
+        x, w = leaf(*shape), leaf(shape[-1])
+        variants: dict[str, Callable[[], Any]] = {
+            "ours (Triton)": lambda: rms_norm_triton(x, w, 1e-6),
+            "torch eager": lambda: rms_norm_reference(x, w, 1e-6),
+            "torch.compile": lambda: compiled_rms(x, w, 1e-6),
+        }
+        if liger_rms is not None:
+            variants["liger"] = lambda: liger_rms(x, w, 1e-6)  # type: ignore[misc]
+        rows += measure("rms_norm", shape, variants, [x, w], x.numel() * 2 * 2, x.numel() * 2 * 3, copy_gbs)
+    for shape in [(4, 4096, 3072)]:
+        g, u = leaf(*shape), leaf(*shape)
+        variants = {
+            "ours (Triton)": lambda: swiglu_triton(g, u),
+            "torch eager": lambda: swiglu_reference(g, u),
+            "torch.compile": lambda: compiled_swiglu(g, u),
+        }
+        if liger_swiglu is not None:
+            variants["liger"] = lambda: liger_swiglu(g, u)  # type: ignore[misc]
+        rows += measure("swiglu", shape, variants, [g, u], g.numel() * 2 * 3, g.numel() * 2 * 5, copy_gbs)
+    for batch, seq in [(4, 4096)]:
+        q = torch.randn(batch, seq, 16, 128, device="cuda", dtype=DTYPE).transpose(1, 2).requires_grad_()
+        k = torch.randn(batch, seq, 8, 128, device="cuda", dtype=DTYPE).transpose(1, 2).requires_grad_()
+        angles = torch.rand(1, seq, 64, device="cuda") * 1000
+        angles = torch.cat((angles, angles), -1)
+        cos, sin = angles.cos().to(DTYPE), angles.sin().to(DTYPE)
+        variants = {
+            "ours (Triton)": lambda: rope_triton(q, k, cos, sin),
+            "torch eager": lambda: rope_reference(q, k, cos, sin),
+            "torch.compile": lambda: compiled_rope(q, k, cos, sin),
+        }
+        if liger_rope is not None:
+            variants["liger"] = lambda: liger_rope(q, k, cos, sin)  # type: ignore[misc]
+        moved = (q.numel() + k.numel()) * 2 * 2
+        rows += measure("rope q+k", (batch, seq, "16/8 heads", 128), variants, [q, k], moved, moved, copy_gbs)
+    return rows
+
+
+def measure(
+    kernel: str,
+    shape: tuple[Any, ...],
+    variants: dict[str, Callable[[], Any]],
+    inputs: list[torch.Tensor],
+    fwd_bytes: int,
+    bwd_bytes: int,
+    copy_gbs: float,
+) -> list[dict[str, Any]]:
+    rows = []
+    for name, forward in variants.items():
+        row: dict[str, Any] = {"kernel": kernel, "shape": str(shape), "impl": name}
+        try:
+            f, fb = fwd_bwd(forward, inputs)
+            row["fwd_ms"] = timed(f)
+            row["fwd_bwd_ms"] = timed(fb)
+            row["fwd_GBs"] = fwd_bytes / row["fwd_ms"] / 1e6
+            bwd_ms = row["fwd_bwd_ms"] - row["fwd_ms"]
+            row["bwd_GBs"] = bwd_bytes / bwd_ms / 1e6 if bwd_ms > 0 else math.nan
+            row["fwd_bwd_GBs"] = (fwd_bytes + bwd_bytes) / row["fwd_bwd_ms"] / 1e6
+            row["fwd_bwd_pct_copy"] = 100 * row["fwd_bwd_GBs"] / copy_gbs
+        except Exception as error:  # a library that does not run here: recorded, not fatal
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def cross_entropy_rows(quick: bool) -> list[dict[str, Any]]:
+    tokens, hidden, vocab = 16384, 1024, 151936
+    h = (torch.randn(tokens, hidden, device="cuda") * 1.0).to(DTYPE).requires_grad_()
+    w = (torch.randn(vocab, hidden, device="cuda") * 0.02).to(DTYPE).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[::10] = -100
+    compiled = torch.compile(linear_cross_entropy_reference)
+    variants: dict[str, Callable[[], torch.Tensor]] = {
+        "ours (chunked)": lambda: chunked_linear_cross_entropy(h, w, labels),
+        "logits + CE (eager)": lambda: linear_cross_entropy_reference(h, w, labels),
+        "logits + CE (torch.compile)": lambda: compiled(h, w, labels),
+    }
+    liger = _library("liger_kernel.transformers.functional", "liger_fused_linear_cross_entropy")
+    if liger is not None:
+
+        def run_liger() -> torch.Tensor:
+            out = liger(h, w, labels)  # type: ignore[misc]
+            return out[0] if isinstance(out, tuple) else getattr(out, "loss", out)
+
+        variants["liger"] = run_liger
+    cce = _library("cut_cross_entropy", "linear_cross_entropy")
+    if cce is not None:
+        variants["cut-cross-entropy (its default: gradient filter)"] = lambda: cce(h, w, labels)  # type: ignore[misc]
+        variants["cut-cross-entropy (exact: filter_eps=None)"] = lambda: cce(h, w, labels, filter_eps=None)  # type: ignore[misc]
+    rows = []
+    for name, forward in variants.items():
+        row: dict[str, Any] = {
+            "kernel": "linear+CE",
+            "shape": f"{tokens}x{hidden}, vocab {vocab}",
+            "impl": name,
+        }
+        try:
+
+            def step() -> None:
+                forward().backward()
+                h.grad = w.grad = None
+
+            step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            step()
+            torch.cuda.synchronize()
+            row["peak_extra_GiB"] = (torch.cuda.max_memory_allocated() - base) / 2**30
+            row["fwd_bwd_ms"] = timed(step, iters=5 if quick else 10, warmup=1)
+            ref = linear_cross_entropy_reference(h, w, labels).item()
+            row["loss_rel_err"] = abs(forward().item() - ref) / abs(ref)
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def attention_rows(quick: bool) -> list[dict[str, Any]]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    heads, kv_heads, head_dim, tokens = 16, 8, 128, 16384
+    backends = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    flash_attn = _library("flash_attn", "flash_attn_func")
+    rows = []
+    for seq in [2048, 4096] if quick else [2048, 4096, 8192]:
+        batch = tokens // seq
+        q = torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=DTYPE).requires_grad_()
+        k = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=DTYPE).requires_grad_()
+        v = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=DTYPE).requires_grad_()
+        flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal: half of the score matrix
+        variants: dict[str, Callable[[], torch.Tensor]] = {}
+        for name, backend in backends.items():
+            if name == "math" and seq > 2048:
+                continue  # materialises [B, H, T, T] in fp32: minutes, and known to be slowest
+
+            def native(backend: SDPBackend = backend) -> torch.Tensor:
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+            def repeated(backend: SDPBackend = backend) -> torch.Tensor:
+                groups = heads // kv_heads
+                with sdpa_kernel([backend]):
+                    return F.scaled_dot_product_attention(
+                        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=True
+                    )
+
+            variants[f"sdpa {name} (gqa)"] = native
+            variants[f"sdpa {name} (repeat kv)"] = repeated
+        variants["sdpa default (gqa)"] = lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True
+        )
+        if flash_attn is not None:
+            variants["flash-attn"] = lambda: flash_attn(  # type: ignore[misc]
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
+            ).transpose(1, 2)
+        for name, forward in variants.items():
+            row: dict[str, Any] = {
+                "kernel": "attention",
+                "shape": f"B{batch} T{seq} H16/8 D128",
+                "impl": name,
+            }
+            try:
+                f, fb = fwd_bwd(forward, [q, k, v])
+                row["fwd_ms"] = timed(f, iters=10)
+                row["fwd_bwd_ms"] = timed(fb, iters=10)
+                row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
+                row["fwd_bwd_TFLOPs"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="write all rows as JSON here")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
+    parser.add_argument("--only", default="elementwise,ce,attention", help="comma-separated parts to run")
+    args = parser.parse_args()
+    started = time.time()
+    import triton
+
+    env = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for lib in ("liger_kernel", "cut_cross_entropy", "flash_attn"):
+        try:
+            module = importlib.import_module(lib)
+            env[lib] = getattr(module, "__version__", "installed")
+        except Exception as error:
+            env[lib] = f"not available ({type(error).__name__})"
+    print(json.dumps(env), flush=True)
+    parts = set(args.only.split(","))
+    copy_gbs = copy_bandwidth()
+    print(json.dumps({"copy_GBs": copy_gbs}), flush=True)
+    rows: list[dict[str, Any]] = []
+    if "elementwise" in parts:
+        rows += elementwise_rows(copy_gbs, args.quick)
+    if "ce" in parts:
+        rows += cross_entropy_rows(args.quick)
+    if "attention" in parts:
+        rows += attention_rows(args.quick)
+    result = {"env": env, "copy_GBs": copy_gbs, "rows": rows, "seconds": time.time() - started}
+    if args.out:
+        with open(args.out, "w") as handle:
+            json.dump(result, handle, indent=1)
+    print(f"done in {time.time() - started:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

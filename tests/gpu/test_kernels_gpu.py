@@ -1,0 +1,169 @@
+"""The Triton kernels and the fused LM-head loss at Qwen3-0.6B shapes, bf16, on one CUDA GPU: each equals its
+PyTorch reference forward and backward, outputs poisoned with NaN first. Run on the GPU machine: ``pytest -m gpu``.
+
+The references are run in fp32 on the same bf16 inputs (the exact answer the bf16 kernels round); the bound
+is what bf16 rounding allows: each output element is rounded once or twice (2**-9 relative each), so the
+norm-relative error of a correct kernel stays under 2**-8 for outputs and, with one more rounding of an
+intermediate (the RMSNorm's normalised value, the SwiGLU's silu), under 2**-7 for gradients. The fused
+cross-entropy is held to the bf16 logits + fp32 cross-entropy path it replaces, and to a quarter of its peak
+memory.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from kernel_checks import grads, leaf, poisoned_allocations, relative_error
+
+from lightning_d9d.kernels.linear_cross_entropy import (
+    chunked_linear_cross_entropy,
+    linear_cross_entropy_reference,
+)
+from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
+from lightning_d9d.kernels.rope import rope_reference, rope_triton
+from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
+
+pytestmark = pytest.mark.gpu
+OUT_BOUND, GRAD_BOUND = 2**-8, 2**-7
+
+
+def fp32_copies(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(t.detach().float().requires_grad_(t.requires_grad) for t in tensors)
+
+
+@pytest.mark.parametrize("shape", [(4, 4096, 1024), (4, 4096, 16, 128), (3, 1000, 8, 128), (5, 77, 1000)])
+def test_rms_norm(shape: tuple[int, ...]) -> None:
+    x = leaf(*shape, dtype=torch.bfloat16, device="cuda", seed=1)
+    w = leaf(shape[-1], dtype=torch.bfloat16, device="cuda", seed=2, scale=0.1, shift=1.0)
+    with poisoned_allocations():
+        out = rms_norm_triton(x, w, 1e-6)
+        got = grads((out,), (x, w))
+    x32, w32 = fp32_copies(x, w)
+    ref = rms_norm_reference(x32, w32, 1e-6)
+    expected = grads((ref,), (x32, w32))
+    assert out.dtype == torch.bfloat16
+    assert relative_error(out, ref) < OUT_BOUND
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < GRAD_BOUND
+
+
+@pytest.mark.parametrize("shape", [(4, 4096, 3072), (3, 1000, 1531)])
+def test_swiglu(shape: tuple[int, ...]) -> None:
+    gate = leaf(*shape, dtype=torch.bfloat16, device="cuda", seed=3)
+    up = leaf(*shape, dtype=torch.bfloat16, device="cuda", seed=4)
+    with poisoned_allocations():
+        out = swiglu_triton(gate, up)
+        got = grads((out,), (gate, up))
+    gate32, up32 = fp32_copies(gate, up)
+    ref = swiglu_reference(gate32, up32)
+    expected = grads((ref,), (gate32, up32))
+    assert relative_error(out, ref) < OUT_BOUND
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < GRAD_BOUND
+
+
+@pytest.mark.parametrize(
+    ("batch", "q_heads", "k_heads", "seq", "head_dim", "table_batch"),
+    [(4, 16, 8, 4096, 128, 1), (2, 12, 3, 1000, 96, 2)],
+)
+def test_rope(batch: int, q_heads: int, k_heads: int, seq: int, head_dim: int, table_batch: int) -> None:
+    q = leaf(batch, seq, q_heads, head_dim, dtype=torch.bfloat16, device="cuda", seed=5).transpose(1, 2)
+    k = leaf(batch, seq, k_heads, head_dim, dtype=torch.bfloat16, device="cuda", seed=6).transpose(1, 2)
+    angles = torch.rand(table_batch, seq, head_dim // 2, device="cuda") * 1000
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    with poisoned_allocations():
+        q_out, k_out = rope_triton(q, k, cos, sin)
+        got = grads((q_out, k_out), (q, k))
+    q32, k32 = fp32_copies(q, k)
+    q_ref, k_ref = rope_reference(q32, k32, cos.float(), sin.float())
+    expected = grads((q_ref, k_ref), (q32, k32))
+    assert relative_error(q_out, q_ref) < OUT_BOUND and relative_error(k_out, k_ref) < OUT_BOUND
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < OUT_BOUND  # one rounding: the rotation is linear
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "vocab"), [(16384, 1024, 151936), (3000, 1000, 50257)])
+def test_fused_linear_cross_entropy(tokens: int, hidden: int, vocab: int) -> None:
+    h = leaf(tokens, hidden, dtype=torch.bfloat16, device="cuda", seed=7)
+    w = leaf(vocab, hidden, dtype=torch.bfloat16, device="cuda", seed=8, scale=0.02)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    labels[::7] = -100
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with poisoned_allocations():
+        loss = chunked_linear_cross_entropy(h, w, labels)
+        got = torch.autograd.grad(loss, (h, w))
+    fused_peak = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    ref = linear_cross_entropy_reference(h, w, labels)
+    expected = torch.autograd.grad(ref, (h, w))
+    plain_peak = torch.cuda.max_memory_allocated() - base
+    assert abs(loss.item() - ref.item()) <= 1e-3 * abs(ref.item())  # bf16 logits, fp32 softmax, both
+    for grad, want in zip(got, expected, strict=True):
+        assert grad.dtype == torch.bfloat16
+        assert relative_error(grad, want) < GRAD_BOUND
+    if vocab > 100_000:
+        assert fused_peak <= plain_peak / 4, (fused_peak / 2**30, plain_peak / 2**30)
+
+
+@pytest.mark.parametrize("name", ["sdpa_cudnn", "sdpa_flash", "sdpa_efficient", "sdpa_math", "sdpa"])
+def test_attention_backends_equal_fp32_attention(name: str) -> None:
+    from lightning_d9d.modules.attention import select_attention_backend
+
+    q = leaf(2, 16, 1000, 128, dtype=torch.bfloat16, device="cuda", seed=11)
+    k = leaf(2, 8, 1000, 128, dtype=torch.bfloat16, device="cuda", seed=12)
+    v = leaf(2, 8, 1000, 128, dtype=torch.bfloat16, device="cuda", seed=13)
+    with poisoned_allocations():
+        out = select_attention_backend(q, name).run(q, k, v)
+        got = grads((out,), (q, k, v))
+    q32, k32, v32 = fp32_copies(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(q32, k32, v32, is_causal=True, enable_gqa=True)
+    expected = grads((ref,), (q32, k32, v32))
+    # bf16 inputs to the score and value matmuls, and bf16 softmax probabilities: a few roundings of 2**-9
+    assert relative_error(out, ref) < GRAD_BOUND
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < 2 * GRAD_BOUND
+
+
+def test_auto_attention_on_hopper_is_cudnn() -> None:
+    from lightning_d9d.modules.attention import select_attention_backend
+
+    q = torch.zeros(1, 2, 4, 128, device="cuda", dtype=torch.bfloat16)
+    expected = "sdpa_cudnn" if torch.cuda.get_device_capability()[0] >= 9 else "sdpa_flash"
+    assert select_attention_backend(q).name == expected
+    assert select_attention_backend(q.float()).name == "sdpa"
+
+
+def test_qwen3_with_kernels_equals_references(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model on CUDA (Triton norms, SwiGLU, RoPE, cuDNN attention, fused loss) against the same model on the
+    references, bf16: the loss and every parameter's gradient."""
+    from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+    from lightning_d9d.models.causal_lm import fused_causal_lm_loss
+    from lightning_d9d.modules.loss import causal_lm_loss
+
+    torch.manual_seed(0)
+    config = Qwen3Config.tiny(hidden_size=256, intermediate_size=704, head_dim=64, vocab_size=5000)
+    model = Qwen3ForCausalLM(config).cuda().bfloat16()
+    ids = torch.randint(0, 5000, (2, 300), device="cuda")
+    labels = torch.randint(0, 5000, (2, 300), device="cuda")
+    labels[1, 200:] = -100
+    results = {}
+    for kernels in ("auto", "reference"):
+        monkeypatch.setenv("LIGHTNING_D9D_KERNELS", kernels)
+        monkeypatch.setenv("LIGHTNING_D9D_ATTENTION", "sdpa_math" if kernels == "reference" else "auto")
+        monkeypatch.setenv("LIGHTNING_D9D_FUSED_LOSS", "1" if kernels == "auto" else "0")
+        loss = fused_causal_lm_loss(model, (ids,), labels, causal_lm_loss)
+        if loss is None:
+            loss = causal_lm_loss(model(ids), labels)
+        results[kernels] = (loss.float(), torch.autograd.grad(loss, list(model.parameters())))
+    (loss, got), (ref, expected) = results["auto"], results["reference"]
+    assert abs(loss.item() - ref.item()) <= 1e-2 * ref.item()
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < 5e-2  # bf16 through 2 layers, rounded in different places

@@ -1,0 +1,99 @@
+"""The attention backend registry: every backend that runs on CPU equals plain softmax attention, ``auto``
+picks per device and dtype and logs once, a forced backend is used or refused with the reason, and a registered
+backend joins ``auto``'s order."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_gqa_attention import reference_attention
+
+from lightning_d9d.modules import Attention, RotaryEmbedding
+from lightning_d9d.modules import attention as attention_module
+from lightning_d9d.modules.attention import (
+    AttentionBackend,
+    attention_backends,
+    register_attention_backend,
+    select_attention_backend,
+)
+
+
+@pytest.fixture(autouse=True)
+def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setattr(attention_module, "_BACKENDS", dict(attention_module._BACKENDS))
+    monkeypatch.setattr(attention_module, "_ANNOUNCED", set())
+    monkeypatch.delenv("LIGHTNING_D9D_ATTENTION", raising=False)
+    yield
+
+
+def _block_and_inputs() -> tuple[Attention, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    block = Attention(32, 4, 2, 8)
+    rope = RotaryEmbedding(8, 16, 10000.0)
+    x = torch.randn(2, 7, 32)
+    cos, sin = rope(None, 7, x.dtype)
+    return block, x, cos, sin
+
+
+@pytest.mark.parametrize("name", ["sdpa", "sdpa_math"])
+def test_cpu_backends_equal_softmax_attention(name: str) -> None:
+    block, x, cos, sin = _block_and_inputs()
+    block.attention_backend = name
+    torch.testing.assert_close(
+        block(x, cos, sin), reference_attention(block, x, cos, sin), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_auto_on_cpu_is_plain_sdpa_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    q = torch.randn(1, 4, 3, 8)
+    with caplog.at_level(logging.INFO, logger="lightning_d9d.modules"):
+        assert select_attention_backend(q).name == "sdpa"
+        assert select_attention_backend(q.bfloat16()).name == "sdpa"
+    assert caplog.text.count("attention backend: sdpa") == 1
+
+
+def test_forced_backends(monkeypatch: pytest.MonkeyPatch) -> None:
+    q = torch.randn(1, 4, 3, 8)
+    monkeypatch.setenv("LIGHTNING_D9D_ATTENTION", "sdpa_math")
+    assert select_attention_backend(q).name == "sdpa_math"
+    assert select_attention_backend(q, "sdpa").name == "sdpa"  # the module's own choice wins
+    with pytest.raises(
+        ValueError, match=r"'sdpa_cudnn' cannot run torch.float32 queries on cpu: it runs on CUDA"
+    ):
+        select_attention_backend(q, "sdpa_cudnn")
+    with pytest.raises(ValueError, match=r"unknown attention backend 'fast'.*sdpa_flash"):
+        select_attention_backend(q, "fast")
+
+
+def test_a_registered_backend_joins_auto() -> None:
+    calls: list[int] = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        calls.append(q.shape[2])
+        return attention_module._sdpa_with(None)(q, k, v)
+
+    register_attention_backend(
+        AttentionBackend("mine", run, lambda q: None, lambda q: q.device.type == "cpu"), before="sdpa_cudnn"
+    )
+    assert attention_backends()[0] == "mine"
+    block, x, cos, sin = _block_and_inputs()
+    torch.testing.assert_close(
+        block(x, cos, sin), reference_attention(block, x, cos, sin), rtol=1e-5, atol=1e-5
+    )
+    assert calls == [7]
+    with pytest.raises(ValueError, match="'auto' is reserved"):
+        register_attention_backend(AttentionBackend("auto", run, lambda q: None, lambda q: True))
+
+
+@pytest.mark.parametrize("name", [None, "sdpa_math"])
+def test_compiles_as_one_graph(name: str | None) -> None:
+    """The blocks are compiled with fullgraph=True: selecting (and forcing) a backend must trace."""
+    block, x, cos, sin = _block_and_inputs()
+    block.attention_backend = name
+    expected = block(x, cos, sin)
+    attention_module._ANNOUNCED.clear()  # the first call under compile is the one that selects
+    block.compile(fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(block(x, cos, sin), expected, rtol=1e-5, atol=1e-5)
