@@ -1,11 +1,13 @@
 """A checkpoint directory that appears complete or not at all, written by one rank or by many.
 
-Files go to a hidden sibling ``.{name}.tmp-XXXXXXXX``. ``commit`` fsyncs it and renames it into place. Something
+Files go to a hidden sibling ``.{name}.tmp-{host}-{pid}-XXXXXXXX`` (rank 0's host and process id). ``commit``
+fsyncs it and renames it into place. Something
 already at the destination is replaced only if it is one of ours (``is_ours``), and only once the new directory
 is complete: it is renamed aside to ``.{name}.old-XXXXXXXX``, the new one renamed in, the old one deleted. The
-next save of the same target cleans up after a crashed one: it deletes ``.tmp-`` directories, and an ``.old-``
-one is put back if the crash came between the two renames (the destination is missing), else deleted. (So two
-jobs must not save to the same path at the same time; Lightning's checkpoint names differ per save.)
+next save of the same target cleans up after a crashed one: it deletes ``.tmp-`` directories whose save is over
+(its process is gone on this host, or, from another host, untouched for a day), and an ``.old-`` one is put back
+if the crash came between the two renames (the destination is missing), else deleted. A save of another job to
+the same path that is still running keeps its temporary directory (the last rename wins).
 
 Distributed (``distributed=True``): every rank calls ``open``, ``gather`` and ``commit`` in that order. Rank 0
 creates, finishes and moves the directory; every step ends in an exchange of each rank's failure, so when one
@@ -19,6 +21,8 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -43,6 +47,30 @@ def temporary_prefix(final: Path) -> str:
 
 def aside_prefix(final: Path) -> str:
     return f".{final.name}.old-"
+
+
+STALE_SECONDS = 24 * 3600  # a temporary directory of another host untouched this long belongs to a dead save
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: it exists
+        return True
+    return True
+
+
+def save_in_progress(temporary: Path, prefix: str) -> bool:
+    """Whether the temporary directory ``temporary`` may still be written by a running save (another job's)."""
+    owner, _, _token = temporary.name[len(prefix) :].rpartition("-")  # "{host}-{pid}", the random token
+    host, _, pid = owner.rpartition("-")
+    if not host or not pid.isdigit():
+        return False  # no owner recorded: an old save's, or not ours
+    if host != socket.gethostname():
+        return time.time() - temporary.stat().st_mtime < STALE_SECONDS
+    return int(pid) != os.getpid() and _alive(int(pid))
 
 
 def _remove(path: Path) -> None:
@@ -139,7 +167,8 @@ class AtomicDirectory:
         """Create the temporary directory (rank 0) and return it on every rank."""
         if self.temp is not None:
             return self.temp
-        name = [f"{temporary_prefix(self.final)}{secrets.token_hex(4)}"]
+        owner = f"{socket.gethostname()}-{os.getpid()}"
+        name = [f"{temporary_prefix(self.final)}{owner}-{secrets.token_hex(4)}"]
         if self.distributed:
             import torch.distributed as dist
 
@@ -235,7 +264,8 @@ class AtomicDirectory:
     def _prepare(self, temp: Path) -> None:
         """Clean up after crashed saves of this target, check the destination, create ``temp``."""
         for stale in self._siblings(temporary_prefix(self.final)):
-            _remove(stale)
+            if not save_in_progress(stale, temporary_prefix(self.final)):
+                _remove(stale)
         previous = interrupted_replacement(self.final)
         if previous is not None:
             # A crash between the two renames: the old checkpoint is the last complete one, so it comes back.

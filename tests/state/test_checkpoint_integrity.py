@@ -261,3 +261,31 @@ def test_a_rank_failing_inside_sharded_writer_fails_every_rank_promptly(tmp_path
     assert "failed on rank 1" in rank0 and "rank 1 ran out of memory" in rank0, rank0
     assert seconds0 < 10
     assert sorted(path.name for path in tmp_path.iterdir()) == []  # no temporary directory left
+
+
+# ------------------------------------------------------------------------ two jobs saving to one path
+def test_a_save_removes_only_temporary_directories_whose_save_is_over(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    host = socket.gethostname()
+    finished = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+    dead_pid = int(finished.stdout)
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        entries = {
+            "dead": f".ckpt.tmp-{host}-{dead_pid}-00000001",  # its process is gone: a crashed save
+            "running": f".ckpt.tmp-{host}-{running.pid}-00000002",  # another job saving right now
+            "other_host_recent": ".ckpt.tmp-node-7.cluster-4242-00000003",
+            "other_host_old": ".ckpt.tmp-node-8.cluster-4242-00000004",
+        }
+        for name in entries.values():
+            (tmp_path / name).mkdir()
+        os.utime(tmp_path / entries["other_host_old"], (1e9, 1e9))
+        saved(tmp_path / "ckpt")
+    finally:
+        running.kill()
+        running.wait()
+    left = {path.name for path in tmp_path.iterdir()}
+    assert left == {"ckpt", entries["running"], entries["other_host_recent"]}
