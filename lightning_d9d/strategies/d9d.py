@@ -62,6 +62,7 @@ from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
+from lightning_d9d.strategies.materialize import to_empty_except_metrics
 from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
@@ -333,7 +334,7 @@ class D9DStrategy(ModelParallelStrategy):
         """Allocate meta tensors on the device and initialise them, one seed for all ranks."""
         if not _has_meta_tensors(module):
             return
-        module.to_empty(device=self.root_device)
+        to_empty_except_metrics(module, self.root_device)  # metrics keep their states (see there)
         seed = self.broadcast(torch.initial_seed())
         uninitialised: set[str] = set()
 
