@@ -42,11 +42,12 @@ def kernel_mode() -> str:
     return mode
 
 
-def use_triton(name: str, *tensors: torch.Tensor) -> bool:
+def use_triton(name: str, *tensors: torch.Tensor, gpu_checked: bool = True) -> bool:
     """Whether kernel ``name`` runs its Triton version on these tensors (see the module docstring); logs the
-    choice once per kernel."""
+    choice once per kernel. ``gpu_checked=False``: a kernel whose GPU tests have not run yet, which ``auto``
+    leaves on its reference (``triton`` still runs it)."""
     mode = kernel_mode()
-    if mode == "reference" or torch.compiler.is_compiling():
+    if mode == "reference" or torch.compiler.is_compiling() or (mode == "auto" and not gpu_checked):
         return False
     if any(isinstance(t, DTensor) for t in tensors) or not triton_installed():
         return False

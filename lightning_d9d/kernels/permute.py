@@ -1,7 +1,9 @@
 """Token permutation for MoE: copy each token once per chosen expert into rows grouped by expert, and back.
 
-The pure-PyTorch reference, correct on every device and differentiable (index_select both ways). A Triton
-kernel (fused gather / weighted scatter) can later sit behind the same two functions.
+The pure-PyTorch reference, correct on every device and differentiable (index_select both ways), and Triton
+kernels behind the same two functions (:mod:`lightning_d9d.kernels.permute_triton`: gathers only, the weighted
+sum fused, no ``[T, k, H]`` intermediate). The Triton path runs with ``LIGHTNING_D9D_KERNELS=triton`` only until
+its GPU tests (tests/gpu/test_kernels_gpu.py) have run on a GPU; ``auto`` keeps the reference meanwhile.
 
 Terms: ``T`` tokens, each routed to ``k`` experts, gives ``T * k`` *slots*; slot ``t * k + j`` is token ``t``'s
 ``j``-th choice. Permuting sorts the slots by expert (stably, so tokens keep their order within an expert).
@@ -12,6 +14,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from lightning_d9d.kernels.dispatch import use_triton
+from lightning_d9d.kernels.permute_triton import permute_rows_triton, unpermute_rows_triton
+
+# Set True once the Triton permutation's GPU tests have passed on a GPU (then ``auto`` uses it on CUDA).
+PERMUTE_GPU_CHECKED = False
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,11 @@ def permute_tokens(hidden: torch.Tensor, expert_indices: torch.Tensor) -> tuple[
     order = torch.sort(expert_indices.reshape(-1), stable=True).indices
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    grouped = hidden.index_select(0, torch.div(order, top_k, rounding_mode="floor"))
+    sources = torch.div(order, top_k, rounding_mode="floor")
+    if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED):
+        grouped = permute_rows_triton(hidden, sources, inverse, top_k)
+    else:
+        grouped = hidden.index_select(0, sources)
     return grouped, Permutation(order=order, inverse=inverse, top_k=top_k)
 
 
@@ -56,5 +68,7 @@ def unpermute_tokens(grouped: torch.Tensor, permutation: Permutation, weights: t
             f"unpermute_tokens got {grouped.shape[0]} rows and weights {tuple(weights.shape)}: expected "
             f"T * k rows with k = {permutation.top_k}"
         )
+    if use_triton("unpermute_tokens", grouped, weights, gpu_checked=PERMUTE_GPU_CHECKED):
+        return unpermute_rows_triton(grouped, permutation.inverse, weights)
     slots = grouped.index_select(0, permutation.inverse).view(num_tokens, top_k, grouped.shape[1])
     return (slots * weights.to(grouped.dtype).unsqueeze(-1)).sum(dim=1)

@@ -167,3 +167,32 @@ def test_qwen3_with_kernels_equals_references(monkeypatch: pytest.MonkeyPatch) -
     assert abs(loss.item() - ref.item()) <= 1e-2 * ref.item()
     for grad, want in zip(got, expected, strict=True):
         assert relative_error(grad, want) < 5e-2  # bf16 through 2 layers, rounded in different places
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "top_k", "experts"), [(16384, 1024, 8, 128), (3001, 1000, 2, 6)]
+)
+def test_moe_permutation(
+    tokens: int, hidden: int, top_k: int, experts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The Triton permute/unpermute against the references (forced by name: ``auto`` waits for this test, see
+    ``lightning_d9d.kernels.permute.PERMUTE_GPU_CHECKED``)."""
+    from lightning_d9d.kernels import permute_tokens, unpermute_tokens
+
+    x = leaf(tokens, hidden, dtype=torch.bfloat16, device="cuda", seed=14)
+    scores = torch.rand(tokens, experts, device="cuda")
+    indices = scores.topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, device="cuda").requires_grad_()
+    scale = torch.randn(experts, hidden, device="cuda").bfloat16()
+    results = {}
+    for kernels in ("triton", "reference"):
+        monkeypatch.setenv("LIGHTNING_D9D_KERNELS", kernels)
+        with poisoned_allocations():
+            grouped, permutation = permute_tokens(x, indices)
+            out = unpermute_tokens(
+                grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights
+            )
+            results[kernels] = (grouped, out, *grads((out,), (x, weights)))
+    assert torch.equal(results["triton"][0], results["reference"][0])
+    for got, want in zip(results["triton"][1:], results["reference"][1:], strict=True):
+        assert relative_error(got, want) < OUT_BOUND

@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 
-from lightning_d9d.kernels import dispatch
+from lightning_d9d.kernels import dispatch, permute_tokens, unpermute_tokens
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
 from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
@@ -136,3 +136,33 @@ def test_modules_use_the_references_on_cpu_unless_forced(
     torch.testing.assert_close(forced[0], reference[0])
     torch.testing.assert_close(forced[1], reference[1])
     torch.testing.assert_close(forced[2], reference[2])
+
+
+def _moe_round_trip(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor):  # type: ignore[no-untyped-def]
+    """permute -> a per-expert scaling (an "expert") -> unpermute, and the gradients of hidden and weights."""
+    grouped, permutation = permute_tokens(hidden, indices)
+    out = unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights)
+    return (grouped, out, *grads((out,), (hidden, weights)))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden_size", "top_k", "dtype"),
+    [(7, 5, 3, torch.float32), (9, 1500, 2, torch.float32), (6, 40, 4, torch.bfloat16)],
+)
+def test_moe_permute_and_unpermute(
+    tokens: int, hidden_size: int, top_k: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    experts = 6
+    generator = torch.Generator().manual_seed(tokens)
+    hidden = leaf(tokens, hidden_size, dtype=dtype, device="cpu", seed=8)
+    indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator).requires_grad_()
+    scale = torch.randn(experts, hidden_size, generator=generator).to(dtype)
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    with poisoned_allocations():
+        got = _moe_round_trip(hidden, indices, weights, scale)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    expected = _moe_round_trip(hidden, indices, weights, scale)
+    assert torch.equal(got[0], expected[0])  # a gather: bit for bit
+    for out, ref in zip(got[1:], expected[1:], strict=True):
+        assert relative_error(out, ref) < BOUND[dtype]
