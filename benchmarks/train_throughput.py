@@ -69,6 +69,7 @@ REPO = Path(__file__).resolve().parents[1]
 PATHS: dict[str, str] = {
     "hf_eager": "HF transformers Qwen3ForCausalLM (sdpa), eager, plain loop",
     "hf_compiled": "HF, torch.compile(whole model), plain loop",
+    "hf_fsdp_compiled": "HF, FSDP2 bf16 MixedPrecisionPolicy on 1 rank + torch.compile per decoder layer, plain loop",
     "ours_eager": "lightning_d9d Qwen3ForCausalLM, eager, plain loop",
     "ours_compiled": "ours, per-block compile (plans.apply_compile), plain loop",
     "ours_compiled_model": "ours, torch.compile(whole model), plain loop",
@@ -81,9 +82,13 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_lean": "ours_trainer_compiled, the same lean module",
 }
 DEFAULT_PATHS = [
-    p for p in PATHS if p not in ("ours_fsdp_compiled", "ours_trainer_lean", "ours_trainer_compiled_lean")
+    p
+    for p in PATHS
+    if p not in ("ours_fsdp_compiled", "ours_trainer_lean", "ours_trainer_compiled_lean", "hf_fsdp_compiled")
 ]
-BASELINES = ("hf_eager", "hf_compiled")
+# --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
+MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled"]
+BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled")
 
 
 # ===================================================================================================== worker
@@ -103,7 +108,40 @@ def _sync(device: Any) -> None:
 def _config(args: argparse.Namespace) -> Any:
     from lightning_d9d.models import Qwen3Config
 
+    if args.model in ("moe", "moe_tiny"):
+        return _moe_config(args.model)
     return Qwen3Config.qwen3_0_6b() if args.model == "0.6b" else Qwen3Config.tiny()
+
+
+def _moe_config(model: str) -> Any:
+    """The MoE shape: 16 layers, hidden 1024, Qwen3 attention (16 heads, 8 KV heads, head_dim 128), 64 experts
+    of width 384, top-8 (renormalised, as Qwen3-MoE), every layer sparse, Qwen3's vocabulary. Router losses
+    off on both sides (the HF plain loop computes only the LM loss). ``moe_tiny``: the CPU smoke shape."""
+    from lightning_d9d.models import Qwen3MoeConfig
+
+    if model == "moe_tiny":
+        return Qwen3MoeConfig.tiny(output_router_logits=False, mlp_only_layers=[])
+    return Qwen3MoeConfig(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        num_experts=64,
+        num_experts_per_tok=8,
+        moe_intermediate_size=384,
+        norm_topk_prob=True,
+        output_router_logits=False,
+        rope_theta=1e6,
+    )
+
+
+def _model_class(config: Any) -> Any:
+    from lightning_d9d.models import Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return Qwen3MoeForCausalLM if isinstance(config, Qwen3MoeConfig) else Qwen3ForCausalLM
 
 
 def _batch(args: argparse.Namespace, vocab: int, device: Any) -> tuple[Any, Any]:
@@ -221,6 +259,8 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
         if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
             raise RuntimeError("HF model did not tie lm_head to embed_tokens")
         model.train()
+        if path == "hf_fsdp_compiled":
+            return model, _hf_fsdp_compiled(model, device)
         runner = torch.compile(model) if path == "hf_compiled" else model
 
         def forward(inputs: Any) -> Any:
@@ -228,7 +268,7 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
 
         return model, forward
 
-    from lightning_d9d.models import Qwen3ForCausalLM
+    model_class = _model_class(config)
 
     if path in ("ours_fsdp_loop", "ours_fsdp_compiled"):
         import torch.distributed as dist
@@ -240,7 +280,7 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         dims = ParallelDims().resolve(1).build_mesh(device.type)
         with torch.device("meta"):
-            model = Qwen3ForCausalLM(config)
+            model = model_class(config)
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model.parallelize(dims, ParallelOptions(mp_policy=policy, compile=path == "ours_fsdp_compiled"))
         model.to_empty(device=device)
@@ -249,7 +289,7 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
         return model, model
 
     with torch.device(device):
-        model = Qwen3ForCausalLM(config)
+        model = model_class(config)
     model.train()
     if path == "ours_compiled":
         from lightning_d9d.plans import apply_compile
@@ -259,6 +299,27 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
     if path == "ours_compiled_model":
         return model, torch.compile(model)
     return model, model
+
+
+def _hf_fsdp_compiled(model: Any, device: Any) -> Any:
+    """transformers' model as torchtitan-style training would run it on one rank: ``torch.compile`` per decoder
+    layer, then FSDP2 per layer and the root with bf16 parameters and fp32 gradient reduction."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        layer.compile()
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+    def forward(inputs: Any) -> Any:
+        return model(input_ids=inputs, use_cache=False).logits
+
+    return forward
 
 
 def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -280,7 +341,7 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
     # FSDP2's MixedPrecisionPolicy does the casting for ours_fsdp_*; every other plain loop autocasts.
     autocast: AbstractContextManager[Any] = (
         nullcontext()
-        if path.startswith("ours_fsdp")
+        if path.startswith("ours_fsdp") or path == "hf_fsdp_compiled"
         else torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     )
     _sync(device)
@@ -582,10 +643,9 @@ def versions() -> dict[str, Any]:
 def flops_per_token(args: argparse.Namespace) -> int:
     import torch
 
-    from lightning_d9d.models import Qwen3ForCausalLM
-
+    config = _config(args)
     with torch.device("meta"):
-        return Qwen3ForCausalLM(_config(args)).num_flops_per_token(args.seq_len)
+        return int(_model_class(config)(config).num_flops_per_token(args.seq_len))
 
 
 def launch(job: int, path: str, gpu: str, args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
@@ -671,19 +731,21 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
     rows = [r for r in results if r["path"] != "matmul_peak"]
     lines = [
-        "| path | tokens/s | MFU | step ms (median) | peak mem GiB | vs hf_eager | vs hf_compiled | GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | tokens/s | MFU | step ms (median) | peak mem GiB | vs hf_eager | vs hf_compiled "
+        "| vs hf_fsdp_compiled | GPU |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if not r.get("ok"):
             lines.append(
-                f"| {_label(r, results)} | failed: {str(r.get('error'))[:150]} | | | | | | {r.get('gpu')} |"
+                f"| {_label(r, results)} | failed: {str(r.get('error'))[:150]} | | | | | | | {r.get('gpu')} |"
             )
             continue
         lines.append(
             f"| {_label(r, results)} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu', 0) * 100, '.1f')}% "
             f"| {fmt(med(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} "
-            f"| {fmt(r.get('vs_hf_eager'), '.2f')} | {fmt(r.get('vs_hf_compiled'), '.2f')} | {r.get('gpu')} |"
+            f"| {fmt(r.get('vs_hf_eager'), '.2f')} | {fmt(r.get('vs_hf_compiled'), '.2f')} "
+            f"| {fmt(r.get('vs_hf_fsdp_compiled'), '.2f')} | {r.get('gpu')} |"
         )
     lines += [
         "",
@@ -728,7 +790,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma list; repeats allowed")
-    parser.add_argument("--model", choices=["0.6b", "tiny"], default="0.6b")
+    parser.add_argument("--model", choices=["0.6b", "tiny", "moe", "moe_tiny"], default="0.6b")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (micro-batch)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -774,6 +836,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+MODEL_NAMES = {
+    "0.6b": "Qwen3-0.6B shape",
+    "tiny": "Qwen3 tiny",
+    "moe": "Qwen3-MoE 16 layers, hidden 1024, 64 experts of 384, top-8 (active-parameter MFU)",
+    "moe_tiny": "Qwen3-MoE tiny",
+}
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
@@ -792,7 +862,7 @@ def main(argv: list[str] | None = None) -> None:
     fpt = flops_per_token(args)
     meta: dict[str, Any] = {
         "date": args.date,
-        "model": "Qwen3-0.6B shape" if args.model == "0.6b" else "Qwen3 tiny",
+        "model": MODEL_NAMES[args.model],
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "tokens_per_step": args.batch_size * args.seq_len,

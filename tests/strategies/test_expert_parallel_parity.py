@@ -10,11 +10,18 @@ the other 2; 4 processes), ep=2 x pp=2 (each pipeline stage's experts split over
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from test_trainer_parity import BASE, assert_matches_reference, run_trainer
+
+from lightning_d9d.convert import main as convert
+from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.state.hf import load_hf
 
 # Router selection bias on (the bias update needs it); the z-loss on beside the load-balancing loss.
 MOE = {"router_selection_bias": True, "router_z_loss_coef": 1e-3}
@@ -22,7 +29,25 @@ MOE = {"router_selection_bias": True, "router_z_loss_coef": 1e-3}
 BALANCE = {"rate": 0.01, "unchosen": [6, 7]}
 
 CASES: dict[str, dict] = {
-    "ep2": {"devices": 2, "dp": 2, "max_steps": 5, "moe": MOE, "moe_balance": BALANCE, "dims": {"ep": 2}},
+    # saved at its last step: the checkpoint (experts as DTensors split over ep) converts to HF files
+    "ep2": {
+        "devices": 2,
+        "dp": 2,
+        "max_steps": 5,
+        "save_every": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"ep": 2},
+    },
+    # Qwen3-MoE on 2 pipeline stages, without ep: router losses once per microbatch on each stage
+    "pp2": {
+        "devices": 2,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": {**MOE, "num_hidden_layers": 4},
+        "moe_balance": BALANCE,
+        "dims": {"pp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
     # accumulation: the bias moves once per optimizer step, from the load of both micro-steps
     "ep2_accumulate": {
         "devices": 2,
@@ -57,7 +82,13 @@ def config_of(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``checkpoints / case``: the checkpoint directory of a case with ``save_every``."""
+    return tmp_path_factory.mktemp("ep_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Callable[[str], dict]:
     """``launched(case)``: the result of ``case``, running all cases of its world size in one launch."""
     results: dict[str, dict] = {}
 
@@ -65,8 +96,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
         if case not in results:
             devices = CASES[case]["devices"]
             names = [name for name, config in CASES.items() if config["devices"] == devices]
+            configs = [{**CASES[name], "ckpt_dir": str(checkpoints / name)} for name in names]
             tmp: Path = tmp_path_factory.mktemp(f"ep_{devices}")
-            results.update(run_trainer([CASES[name] for name in names], tmp, f"ep{devices}", names=names))
+            results.update(run_trainer(configs, tmp, f"ep{devices}", names=names))
         return results[case]
 
     return result
@@ -82,3 +114,42 @@ def test_expert_parallel_matches_single_process_loop(case: str, launched: Callab
     minima = [value for name, value in loads.items() if name.endswith("load_min")]
     assert minima and all(value == 0 for value in minima), loads
     assert all(value > 0.3 for name, value in loads.items() if name.endswith("load_cv")), loads
+
+
+def test_expert_parallel_checkpoint_converts_to_hf(
+    launched: Callable[[str], dict], checkpoints: Path, tmp_path: Path
+) -> None:
+    actual = launched("ep2")
+    config = Qwen3MoeConfig.tiny(**MOE)
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    out = tmp_path / "hf"
+    assert (
+        convert(
+            [
+                "dcp-to-hf",
+                str(checkpoints / "ep2" / "step=5.ckpt"),
+                str(out),
+                "--config",
+                str(tmp_path / "config"),
+            ]
+        )
+        == 0
+    )
+    # the experts come back whole (both ep shards), in transformers' per-expert layout
+    files: dict[str, torch.Tensor] = {}
+    for part in out.glob("*.safetensors"):
+        files.update(load_file(str(part)))
+    assert files["model.layers.0.mlp.experts.7.down_proj.weight"].shape == (
+        config.hidden_size,
+        config.moe_intermediate_size,
+    )
+    # the selection bias travels as DeepSeek-V3's e_score_correction_bias (transformers' Qwen3-MoE has none)
+    bias = files["model.layers.0.mlp.gate.e_score_correction_bias"]
+    assert bias[6] < -990 and bias[7] < -990 and bias[:6].abs().max() > 0
+    ours = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_hf_dict(json.loads((out / "config.json").read_text())))
+    assert ours.config.router_selection_bias
+    load_hf(ours, out)
+    for name, param in ours.named_parameters():
+        assert torch.equal(param.detach(), actual["params"]["model." + name]), name
+    torch.testing.assert_close(ours.model.layers["0"].mlp.gate.expert_bias, bias, rtol=0, atol=0)
