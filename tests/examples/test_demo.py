@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import math
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
 
@@ -34,6 +36,8 @@ def test_the_demo_trains_the_moe_model_and_reports(tmp_path: Path) -> None:
     assert {"train/loss", "train/router_loss", "val/loss", "val/ppl", "perf/tokens_per_sec"} <= set(metrics)
     first = next(line for line in proc.stdout.splitlines() if line.startswith("step   10"))
     assert metrics["train/loss"] < float(first.split()[3]) < 5.6  # it trains: ln(256) = 5.55 at the start
+    # the token-weighted perplexity of equal-length batches is exp(mean loss) (both printed to 4 decimals)
+    assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-3)
     assert "dp_shard=2" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
     _converts_without_config_and_transformers_reproduces_the_validation_loss(tmp_path, metrics["val/loss"])

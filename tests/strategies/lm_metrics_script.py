@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
+from torchmetrics import SumMetric
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
@@ -28,6 +29,7 @@ from trainer_script import full_parameters
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks import Throughput
 from lightning_d9d.models import Qwen3Config
+from lightning_d9d.modules.loss import causal_lm_loss
 
 SEQ_LEN, GLOBAL_BATCH = 16, 8
 
@@ -41,6 +43,20 @@ class RecordThroughput(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         bar = trainer.progress_bar_metrics
         self.steps.append({k: float(v) for k, v in bar.items() if k.startswith("perf/")})
+
+
+class CountingPretraining(Qwen3Pretraining):
+    """The example's module plus a summed metric, the validation tokens: a sum counts a rank twice if the metric
+    syncs over ranks that hold the same tokens (tp or pp peers)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.val_tokens = SumMetric()
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        super().validation_step(batch, batch_idx)
+        self.val_tokens.update(causal_lm_loss.count(batch["labels"]).float())
+        self.log("val/tokens", self.val_tokens)
 
 
 def val_corpus(vocab_size: int) -> PaddedCorpus:
@@ -63,7 +79,7 @@ def main(config: dict[str, Any]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = Qwen3Pretraining(model_config, lr=1e-3, warmup_steps=1, max_steps=2)
+    module = CountingPretraining(model_config, lr=1e-3, warmup_steps=1, max_steps=2)
     if config["fit"]:
         train = SyntheticCorpus(model_config.vocab_size, SEQ_LEN, GLOBAL_BATCH * 2)
         trainer.fit(module, DataLoader(train, batch_size=GLOBAL_BATCH // dp))

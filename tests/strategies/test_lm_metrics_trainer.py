@@ -1,7 +1,8 @@
 """The example's validation perplexity and ``Throughput`` in real Trainer runs (dp=2 and pp=2 in one 2-process
 launch, dp=2 x tp=2 in a 4-process one), against one process: the perplexity of the run's own final weights
 computed in the test process over the same padded validation data, and the tokens counted once per
-data-parallel rank."""
+data-parallel rank; a summed metric (validation tokens) counts every token once, where syncing over tp or pp
+peers (which hold the same tokens) would count them twice."""
 
 from __future__ import annotations
 
@@ -84,6 +85,14 @@ def test_validation_perplexity_equals_one_process(runs: dict[str, dict], name: s
     for wrong, value in values.items():  # the padding tells the right reduction from these
         assert abs(value - expected) > 20 * RTOL * expected, wrong
     assert result["val"]["val/ppl"] == pytest.approx(expected, rel=RTOL)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_a_summed_metric_counts_every_token_once(runs: dict[str, dict], name: str) -> None:
+    """Synced over the data-parallel ranks only: over the world, tp (dp2tp2) or pp (pp2) peers would double it."""
+    corpus = val_corpus(Qwen3Config.tiny(**RUNS[name]["model"]).vocab_size)
+    tokens = sum(int((corpus[i]["labels"] != -100).sum()) for i in range(len(corpus)))
+    assert runs[name]["val"]["val/tokens"] == tokens
 
 
 def test_throughput_counts_the_tokens_of_every_data_parallel_rank(runs: dict[str, dict]) -> None:
