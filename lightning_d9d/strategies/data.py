@@ -8,9 +8,10 @@ yielded in the current pass and, after a restore, skips that many at the sampler
 is loaded just to be thrown away).
 
 The skip keeps the sampler's own order, so it is exact for Lightning's ``DistributedSampler`` (the permutation
-depends on seed and epoch only, and Lightning sets the epoch before the first batch is drawn). A batch's
-samples do not depend on the number of data-parallel ranks as long as the global batch size is kept, so a
-position saved on one layout is the same position on another.
+depends on seed and epoch only, and Lightning sets the epoch before the first batch is drawn). The position is
+saved as batches of a global batch (per-rank batch x ranks), so it moves to another number of data-parallel
+ranks, or another global batch, whenever it falls on a whole global batch of the new run; otherwise loading it
+raises an error naming both sizes (the ranks would have to split a batch).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 _STATE_KEY = "batches_yielded"
+_BATCH_KEY = "global_batch_size"  # per-rank batch x ranks of the run that saved the position
 
 
 class SkippingSampler(Sampler[Any]):
@@ -77,13 +79,29 @@ class ResumableDataLoader(DataLoader):
             self._yielded += 1
             yield batch
 
+    def _global_batch(self) -> int:
+        assert self.batch_size is not None and isinstance(self.sampler, SkippingSampler)
+        return self.batch_size * int(getattr(self.sampler.sampler, "num_replicas", 1))
+
     def state_dict(self) -> dict[str, int]:
-        return {_STATE_KEY: self._yielded}
+        return {_STATE_KEY: self._yielded, _BATCH_KEY: self._global_batch()}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         yielded = int(state[_STATE_KEY])
-        # A pass that was used up (a checkpoint at the end of an epoch) resumes with a new whole pass.
-        self._resume_at = yielded if yielded < len(self) else 0
+        saved, current = int(state.get(_BATCH_KEY, self._global_batch())), self._global_batch()
+        samples = yielded * saved
+        if yielded == 0 or (saved == current and yielded >= len(self)) or samples >= len(self) * current:
+            # A pass that was used up (a checkpoint at the end of an epoch) resumes with a new whole pass.
+            self._resume_at = 0
+            return
+        if samples % current:
+            raise ValueError(
+                f"the checkpoint's data position is {samples} samples into the epoch ({yielded} batches of a "
+                f"global batch of {saved}), which is not a whole number of this run's global batches of "
+                f"{current} (per-rank batch {self.batch_size} x data-parallel ranks): resume with a global "
+                f"batch that divides {samples}, or from a checkpoint at an epoch boundary"
+            )
+        self._resume_at = samples // current
 
 
 def resumable(dataloader: object) -> object:

@@ -28,7 +28,7 @@ def test_a_restored_loader_continues_at_the_next_batch_of_the_same_epoch() -> No
     iterator = iter(interrupted)
     consumed = [next(iterator) for _ in range(4)]
     state = interrupted.state_dict()
-    assert state == {"batches_yielded": 4}
+    assert state == {"batches_yielded": 4, "global_batch_size": 4}
     restored = loader(epoch=1)
     restored.load_state_dict(state)
     assert len(restored) == len(whole)  # Lightning counts the restored batches itself
