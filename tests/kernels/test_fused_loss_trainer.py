@@ -1,6 +1,7 @@
 """``Trainer(strategy="d9d")`` with the fused LM head + cross-entropy (forced on CPU, where it is off by default)
 equals the single-process loop on logits: FSDP over 2 processes with padded labels (token-weighted ranks),
-gradient accumulation, and a head tied to the embedding."""
+gradient accumulation, a head tied to the embedding, context parallelism; under tensor parallelism it steps
+aside for the logits path."""
 
 from __future__ import annotations
 
@@ -23,6 +24,10 @@ CASES = {
         "validate": True,
     },
     "fused_fsdp2_tied": {"devices": 2, "dp": 2, "max_steps": 3, "model": {"tie_word_embeddings": True}},
+    # each cp rank's loss over its part of the sequences, weighed like a data-parallel rank's
+    "fused_cp2": {"devices": 2, "dp": 1, "max_steps": 3, "dims": {"cp": 2}},
+    # tp > 1: the fused path steps aside for logits + loss parallel (logged)
+    "fused_tp2_falls_back": {"devices": 2, "dp": 1, "max_steps": 3, "dims": {"tp": 2}},
 }
 
 
