@@ -20,8 +20,8 @@ from .errors import CheckpointError, MissingShardError
 
 log = logging.getLogger(__name__)
 
-META_NAME = "meta.pt"
-DCP_METADATA_NAME = ".metadata"
+META_NAME = "meta.pt"  # everything but the tensors: loops, callbacks, hyper-parameters
+DCP_METADATA_NAME = ".metadata"  # DCP's own index of the tensors and where their chunks lie
 
 
 def looks_like_checkpoint(path: Path) -> bool:

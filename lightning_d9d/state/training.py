@@ -52,8 +52,8 @@ from .errors import (
     format_keys,
 )
 
-META_NAME = "meta.pt"  # everything but the tensors: loops, callbacks, hyper-parameters
-DCP_METADATA_NAME = ".metadata"  # DCP's own index of the tensors and where their chunks lie
+# the file names (defined with the choice of a checkpoint, which training.py builds on)
+META_NAME, DCP_METADATA_NAME = selection.META_NAME, selection.DCP_METADATA_NAME
 MODEL_SECTION = "state_dict"
 CALLBACKS_SECTION = "callbacks"
 HF_CONFIG_KEY = "hf_config"  # in a callback's state: the model's Hugging Face config (a dict)

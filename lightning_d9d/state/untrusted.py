@@ -19,8 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .errors import CorruptIndexError
-
-METADATA_NAME = ".metadata"  # DCP's index of the tensors and where their chunks lie
+from .selection import DCP_METADATA_NAME
 
 # (module, name) pairs a .metadata may name besides the classes of torch.distributed.checkpoint.metadata
 _ALLOWED = {
@@ -71,7 +70,7 @@ class RestrictedFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose ``read_metadata`` goes through the allow-list."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        metadata = read_metadata(Path(str(self.path)) / METADATA_NAME)
+        metadata = read_metadata(Path(str(self.path)) / DCP_METADATA_NAME)
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets too
         metadata.storage_meta = storage_meta
