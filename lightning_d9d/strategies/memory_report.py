@@ -83,8 +83,11 @@ def _checkpointing_name(setting: bool | str) -> str:
     return setting  # "full" or "selective"
 
 
-def report_memory_plan(strategy: D9DStrategy, batch: Any) -> MemoryPlan | None:
-    """Compute this rank's plan; rank 0 prints it (and warns when it exceeds the device's memory)."""
+def report_memory_plan(
+    strategy: D9DStrategy, batch: Any, device_memory: int | None = None
+) -> MemoryPlan | None:
+    """Compute this rank's plan; rank 0 prints it and warns when it exceeds ``device_memory`` (bytes; by default
+    what CUDA reports for the strategy's device, unknown on other devices)."""
     module = strategy.lightning_module
     if module is None:
         return None
@@ -92,7 +95,8 @@ def report_memory_plan(strategy: D9DStrategy, batch: Any) -> MemoryPlan | None:
     states = optimizer_states_per_parameter(unwrap_optimizer(optimizers[0])) if optimizers else 0
     config = transformer_config(module)
     device = strategy.root_device
-    device_memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    if device_memory is None and device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(device).total_memory
     plan = plan_memory(
         module.parameters(),
         optimizer_states=states,

@@ -6,6 +6,9 @@ tests/gpu/test_memory_plan_gpu.py)."""
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import replace
+from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -15,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
-from lightning_d9d import D9DStrategy, model_loss
+from lightning_d9d import D9DStrategy, ParallelDims, model_loss
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans.memory import (
@@ -24,6 +27,7 @@ from lightning_d9d.plans.memory import (
     optimizer_states_per_parameter,
     plan_memory,
 )
+from lightning_d9d.strategies.memory_report import report_memory_plan
 
 
 class LM(L.LightningModule):
@@ -124,3 +128,30 @@ def test_activation_estimate_answers_to_its_options() -> None:
     with_head = activation_bytes(config, ActivationShape(tokens=4096, layers=28))
     assert with_head == full + 4096 * 151936 * 12
     assert activation_bytes({"vocab_size": 10}, base) is None  # no sizes: unknown, not a guess
+
+
+def test_a_plan_over_the_device_memory_says_so() -> None:
+    plan = plan_memory([nn.Parameter(torch.zeros(2**20))], optimizer_states=2, config=None, activations=None)
+    assert plan.total == 16 * 2**20 and not plan.exceeds_device  # 4 MiB each: parameters, gradients, 2 states
+    small, large = replace(plan, device_memory=15 * 2**20), replace(plan, device_memory=17 * 2**20)
+    assert small.exceeds_device and not large.exceeds_device
+    text = small.describe("plan:")
+    assert "total        16.00 MiB of 15.00 MiB on the device" in text and "activations  unknown" in text
+
+
+def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
+    optimizer = torch.optim.AdamW(nn.Linear(256, 256).parameters())
+    strategy = SimpleNamespace(
+        lightning_module=nn.Linear(256, 256),  # 257 KiB of float32 parameters
+        optimizers=[optimizer],
+        root_device=torch.device("cpu"),
+        parallel_dims=ParallelDims(dp_shard=1),
+        precision_plugin=SimpleNamespace(precision="32-true"),
+        parallel_options=lambda: SimpleNamespace(activation_checkpointing=False),
+    )
+    with pytest.warns(UserWarning, match=r"more than the device's .* raise dp_shard / tp / pp"):
+        plan = report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+    assert plan is not None and plan.exceeds_device
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report_memory_plan(strategy, batch=None, device_memory=2**30)  # type: ignore[arg-type]
