@@ -6,9 +6,10 @@ so each projection is ``grouped_mm(x, w, tokens_per_expert)`` with no transpose.
 ``[out, in]`` matrix per expert: the Hugging Face mapping transposes and stacks. Gate and up stay separate so
 that sharding the ffn dimension (tensor parallelism) cuts both alike.
 
-Expert parallelism later shards dimension 0 over ``ep``: each rank holds ``num_experts / ep`` consecutive
-experts and receives, from the dispatcher, its tokens grouped by *local* expert; this module only ever sees its
-local experts (``tokens_per_expert`` has one count per local expert).
+Expert parallelism (:func:`~lightning_d9d.plans.parallelize_expert`) shards dimension 0 over ``ep``: each rank
+holds ``num_experts / ep`` consecutive experts (``DTensor``s, whose local part :meth:`GroupedExperts.forward`
+uses) and receives, from the dispatcher, its tokens grouped by *local* expert; ``tokens_per_expert`` then has
+one count per local expert.
 """
 
 from __future__ import annotations

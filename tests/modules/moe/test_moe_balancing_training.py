@@ -1,8 +1,8 @@
 """The auxiliary-loss-free bias update balances the experts of a model in training.
 
-The tiny Qwen3-MoE (8 experts, top-2, two sparse layers), the load-balancing loss off, 200 AdamW steps on one
-process, :func:`update_expert_bias` after each step as ``ExpertLoadBalancing`` calls it; once with rate 1e-2 and
-once with rate 0. The coefficient of variation of the expert load summed over the last 20 steps (summed, so
+The tiny Qwen3-MoE (8 experts, top-2) cut to its two sparse layers, the load-balancing loss off, 200 AdamW
+steps on one process, :func:`update_expert_bias` after each step as ``ExpertLoadBalancing`` calls it; once with
+rate 1e-2 and once with rate 0. The coefficient of variation of the expert load summed over the last 20 steps (summed, so
 that sampling noise of a small batch does not hide the imbalance), averaged over the sparse layers, must drop.
 """
 
@@ -26,7 +26,10 @@ STEPS, LAST, BATCH, SEQ = 200, 20, 4, 16
 
 def load_cv_after_training(rate: float) -> tuple[float, Qwen3MoeForCausalLM]:
     torch.manual_seed(0)
-    config = Qwen3MoeConfig.tiny(output_router_logits=False, router_selection_bias=True)
+    # two sparse layers, no dense one: the cheapest model that still has routers at two depths
+    config = Qwen3MoeConfig.tiny(
+        num_hidden_layers=2, mlp_only_layers=[], output_router_logits=False, router_selection_bias=True
+    )
     model = Qwen3MoeForCausalLM(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     corpus = SyntheticCorpus(config.vocab_size, SEQ, BATCH * STEPS)
