@@ -291,11 +291,77 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
+    """MoE token permutation (round trip through a per-expert scaling) and the grouped GEMM backends, at a
+    Qwen3-MoE-like shape: 16384 tokens, hidden 1024, top-8 of 128 experts, expert width 768."""
+    import os
+
+    from lightning_d9d.kernels import grouped_mm, permute_tokens, unpermute_tokens
+
+    tokens, hidden, top_k, experts, width = 16384, 1024, 8, 128, 768
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE).requires_grad_()
+    indices = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
+    weights = torch.rand(tokens, top_k, device="cuda").requires_grad_()
+    scale = torch.randn(experts, hidden, device="cuda", dtype=DTYPE)
+
+    def round_trip() -> torch.Tensor:
+        grouped, permutation = permute_tokens(x, indices)
+        return unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights)
+
+    compiled = torch.compile(round_trip)
+
+    def with_kernels(mode: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def run() -> torch.Tensor:
+            os.environ["LIGHTNING_D9D_KERNELS"] = mode
+            try:
+                return fn()
+            finally:
+                os.environ.pop("LIGHTNING_D9D_KERNELS", None)
+
+        return run
+
+    # bytes a fused round trip must move: x read, k rows written and read back (twice with the scaling), out
+    moved = (tokens * hidden + 3 * tokens * top_k * hidden + tokens * hidden) * 2
+    rows = measure(
+        "moe permute+unpermute",
+        (tokens, hidden, f"top-{top_k} of {experts}"),
+        {
+            "ours (Triton)": with_kernels("triton", round_trip),
+            "torch eager": with_kernels("reference", round_trip),
+            "torch.compile": with_kernels("reference", compiled),
+        },
+        [x, weights],
+        moved,
+        moved,
+        copy_gbs,
+    )
+    sizes = torch.bincount(indices.reshape(-1), minlength=experts)
+    a = torch.randn(tokens * top_k, hidden, device="cuda", dtype=DTYPE).requires_grad_()
+    w = (torch.randn(experts, hidden, width, device="cuda") * 0.03).to(DTYPE).requires_grad_()
+    flops = 2 * tokens * top_k * hidden * width
+    for backend in ("torch", "triton", "loop"):
+        row: dict[str, Any] = {
+            "kernel": "grouped GEMM",
+            "shape": f"{tokens * top_k}x{hidden} @ {experts}x{hidden}x{width}",
+            "impl": backend,
+        }
+        try:
+            f, fb = fwd_bwd(lambda: grouped_mm(a, w, sizes, backend=backend), [a, w])
+            row["fwd_ms"], row["fwd_bwd_ms"] = timed(f, iters=10), timed(fb, iters=10)
+            row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
+            row["fwd_bwd_TFLOPs"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
+        except Exception as error:
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write all rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    parser.add_argument("--only", default="elementwise,ce,attention", help="comma-separated parts to run")
+    parser.add_argument("--only", default="elementwise,ce,attention,moe", help="comma-separated parts to run")
     args = parser.parse_args()
     started = time.time()
     import triton
@@ -326,6 +392,11 @@ def main() -> None:
         rows += cross_entropy_rows(args.quick)
     if "attention" in parts:
         rows += attention_rows(args.quick)
+    if "moe" in parts:
+        try:
+            rows += moe_rows(copy_gbs)
+        except Exception:  # not yet run on a GPU: a failure here must not lose the rows above
+            traceback.print_exc()
     result = {"env": env, "copy_GBs": copy_gbs, "rows": rows, "seconds": time.time() - started}
     if args.out:
         with open(args.out, "w") as handle:

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from lightning_d9d.kernels.grouped_gemm_triton import triton_grouped_mm, triton_unsupported
+
 log = logging.getLogger("lightning_d9d.kernels")
 
 ENV_VAR = "LIGHTNING_D9D_GROUPED_GEMM"
@@ -229,4 +231,8 @@ register_grouped_gemm_backend(
 )
 register_grouped_gemm_backend(
     GroupedGemmBackend("loop", loop_grouped_mm, _loop_unsupported, lambda x, w: True)
+)
+# Ours in Triton: by name only (``backend="triton"`` / $LIGHTNING_D9D_GROUPED_GEMM) until measured on a GPU.
+register_grouped_gemm_backend(
+    GroupedGemmBackend("triton", triton_grouped_mm, triton_unsupported, lambda x, w: False), before="loop"
 )

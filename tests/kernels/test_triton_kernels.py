@@ -11,7 +11,7 @@ import pytest
 import torch
 from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 
-from lightning_d9d.kernels import dispatch, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
 from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
@@ -20,7 +20,7 @@ from lightning_d9d.modules import RMSNorm, SwiGLU, apply_rotary
 pytest.importorskip("triton")
 # fp32: the kernels and the references differ in summation order only. bf16 in the interpreter: numpy has no
 # bf16, and the interpreter truncates fp32 -> bf16 (up to 1 ulp, 2**-7 relative) where the GPU rounds.
-BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+BOUND = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}
 
 
 @pytest.fixture(autouse=True)
@@ -166,3 +166,29 @@ def test_moe_permute_and_unpermute(
     assert torch.equal(got[0], expected[0])  # a gather: bit for bit
     for out, ref in zip(got[1:], expected[1:], strict=True):
         assert relative_error(out, ref) < BOUND[dtype]
+
+
+@pytest.mark.parametrize(
+    ("sizes", "k", "n", "dtype"),
+    [
+        ([0, 70, 0, 5, 1, 0], 40, 70, torch.float32),  # empty groups; a group and N wider than one tile
+        ([3, 0, 9], 8, 12, torch.float32),
+        ([17, 30], 48, 16, torch.float16),  # (bf16 on the GPU: the interpreter has no bf16 dot)
+    ],
+)
+def test_triton_grouped_gemm(sizes: list[int], k: int, n: int, dtype: torch.dtype) -> None:
+    x = leaf(sum(sizes), k, dtype=dtype, device="cpu", seed=21)
+    w = leaf(len(sizes), k, n, dtype=dtype, device="cpu", seed=22, scale=0.3)
+    group_sizes = torch.tensor(sizes)
+    with poisoned_allocations():
+        out = grouped_mm(x, w, group_sizes, backend="triton")
+        got = grads((out,), (x, w))
+    blocks = x.float().split(sizes)  # a row block times its group's matrix, in fp32
+    ref = torch.cat([block @ w[g].float() for g, block in enumerate(blocks)])
+    expected = grads((ref,), (x, w))
+    assert relative_error(out, ref) < BOUND[dtype]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[dtype]
+    for group, size in enumerate(sizes):
+        if size == 0:  # an expert with no token gets exactly zero gradient
+            assert torch.count_nonzero(got[1][group]) == 0
