@@ -60,6 +60,7 @@ from lightning_d9d.plans.checkpointing import checkpointing_kind
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
 from lightning_d9d.strategies.materialize import to_empty_except_metrics
@@ -90,6 +91,8 @@ class D9DStrategy(ModelParallelStrategy):
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
+        timeout: how long any collective may wait (a ``timedelta``; Lightning's default is 30 minutes): a rank
+            whose peer hung or died fails after it instead of waiting forever (see ``docs/reliability.md``).
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -123,6 +126,7 @@ class D9DStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,

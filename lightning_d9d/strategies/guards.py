@@ -1,4 +1,5 @@
-"""``NonFiniteGuard``: a non-finite loss or gradient stops training with a report, or the step is skipped.
+"""Guards of a run: ``NonFiniteGuard`` (a non-finite loss or gradient stops training with a report, or the step
+is skipped) and the check of the collective timeout.
 
 Every optimizer step, each rank takes the norm of its local gradients (one foreach kernel per dtype and
 device; a NaN or inf anywhere makes it non-finite) and whether its loss was finite; one all-reduce of two
@@ -16,6 +17,7 @@ where the non-finite values appeared first).
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,6 +33,19 @@ if TYPE_CHECKING:
     from torch.optim import Optimizer
 
 ACTIONS = ("raise", "skip")
+
+
+def check_collective_timeout(timeout: object) -> None:
+    """``D9DStrategy(timeout=...)`` must be a positive ``timedelta`` (or None for torch's default): checked in
+    the constructor, before any process starts, rather than inside ``init_process_group`` on every rank."""
+    if timeout is None:
+        return
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"D9DStrategy(timeout={timeout!r}): give a datetime.timedelta, for example timedelta(minutes=10)"
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"D9DStrategy(timeout={timeout!r}): the collective timeout must be positive")
 
 
 class NonFiniteError(FloatingPointError):
