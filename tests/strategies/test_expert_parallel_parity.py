@@ -5,7 +5,8 @@ the gradient and the auxiliary-loss-free bias update after every optimizer step 
 Experts 6 and 7 are excluded by their selection bias, so loads are uneven and some experts receive no token
 (``moe/.../load_min`` is 0). 5 optimizer steps: losses, parameters, pre-clip gradient norms. Cases: ep=2 (the
 experts split over both data ranks), ep=2 inside dp_shard=4 (experts split over 2, each shard FSDP-sharded over
-the other 2; 4 processes), ep=2 x pp=2 (each pipeline stage's experts split over its 2 data ranks).
+the other 2; 4 processes), ep=2 under HSDP (dp_replicate=2 x dp_shard=2), ep=2 x pp=2 (each pipeline stage's
+experts split over its 2 data ranks), and Qwen3-MoE on pp=2 without ep.
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ CASES: dict[str, dict] = {
         "moe": MOE,
         "moe_balance": BALANCE,
         "dims": {"dp_shard": 4, "ep": 2},
+    },
+    # HSDP: experts split over ep inside each dp_shard pair, their gradients all-reduced over dp_replicate
+    "ep2_hsdp": {
+        "devices": 4,
+        "dp": 4,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"dp_replicate": 2, "dp_shard": 2, "ep": 2},
     },
     "ep2_pp2": {
         "devices": 4,
