@@ -265,6 +265,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         optional=True,
     ),
     PrivateName(
+        "torch.distributed.pipelining.stage",
+        "PipelineStage._prepare_forward_infra",
+        ("pipeline/runner.py",),
+        "overridden to pause MoE load counting during torch's shape-inference forward on placeholder tensors",
+    ),
+    PrivateName(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",
         ("plans/checkpointing.py",),
