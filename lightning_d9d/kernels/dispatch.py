@@ -11,13 +11,14 @@ compiled blocks are traced with ``fullgraph=True``).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from lightning_d9d.kernels.triton_compat import AVAILABLE
 
 ENV_VAR = "LIGHTNING_D9D_KERNELS"
 MODES = ("auto", "reference", "triton")
@@ -27,7 +28,7 @@ _INTERPRETED: dict[int, Any] = {}
 
 
 def triton_installed() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return AVAILABLE
 
 
 def interpreting() -> bool:

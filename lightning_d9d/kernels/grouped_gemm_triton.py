@@ -15,10 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import interpreting, launchable
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 

@@ -19,10 +19,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import launchable, use_triton
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 REDUCTIONS = ("mean", "sum")
 # Logits per chunk: 2**28 elements (0.5 GiB in bf16, plus as much in fp32 on the torch path), which amortises

@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import launchable
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK_H = 1024
 

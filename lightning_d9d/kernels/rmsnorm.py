@@ -11,10 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import launchable, use_triton
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,10 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import launchable, use_triton
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

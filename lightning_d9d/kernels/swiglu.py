@@ -11,10 +11,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from lightning_d9d.kernels.dispatch import launchable, use_triton
+from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK = 2048
 
