@@ -33,6 +33,7 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.causal_lm import fused_causal_lm_loss
 from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses
 from lightning_d9d.pipeline import (
@@ -438,6 +439,10 @@ class D9DStrategy(ModelParallelStrategy):
         self._scale_internal_losses(model)
         item_scale = self._item_scale(loss_fn, target)
         if self._runner is None:
+            tp = self._dims is not None and self._dims.tp_enabled
+            fused = fused_causal_lm_loss(model, inputs, target, loss_fn, tensor_parallel=tp)
+            if fused is not None:  # the same loss without [tokens, vocab] logits
+                return _weighed(fused, loss_fn, target, item_scale)
             output = model(*inputs)
             with self._loss_parallel():
                 loss = local_loss(loss_fn(output, target))

@@ -37,3 +37,9 @@ def test_fused_loss_matches_the_logits_loop(monkeypatch: pytest.MonkeyPatch, tmp
     results = run_trainer(list(configs.values()), tmp_path, "fused_loss", names=list(configs))
     for name, config in configs.items():
         assert_matches_reference(results[name], config)
+        # the fused path ran on every training batch, except where tp makes it step aside
+        calls = results[name]["fused_loss_calls"]
+        if name.endswith("falls_back"):
+            assert calls == 0, name
+        else:
+            assert calls >= config["max_steps"] * config.get("accumulate", 1), (name, calls)

@@ -26,6 +26,19 @@ from reference import exclude_experts, train_corpus, uncounted_loss
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.models.causal_lm import CausalLM
+
+# How often the fused LM head + loss path ran (CausalLM.forward_loss), for the tests that force it.
+FUSED_LOSS_CALLS = [0]
+_forward_loss = CausalLM.forward_loss
+
+
+def _counted_forward_loss(self: CausalLM, *args: Any, **kwargs: Any) -> torch.Tensor:
+    FUSED_LOSS_CALLS[0] += 1
+    return _forward_loss(self, *args, **kwargs)
+
+
+CausalLM.forward_loss = _counted_forward_loss  # type: ignore[method-assign]
 
 
 class RecordLosses(Callback):
@@ -86,6 +99,7 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def main(config: dict) -> None:
     L.seed_everything(config["seed"], verbose=False)
+    FUSED_LOSS_CALLS[0] = 0
     model_config = Qwen3Config.tiny(**config.get("model", {}))
     global_batch, accumulate = config["global_batch"], config.get("accumulate", 1)
     dims = config.get("dims", {})
@@ -156,6 +170,7 @@ def main(config: dict) -> None:
         getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
     )
     result["checkpointed_modules"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in module.modules())
+    result["fused_loss_calls"] = FUSED_LOSS_CALLS[0]
     if trainer.is_global_zero:
         torch.save(result, config["out"])
     if dist.is_initialized():
