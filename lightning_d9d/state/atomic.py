@@ -93,6 +93,24 @@ def interrupted_replacement(final: Path) -> Path | None:
     return max(aside, key=lambda path: path.stat().st_mtime, default=None)
 
 
+def gather_outcomes(step: str, mine: Any) -> list[Any]:
+    """Every rank's ``mine`` (``all_gather_object`` over the default group). A rank that died or hung makes the
+    collective fail (peer gone, or the process group's timeout): the error then names the step and the
+    collective, instead of the backend's bare transport message alone."""
+    import torch.distributed as dist
+
+    outcomes: list[Any] = [None] * dist.get_world_size()
+    try:
+        dist.all_gather_object(outcomes, mine)
+    except Exception as error:
+        raise CheckpointError(
+            f"{step}: the exchange of the ranks' outcomes (all_gather_object over the {len(outcomes)} ranks "
+            f"of the default group) failed, so a rank died or hung (see its log; the timeout is "
+            f"D9DStrategy(timeout=...)): {type(error).__name__}: {error}"
+        ) from error
+    return outcomes
+
+
 def agree(check: Callable[[], T], *, distributed: bool) -> T:
     """Run ``check`` on every rank and agree on the outcome: its value where every rank passed; else every rank
     raises (the failed rank its own error, the others the same type and message naming that rank), so no rank
@@ -107,11 +125,9 @@ def agree(check: Callable[[], T], *, distributed: bool) -> T:
         if failure is not None:
             raise failure
         return result  # type: ignore[return-value]
-    import torch.distributed as dist
 
-    outcomes: list[Any] = [None] * dist.get_world_size()
     mine = None if failure is None else (type(failure).__name__, str(failure), getattr(failure, "path", None))
-    dist.all_gather_object(outcomes, mine)
+    outcomes = gather_outcomes("agreeing on the checks of a checkpoint", mine)
     if failure is not None:
         raise failure
     for rank, outcome in enumerate(outcomes):
@@ -232,11 +248,8 @@ class AtomicDirectory:
         """Every rank's result, or (when any rank failed) the temporary directory removed and an error raised on
         every rank: the failed rank's own, the others one naming it and its reason."""
         if self.distributed:
-            import torch.distributed as dist
-
-            gathered: list[Any] = [None] * self.world_size
             mine = (None, _describe(failure)) if failure is not None else (result, None)
-            dist.all_gather_object(gathered, mine)
+            gathered = gather_outcomes(step, mine)
         else:
             gathered = [(result, None if failure is None else _describe(failure))]
         failed = [(rank, reason) for rank, (_, reason) in enumerate(gathered) if reason is not None]

@@ -173,6 +173,24 @@ def train(root: str, point: str | None, resume: bool) -> dict[str, Any]:
     return {"losses": losses, "params": params, "resumed_from": resumed_from}
 
 
+def save_with_rank_1_dying_before_commit(root: str) -> str:
+    """Rank 1 dies between writing its part and the exchange that finishes the save: what rank 0 raises."""
+    from lightning_d9d.state.atomic import AtomicDirectory
+
+    if dist.get_rank() == 1:
+        AtomicDirectory.commit = lambda *args, **kwargs: die()  # type: ignore[method-assign]
+    module, optimizer = build()
+    checkpoint = {
+        "state_dict": module.state_dict(),
+        "optimizer_states": [training.optimizer_state(module, optimizer)],
+    }
+    try:
+        training.save(Path(root) / "ckpt", checkpoint)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "saved"
+
+
 def resume_each(roots: list[str]) -> dict[str, dict[str, Any]]:
     """``train(root, None, resume=True)`` for each folder, in one launch (start-up is most of a small run)."""
     results: dict[str, dict[str, Any]] = {}
@@ -201,8 +219,11 @@ def _rank(rank: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -
         os._exit(code)
 
 
-def launch(out: Path, fn: Callable[..., Any], *args: Any, deadline: float = 60) -> list[Any]:
-    """Run ``fn(*args)`` on two forked gloo ranks; each rank's result, or None for a rank that did not finish."""
+def launch(
+    out: Path, fn: Callable[..., Any], *args: Any, deadline: float = 60, stop_others: bool = True
+) -> list[Any]:
+    """Run ``fn(*args)`` on two forked gloo ranks; each rank's result, or None for a rank that did not finish.
+    ``stop_others=False`` lets the survivors of a dead rank run on (to see what they raise)."""
     context = mp.get_context("fork")
     port = free_port()
     processes = [
@@ -214,7 +235,7 @@ def launch(out: Path, fn: Callable[..., Any], *args: Any, deadline: float = 60) 
     end = time.monotonic() + deadline
     # As torchrun does when a worker dies: the others are stopped at once (they would wait in a collective).
     while any(p.is_alive() for p in processes) and time.monotonic() < end:
-        if any(p.exitcode not in (None, 0) for p in processes):
+        if stop_others and any(p.exitcode not in (None, 0) for p in processes):
             break
         time.sleep(0.02)
     for process in processes:

@@ -7,9 +7,11 @@ and one launch resumes every killed run's folder.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from kill_points import KILL_POINTS, STEPS, launch, resume_each, train
+from kill_points import KILL_POINTS, STEPS, launch, resume_each, save_with_rank_1_dying_before_commit, train
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +47,12 @@ def test_a_fresh_run_resumes_from_the_last_complete_checkpoint(point: str, runs:
         )
     for name, value in uninterrupted["params"].items():
         assert torch.equal(run["params"][name], value), name
+
+
+def test_a_rank_dying_in_the_exchange_is_named_by_the_survivor(tmp_path: Path) -> None:
+    survivor, dead = launch(
+        tmp_path / "exchange", save_with_rank_1_dying_before_commit, str(tmp_path), stop_others=False
+    )
+    assert dead is None
+    assert survivor.startswith("CheckpointError: finishing "), survivor
+    assert "the exchange of the ranks' outcomes (all_gather_object over the 2 ranks" in survivor
