@@ -19,7 +19,7 @@ from lightning_d9d.kernels.dispatch import use_triton
 from lightning_d9d.kernels.permute_triton import permute_rows_triton, unpermute_rows_triton
 
 # Set True once the Triton permutation's GPU tests have passed on a GPU (then ``auto`` uses it on CUDA).
-PERMUTE_GPU_CHECKED = False
+PERMUTE_GPU_CHECKED = True
 
 
 @dataclass(frozen=True)
