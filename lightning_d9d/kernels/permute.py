@@ -1,9 +1,12 @@
 """Token permutation for MoE: copy each token once per chosen expert into rows grouped by expert, and back.
 
-The pure-PyTorch reference, correct on every device and differentiable (index_select both ways), and Triton
-kernels behind the same two functions (:mod:`lightning_d9d.kernels.permute_triton`: gathers only, the weighted
-sum fused, no ``[T, k, H]`` intermediate). The Triton path runs with ``LIGHTNING_D9D_KERNELS=triton`` only until
-its GPU tests (tests/gpu/test_kernels_gpu.py) have run on a GPU; ``auto`` keeps the reference meanwhile.
+The pure-PyTorch reference, correct on every device, and Triton kernels behind the same two functions
+(:mod:`lightning_d9d.kernels.permute_triton`: gathers only, the weighted sum fused, no ``[T, k, H]``
+intermediate). The Triton path runs on CUDA in eager mode (its GPU tests, tests/gpu/test_kernels_gpu.py, have
+passed); inside ``torch.compile`` the reference runs, so its backward is a gather too (:class:`_GatherRows`):
+``index_select``'s own backward is ``index_add``, a scatter with atomics (bf16 on the GPU: slow, and its
+summation order varies run to run), whereas both permutations here can be undone by reading through the
+inverse map: each token's gradient is its ``k`` slots' gradients read through ``inverse`` and summed.
 
 Terms: ``T`` tokens, each routed to ``k`` experts, gives ``T * k`` *slots*; slot ``t * k + j`` is token ``t``'s
 ``j``-th choice. Permuting sorts the slots by expert (stably, so tokens keep their order within an expert).
@@ -12,6 +15,7 @@ Terms: ``T`` tokens, each routed to ``k`` experts, gives ``T * k`` *slots*; slot
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +34,36 @@ class Permutation:
     order: torch.Tensor
     inverse: torch.Tensor
     top_k: int
+
+
+class _GatherRows(torch.autograd.Function):
+    """``source[index]`` whose backward gathers too: row ``i`` of ``source`` was copied to the ``fold`` rows
+    ``back_index[i * fold : (i + 1) * fold]`` of the output (and nowhere else), so its gradient is those rows
+    of the output's gradient, summed. Exact, unlike a scatter-add in no fixed order. Plain torch ops, so
+    Dynamo traces it into the compiled graph."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, source: torch.Tensor, index: torch.Tensor, back_index: torch.Tensor, fold: int
+    ) -> torch.Tensor:
+        ctx.save_for_backward(back_index)
+        ctx.fold = fold
+        return source.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        (back_index,) = ctx.saved_tensors
+        rows = grad.index_select(0, back_index)
+        if ctx.fold > 1:
+            rows = rows.view(-1, ctx.fold, grad.shape[1]).sum(dim=1)
+        return rows, None, None, None
+
+
+def _gather_rows(
+    source: torch.Tensor, index: torch.Tensor, back_index: torch.Tensor, fold: int
+) -> torch.Tensor:
+    out: torch.Tensor = _GatherRows.apply(source, index, back_index, fold)
+    return out
 
 
 def count_tokens_per_expert(expert_indices: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -55,7 +89,8 @@ def permute_tokens(hidden: torch.Tensor, expert_indices: torch.Tensor) -> tuple[
     if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED):
         grouped = permute_rows_triton(hidden, sources, inverse, top_k)
     else:
-        grouped = hidden.index_select(0, sources)
+        # Token t's k slots sit at grouped rows inverse[t * k : (t + 1) * k].
+        grouped = _gather_rows(hidden, sources, inverse, top_k)
     return grouped, Permutation(order=order, inverse=inverse, top_k=top_k)
 
 
@@ -70,5 +105,7 @@ def unpermute_tokens(grouped: torch.Tensor, permutation: Permutation, weights: t
         )
     if use_triton("unpermute_tokens", grouped, weights, gpu_checked=PERMUTE_GPU_CHECKED):
         return unpermute_rows_triton(grouped, permutation.inverse, weights)
-    slots = grouped.index_select(0, permutation.inverse).view(num_tokens, top_k, grouped.shape[1])
+    # Grouped row r holds slot order[r]: reading the slots' gradients through order undoes the gather.
+    slots = _gather_rows(grouped, permutation.inverse, permutation.order, 1)
+    slots = slots.view(num_tokens, top_k, grouped.shape[1])
     return (slots * weights.to(grouped.dtype).unsqueeze(-1)).sum(dim=1)

@@ -35,3 +35,74 @@ def test_unpermute_is_the_weighted_sum_over_each_tokens_choices() -> None:
             expert = int(indices[token, choice])
             expected[token] += weights[token, choice] * hidden[token] * scale[expert]
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def _routed(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    tokens, hidden_size, top_k, experts = 9, 4, 3, 5
+    hidden = torch.randn(tokens, hidden_size, generator=generator, dtype=torch.float64)
+    # Expert 4 never chosen: an empty group.
+    indices = torch.stack([torch.randperm(experts - 1, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator, dtype=torch.float64)
+    scale = torch.randn(experts, hidden_size, generator=generator, dtype=torch.float64)
+    return hidden, indices, weights, scale
+
+
+def _moe_like(
+    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    grouped, permutation = permute_tokens(hidden, indices)
+    sorted_experts = indices.reshape(-1)[permutation.order]
+    return unpermute_tokens(grouped * scale[sorted_experts], permutation, weights)
+
+
+def test_permutation_gradients_equal_the_loops_gradients_eager_and_traced() -> None:
+    """Both backward gathers (token <- its k slots, grouped rows <- slots) against autograd through a loop that
+    never permutes; also traced whole by Dynamo (``fullgraph``), as inside the compiled decoder layers."""
+    hidden, indices, weights, scale = _routed(torch.Generator().manual_seed(5))
+    upstream = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    def loop(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        rows = [
+            sum(w[t, j] * h[t] * scale[indices[t, j]] for j in range(indices.shape[1]))
+            for t in range(h.shape[0])
+        ]
+        return torch.stack(rows)  # type: ignore[arg-type]
+
+    def grads(fn: object) -> tuple[torch.Tensor, ...]:
+        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        (fn(h, w) * upstream).sum().backward()  # type: ignore[operator]
+        assert h.grad is not None and w.grad is not None
+        return h.grad, w.grad
+
+    expected = grads(loop)
+    eager = grads(lambda h, w: _moe_like(h, indices, w, scale))
+    traced = grads(
+        torch.compile(lambda h, w: _moe_like(h, indices, w, scale), backend="aot_eager", fullgraph=True)
+    )
+    for got in (eager, traced):
+        torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
+
+
+def test_permutation_backward_has_no_scatter_add() -> None:
+    """The reference's backward reads through the inverse permutation: no ``index_add`` (a scatter with atomics
+    on the GPU, in no fixed order), which is what ``index_select``'s own backward would run."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hidden, indices, weights, scale = _routed(torch.Generator().manual_seed(7))
+    hidden.requires_grad_()
+    out = _moe_like(hidden, indices, weights, scale)
+    with Ops() as ops:
+        out.sum().backward()
+    assert "index_select" in ops.seen
+    assert (
+        not {"index_add", "index_add_", "index_put", "index_put_", "scatter_add", "scatter_add_"} & ops.seen
+    ), ops.seen
