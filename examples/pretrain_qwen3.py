@@ -1,6 +1,8 @@
 """Pretrain a small Qwen3-MoE (or dense Qwen3: ``--model tiny``) with ``Trainer(strategy="d9d")``.
 
-The defaults train a tiny Qwen3-MoE (3 layers, the middle one dense, 8 experts, top-2, load-balancing loss) on a
+The defaults train a tiny Qwen3-MoE (3 layers, the middle one dense, 8 experts, top-2, load-balancing loss,
+auxiliary-loss-free balancing: each router's selection bias moved after every optimizer step by the
+``ExpertLoadBalancing`` callback, which also logs each MoE layer's expert load as ``moe/layer{i}/load_*``) on a
 synthetic corpus in 2 CPU processes in about a minute:
 
     python examples/pretrain_qwen3.py
@@ -30,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
 from lightning_d9d import D9DStrategy, model_loss
 from lightning_d9d.callbacks import Throughput
+from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.compat import should_accumulate
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
@@ -235,6 +238,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=1.0)
     parser.add_argument("--output", type=Path, default=Path("runs/pretrain_qwen3"))
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument(
+        "--expert-bias-rate",
+        type=float,
+        default=1e-3,
+        help="MoE: step of the auxiliary-loss-free selection-bias update (0: no bias, expert load still logged)",
+    )
     parser.add_argument("--logger", choices=["csv", "tensorboard"], default="csv", help="where metrics go")
     return parser.parse_args(argv)
 
@@ -242,7 +251,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
-    config = MODELS[args.model](**({"tie_word_embeddings": False} if args.untied else {}))
+    overrides: dict[str, object] = {"tie_word_embeddings": False} if args.untied else {}
+    moe = args.model == "tiny-moe"
+    if args.expert_bias_rate < 0:
+        raise SystemExit(f"--expert-bias-rate ({args.expert_bias_rate}) must be >= 0 (0 turns the bias off)")
+    if moe and args.expert_bias_rate > 0:
+        overrides["router_selection_bias"] = True
+    config = MODELS[args.model](**overrides)
     world = args.devices * args.num_nodes
     dp = world // (args.pp * args.dp_replicate) if args.dp_shard == -1 else args.dp_replicate * args.dp_shard
     if args.batch_size % (dp * args.accumulate):
@@ -277,7 +292,9 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         limit_val_batches=4,
         logger=make_logger(args.logger, args.output),
-        callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10)],
+        callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10)]
+        # MoE: the bias update (with the rate) and the per-layer expert load in the logs.
+        + ([ExpertLoadBalancing(args.expert_bias_rate)] if moe else []),
         enable_progress_bar=False,
         enable_model_summary=False,
     )

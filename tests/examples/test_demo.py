@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -34,6 +35,8 @@ def test_the_demo_trains_the_moe_model_and_reports(tmp_path: Path) -> None:
     done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
     metrics = ast.literal_eval(done[len("done: ") : done.index("}") + 1])  # the dict the demo prints
     assert {"train/loss", "train/router_loss", "val/loss", "val/ppl", "perf/tokens_per_sec"} <= set(metrics)
+    # ExpertLoadBalancing is on: the load of both sparse layers (0 and 2; layer 1 is dense) is logged
+    assert {f"moe/layer{i}/load_{stat}" for i in (0, 2) for stat in ("min", "max", "cv")} <= set(metrics)
     first = next(line for line in proc.stdout.splitlines() if line.startswith("step   10"))
     assert metrics["train/loss"] < float(first.split()[3]) < 5.6  # it trains: ln(256) = 5.55 at the start
     # the token-weighted perplexity of equal-length batches is exp(mean loss) (both printed to 4 decimals)
@@ -41,6 +44,37 @@ def test_the_demo_trains_the_moe_model_and_reports(tmp_path: Path) -> None:
     assert "dp_shard=2" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt" / "meta.pt").is_file()
     _converts_without_config_and_transformers_reproduces_the_validation_loss(tmp_path, metrics["val/loss"])
+
+
+def _route_with_the_files_selection_bias(model: Any, hf_dir: Path) -> None:
+    """transformers' Qwen3-MoE has no selection bias and ignores the file's ``e_score_correction_bias``: its
+    routers are given one that picks the top-k of ``probs + bias`` (weights from the unbiased probabilities),
+    as ours does. The biases must have moved (the demo's bias update ran)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in hf_dir.glob("*.safetensors"):
+        tensors.update(load_file(file))
+    biased = 0
+    for index, layer in enumerate(model.model.layers):
+        bias = tensors.get(f"model.layers.{index}.mlp.gate.e_score_correction_bias")
+        if bias is None:
+            continue
+        assert bias.abs().max() > 0, f"layer {index}: the selection bias never moved"
+        gate = layer.mlp.gate
+
+        def forward(hidden: torch.Tensor, gate=gate, bias=bias):  # type: ignore[no-untyped-def]
+            logits = torch.nn.functional.linear(hidden.reshape(-1, gate.hidden_dim), gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+            indices = torch.topk(probs + bias, gate.top_k, dim=-1).indices
+            weights = probs.gather(-1, indices)
+            if gate.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(logits.dtype), indices
+
+        gate.forward = forward
+        biased += 1
+    assert biased == 2  # layers 0 and 2
 
 
 def _converts_without_config_and_transformers_reproduces_the_validation_loss(
@@ -56,6 +90,7 @@ def _converts_without_config_and_transformers_reproduces_the_validation_loss(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     model = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
     assert type(model).__name__ == "Qwen3MoeForCausalLM"
+    _route_with_the_files_selection_bias(model, out)
     example = _example_module()
     config = example.MODELS["tiny-moe"]()
     # the demo's held-out samples (30 steps of 16 sequences of 64 tokens; 4 batches of 8 on each of 2 ranks)
