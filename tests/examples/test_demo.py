@@ -102,4 +102,5 @@ def _converts_without_config_and_transformers_reproduces_the_validation_loss(
         logits = model(input_ids=input_ids).logits
     loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     print(f"demo val/loss {val_loss:.4f}, transformers on the converted checkpoint {float(loss):.4f}")
-    assert abs(float(loss) - val_loss) < 2e-3
+    # val_loss is printed to 4 decimals (5e-5); without the selection bias transformers is 4e-4 off here
+    assert abs(float(loss) - val_loss) < 2e-4
