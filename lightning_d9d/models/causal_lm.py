@@ -1,4 +1,5 @@
-"""What every decoder-only causal LM of ours shares, whatever its blocks: the tied LM head and the pipeline cut.
+"""What every decoder-only causal LM of ours shares, whatever its blocks: the tied LM head, the pipeline cut, and
+the LM head fused with its loss (with and without pipeline stages).
 
 A model keeps ``self.model`` (with ``embed_tokens``, a ``layers`` ModuleDict keyed by layer number, ``norm``),
 ``self.lm_head`` and ``self.config.tie_word_embeddings``; its own file holds its config, blocks and plan.
@@ -54,8 +55,7 @@ class CausalLM(nn.Module):
             raise ValueError(
                 f"{type(self).__name__}.forward_loss needs the LM head; this pipeline stage does not hold it"
             )
-        hidden = self.model(input_ids, position_ids)
-        return linear_cross_entropy(hidden, self.lm_head.weight, labels, ignore_index=ignore_index)
+        return head_loss(self.model(input_ids, position_ids), self.lm_head, labels, ignore_index)
 
     def _tie_weights(self) -> None:
         head, embedding = self.lm_head, self.model.embed_tokens
@@ -95,6 +95,55 @@ class CausalLM(nn.Module):
             self.lm_head = None
 
 
+class CausalLMStage(nn.Module):
+    """Base of a causal LM's pipeline stages: the last one ends in the LM head, or, handed the microbatch's
+    ``labels`` (the strategy does when :func:`fused_loss_ignore_index` says so), in the head's loss computed
+    without logits. The loss is then computed inside the stage's forward, where FSDP has gathered the head."""
+
+    lm_head: nn.Linear | None
+
+    def head(
+        self, hidden: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """Hidden states (not the last stage), logits, or with ``labels`` the mean loss over them."""
+        if self.lm_head is None:
+            return hidden  # a stage before the last (labels reach every stage of the rank that holds it)
+        if labels is None:
+            return self.lm_head(hidden)
+        return head_loss(hidden, self.lm_head, labels, ignore_index)
+
+
+def head_loss(
+    hidden: torch.Tensor, lm_head: nn.Linear, labels: torch.Tensor, ignore_index: int
+) -> torch.Tensor:
+    """``CausalLMLoss(ignore_index)(lm_head(hidden), labels)`` without the logits: the one computation of the
+    fused path, with and without pipeline stages."""
+    return linear_cross_entropy(hidden, lm_head.weight, labels, ignore_index=ignore_index)
+
+
+def fused_loss_ignore_index(
+    model: nn.Module, loss_fn: object, *, tensor_parallel: bool = False
+) -> int | None:
+    """The ``ignore_index`` to compute ``loss_fn`` with the head fused in (``loss_fn`` is a plain
+    :class:`~lightning_d9d.modules.loss.CausalLMLoss`, ``model`` a :class:`CausalLM`, fusion not switched off);
+    None where the caller must run the logits path.
+
+    Under tensor parallelism the head's logits stay vocabulary-sharded and torch's loss parallel computes the
+    cross-entropy on the shards: that path is kept (logged once).
+    """
+    if type(loss_fn) is not CausalLMLoss or not isinstance(model, CausalLM):
+        return None
+    if not _fusing(model, next(model.parameters()).device):  # under pp, a rank without the head decides alike
+        return None
+    if tensor_parallel:
+        _announce(
+            "tp", "fused LM head + cross-entropy off under tp > 1: the logits path with loss parallel runs"
+        )
+        return None
+    _announce("fused", "LM head + cross-entropy fused (no [tokens, vocab] logits)")
+    return loss_fn.ignore_index
+
+
 def fused_causal_lm_loss(
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
@@ -104,31 +153,22 @@ def fused_causal_lm_loss(
     tensor_parallel: bool = False,
 ) -> torch.Tensor | None:
     """``loss_fn(model(*inputs), labels)`` through :meth:`CausalLM.forward_loss` when that is the same loss
-    (``loss_fn`` is a plain :class:`~lightning_d9d.modules.loss.CausalLMLoss`, ``model`` a :class:`CausalLM`
-    holding its head, fusion not switched off); None where the caller must run the logits path.
-
-    Under tensor parallelism the head's logits stay vocabulary-sharded and torch's loss parallel computes the
-    cross-entropy on the shards: that path is kept (logged once).
-    """
-    if type(loss_fn) is not CausalLMLoss or not isinstance(model, CausalLM):
+    (:func:`fused_loss_ignore_index`, and ``model`` holds its head); None where the caller must run the logits
+    path."""
+    if not isinstance(model, CausalLM) or model.lm_head is None or not 1 <= len(inputs) <= 2:
         return None
-    if model.lm_head is None or not 1 <= len(inputs) <= 2 or not _fusing(model, model.lm_head.weight):
-        return None
-    if tensor_parallel:
-        _announce(
-            "tp", "fused LM head + cross-entropy off under tp > 1: the logits path with loss parallel runs"
-        )
+    ignore_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tensor_parallel)
+    if ignore_index is None:
         return None
     if isinstance(model, FSDPModule) and model not in _FSDP_REGISTERED:
         # FSDP gathers the root's parameters (the head) only around registered forward methods.
         register_fsdp_forward_method(model, "forward_loss")
         _FSDP_REGISTERED.add(model)
-    _announce("fused", "LM head + cross-entropy fused (no [tokens, vocab] logits)")
     position_ids = inputs[1] if len(inputs) == 2 else None
-    return model.forward_loss(inputs[0], labels, position_ids, ignore_index=loss_fn.ignore_index)
+    return model.forward_loss(inputs[0], labels, position_ids, ignore_index=ignore_index)
 
 
-def _fusing(model: CausalLM, head_weight: torch.Tensor) -> bool:
+def _fusing(model: CausalLM, device: torch.device) -> bool:
     if model.fuse_head_loss is not None:
         return model.fuse_head_loss
     setting = os.environ.get(FUSED_LOSS_ENV)
@@ -138,7 +178,7 @@ def _fusing(model: CausalLM, head_weight: torch.Tensor) -> bool:
         )
     if setting:
         return setting == "1"
-    return head_weight.device.type == "cuda"
+    return device.type == "cuda"
 
 
 def _announce(key: str, message: str) -> None:

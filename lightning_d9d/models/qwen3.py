@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import CausalLM
+from lightning_d9d.models.causal_lm import CausalLM, CausalLMStage
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -330,7 +330,7 @@ def tensor_plan(
     return plan
 
 
-class Qwen3Stage(nn.Module):
+class Qwen3Stage(CausalLMStage):
     """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm
     and LM head on the last. It shares its submodules with the (trimmed) :class:`Qwen3ForCausalLM`, which
     owns the parameters under their global names; this module is what the schedule runs."""
@@ -348,7 +348,10 @@ class Qwen3Stage(nn.Module):
         self.sequence_shards = 1  # as Qwen3Model's: hidden states between stages hold T / tp positions
         self.context_split: LoadBalancedSplit | None = None  # as Qwen3Model's: set by parallelize_context
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
+        """Hidden states; on the last stage logits, or with ``labels`` their loss (see :class:`CausalLMStage`)."""
         position_ids = None
         if self.context_split is not None:
             # Ids on the first stage, [B, T / (cp * tp), hidden] states after it: this rank's T / cp positions.
@@ -363,7 +366,7 @@ class Qwen3Stage(nn.Module):
             position_ids,
             sequence_shards=self.sequence_shards,
         )
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        return self.head(hidden, labels, ignore_index)
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import CausalLM
+from lightning_d9d.models.causal_lm import CausalLM, CausalLMStage
 from lightning_d9d.models.qwen3 import run_decoder
 from lightning_d9d.modules import (
     Attention,
@@ -317,7 +317,7 @@ class Qwen3MoeModel(nn.Module):
         )
 
 
-class Qwen3MoeStage(nn.Module):
+class Qwen3MoeStage(CausalLMStage):
     """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm and
     LM head on the last; it shares its submodules with the (trimmed) :class:`Qwen3MoeForCausalLM`."""
 
@@ -332,9 +332,11 @@ class Qwen3MoeStage(nn.Module):
         self.lm_head = model.lm_head if last else None
         self._rotary = [decoder.rotary_emb]  # not a submodule: the model owns (and initialises) the tables
 
-    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
+    ) -> torch.Tensor:
         hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs)
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        return self.head(hidden, labels, ignore_index)  # logits, or with labels their loss (CausalLMStage)
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """Experts split over ep, then activation checkpointing, compile and data parallelism per decoder

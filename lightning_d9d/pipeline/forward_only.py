@@ -8,6 +8,7 @@ of ``s-1`` (or keeps it, when it owns both) and sends its output on. Shapes are 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,11 +44,14 @@ def pipeline_forward_loss(
     target: torch.Tensor | None,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     device: torch.device,
+    *,
+    last_stage_kwargs: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Run all stages on the batch and return the loss, the same fp32 scalar on every pipeline rank.
 
     ``stage_owner(s)`` is the group rank that holds stage ``s``; ``inputs`` matter on the owner of stage 0,
-    ``target`` on the owner of the last stage.
+    ``target`` on the owner of the last stage, and so do ``last_stage_kwargs`` (its forward's keyword arguments:
+    the labels of a stage that computes the loss itself).
     """
     my_rank = dist.get_rank(group)
     hidden: torch.Tensor | tuple[torch.Tensor, ...] = inputs
@@ -59,8 +63,9 @@ def pipeline_forward_loss(
         if stage > 0 and stage_owner(stage - 1) != my_rank:
             hidden = _recv(dist.get_global_rank(group, stage_owner(stage - 1)), group, device)
         args = hidden if isinstance(hidden, tuple) else (hidden,)
-        output = local_stages[stage](*args)
-        if stage == num_stages - 1:
+        last = stage == num_stages - 1
+        output = local_stages[stage](*args, **((last_stage_kwargs or {}) if last else {}))
+        if last:
             if target is None:
                 raise ValueError("the last pipeline stage needs the target")
             loss = loss_fn(output, target).detach().float().reshape(())

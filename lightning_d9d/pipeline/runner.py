@@ -4,6 +4,12 @@ The loss bookkeeping lives here: torch's schedule calls the loss once per microb
 scaled so that the summed gradients are those of one process on the whole batch (``scale_grads=False``; see
 ``build_schedule``). With a :class:`~lightning_d9d.modules.loss.CountedLoss` each microbatch weighs by the items
 it counts (tokens that are not padding), otherwise every microbatch weighs the same.
+
+With ``fused_ignore_index`` the last stage computes the loss itself: it gets each microbatch's labels as
+``labels=`` / ``ignore_index=`` keyword arguments (torch splits keyword arguments into microbatches like the
+inputs) and returns the mean loss instead of logits, so the head's ``[tokens, vocab]`` logits never exist and
+the head weight is used inside the stage's forward, where FSDP has gathered it. The loss function then only
+weighs that loss.
 """
 
 from __future__ import annotations
@@ -109,6 +115,7 @@ class PipelineRunner:
         self._schedule: Any = None
         self._user_loss: LossFn | None = None
         self._weight: Callable[[torch.Tensor], torch.Tensor | float] = lambda target: 1.0
+        self._stage_computes_loss = False  # the last stage was handed the labels (see the module docstring)
         self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
 
     @property
@@ -130,7 +137,8 @@ class PipelineRunner:
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._user_loss is not None
-        return local_loss(self._user_loss(output, target)) * self._weight(target)
+        loss = output if self._stage_computes_loss else local_loss(self._user_loss(output, target))
+        return loss * self._weight(target)
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
         if self._schedule is None or loss_fn is not self._user_loss:
@@ -166,6 +174,7 @@ class PipelineRunner:
         *,
         accumulate: int,
         item_scale: torch.Tensor | None = None,
+        fused_ignore_index: int | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; returns the batch loss on every rank.
 
@@ -173,6 +182,8 @@ class PipelineRunner:
         microbatch then weighs ``count(microbatch) * item_scale``, which makes the summed gradients (and the
         loss, once averaged over the data-parallel ranks) the mean over every counted item of the global batch.
         Without it each microbatch weighs ``1 / microbatches``. Both are divided by ``accumulate``.
+
+        ``fused_ignore_index``: the last stage computes ``loss_fn`` itself (see the module docstring).
         """
         check_microbatch_split(int(target.shape[0]), self.config.microbatches)
         self.check_same_batch(inputs, target, "train")
@@ -185,6 +196,8 @@ class PipelineRunner:
             self._weight = lambda microbatch: 1.0 / (self.config.microbatches * accumulate)
         args = inputs if self.holds_first else ()
         kwargs: dict[str, Any] = {"target": target if self.holds_last else None, "losses": []}
+        kwargs.update(self._last_stage_kwargs(target, fused_ignore_index))
+        self._stage_computes_loss = fused_ignore_index is not None
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
         with maybe_loss_parallel(self.loss_parallel):
@@ -201,15 +214,37 @@ class PipelineRunner:
         return loss
 
     def eval_step(
-        self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+        self,
+        inputs: tuple[torch.Tensor, ...],
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        fused_ignore_index: int | None = None,
     ) -> torch.Tensor:
-        """The loss of the whole batch, forward only, on every pipeline rank."""
+        """The loss of the whole batch, forward only, on every pipeline rank (``fused_ignore_index``: as in
+        :meth:`train_step`)."""
         self.check_same_batch(inputs, target, "eval")
 
         def plain_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return local_loss(loss_fn(output, target))
+            return output if fused_ignore_index is not None else local_loss(loss_fn(output, target))
 
         with maybe_loss_parallel(self.loss_parallel):
             return pipeline_forward_loss(
-                self.stages, self.owner, self.num_stages, self.group, inputs, target, plain_loss, self.device
+                self.stages,
+                self.owner,
+                self.num_stages,
+                self.group,
+                inputs,
+                target,
+                plain_loss,
+                self.device,
+                last_stage_kwargs=self._last_stage_kwargs(target, fused_ignore_index),
             )
+
+    def _last_stage_kwargs(self, target: torch.Tensor, fused_ignore_index: int | None) -> dict[str, Any]:
+        """The keyword arguments with which the last stage computes the loss itself; none when it returns
+        logits or this rank does not hold it (a rank's keyword arguments reach all its stages; only the last
+        one reads them)."""
+        if fused_ignore_index is None or not self.holds_last:
+            return {}
+        return {"labels": target, "ignore_index": fused_ignore_index}

@@ -15,7 +15,9 @@ class PipelineSplittable(Protocol):
     The strategy calls ``pipeline_keep`` once with every layer this rank holds (the model drops the rest
     in place, so parameter names stay global and checkpoints do not depend on the split), then
     ``pipeline_stage`` once per local stage for the module that the schedule runs. A stage's forward takes
-    the input ids when ``first`` (hidden states otherwise) and returns logits when ``last``.
+    the input ids when ``first`` (hidden states otherwise) and returns logits when ``last``; given
+    ``labels=`` and ``ignore_index=`` keyword arguments (the strategy passes them when it fuses the LM head with
+    the loss) the last stage returns the mean loss over the labels instead, and the others ignore them.
     """
 
     @property

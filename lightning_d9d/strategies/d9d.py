@@ -33,7 +33,7 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import fused_causal_lm_loss
+from lightning_d9d.models.causal_lm import fused_causal_lm_loss, fused_loss_ignore_index
 from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses
 from lightning_d9d.pipeline import (
@@ -438,8 +438,8 @@ class D9DStrategy(ModelParallelStrategy):
             inputs, target = split_batch(split, inputs, target)
         self._scale_internal_losses(model)
         item_scale = self._item_scale(loss_fn, target)
+        tp = self._dims is not None and self._dims.tp_enabled
         if self._runner is None:
-            tp = self._dims is not None and self._dims.tp_enabled
             fused = fused_causal_lm_loss(model, inputs, target, loss_fn, tensor_parallel=tp)
             if fused is not None:  # the same loss without [tokens, vocab] logits
                 return _weighed(fused, loss_fn, target, item_scale)
@@ -449,13 +449,21 @@ class D9DStrategy(ModelParallelStrategy):
             return _weighed(loss, loss_fn, target, item_scale)
         if model is not self._runner.model:
             raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
+        # the same condition as above: then the last stage computes the loss without logits
+        fused_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tp)
         if torch.is_grad_enabled():
             assert self.lightning_module is not None
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             return self._runner.train_step(
-                inputs, target, loss_fn, accumulate=accumulate, item_scale=item_scale
+                inputs,
+                target,
+                loss_fn,
+                accumulate=accumulate,
+                item_scale=item_scale,
+                fused_ignore_index=fused_index,
             )
-        return _weighed(self._runner.eval_step(inputs, target, loss_fn), loss_fn, target, item_scale)
+        loss = self._runner.eval_step(inputs, target, loss_fn, fused_ignore_index=fused_index)
+        return _weighed(loss, loss_fn, target, item_scale)
 
     def _context_split(self) -> LoadBalancedSplit | None:
         """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""

@@ -25,20 +25,20 @@ from reference import exclude_experts, train_corpus, uncounted_loss
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
-from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
-from lightning_d9d.models.causal_lm import CausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
 
-# How often the fused LM head + loss path ran (CausalLM.forward_loss), for the tests that force it.
+# How often the fused LM head + loss ran (causal_lm.head_loss: CausalLM.forward_loss, or a last pipeline stage
+# handed the labels), for the tests that force it.
 FUSED_LOSS_CALLS = [0]
-_forward_loss = CausalLM.forward_loss
+_head_loss = causal_lm.head_loss
 
 
-def _counted_forward_loss(self: CausalLM, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _counted_head_loss(*args: Any, **kwargs: Any) -> torch.Tensor:
     FUSED_LOSS_CALLS[0] += 1
-    return _forward_loss(self, *args, **kwargs)
+    return _head_loss(*args, **kwargs)
 
 
-CausalLM.forward_loss = _counted_forward_loss  # type: ignore[method-assign]
+causal_lm.head_loss = _counted_head_loss
 
 
 class RecordLosses(Callback):
@@ -170,7 +170,10 @@ def main(config: dict) -> None:
         getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
     )
     result["checkpointed_modules"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in module.modules())
-    result["fused_loss_calls"] = FUSED_LOSS_CALLS[0]
+    calls = torch.tensor(FUSED_LOSS_CALLS[0])
+    if dist.is_initialized():  # under pp only the ranks that hold the last stage compute the loss
+        dist.all_reduce(calls, op=dist.ReduceOp.MAX)
+    result["fused_loss_calls"] = int(calls)
     if trainer.is_global_zero:
         torch.save(result, config["out"])
     if dist.is_initialized():
