@@ -1,8 +1,8 @@
 """Faults in ``Trainer(strategy="d9d")`` runs (``trainer_faults.py``, one launch for all):
 
-- FSDP on 2 processes checkpointing every 3 steps, rank 1 SIGKILLed mid-step 8; a half-written newer checkpoint
+- FSDP on 2 processes checkpointing every 7 steps, rank 1 SIGKILLed mid-step 8; a half-written newer checkpoint
   left in the folder. ``fit(ckpt_path=<the folder>)`` on 1 process (dp 2 -> 1) skips it with a log line, resumes
-  from step 6 (mid-epoch) and ends like the single-process loop.
+  from step 7 (mid-epoch), trains to step 14 and ends like 14 uninterrupted steps of the single-process loop.
 - ``NonFiniteGuard``: one rank's gradient turned NaN at step 3 on 2 processes; ``"skip"`` leaves the parameters
   of that step alone on every rank and trains on, ``"raise"`` stops every rank naming step and parameter.
 """
@@ -26,10 +26,18 @@ from test_trainer_parity import BASE, TOLERANCE, assert_same_training
 from lightning_d9d.state import manifest
 
 SCRIPT = Path(__file__).with_name("trainer_faults.py")
-# 4-batch epochs: step 6 is two batches into the second epoch
-RUN = {**BASE, "kind": "faults", "steps_per_epoch": 4, "max_steps": 8, "dp": 2, "devices": 2}
+# 4-batch epochs: step 7 is three batches into the second epoch; the LR schedule spans the 14 steps
+RUN = {
+    **BASE,
+    "kind": "faults",
+    "steps_per_epoch": 4,
+    "max_steps": 14,
+    "schedule_steps": 14,
+    "dp": 2,
+    "devices": 2,
+}
 POISONED = "model.model.layers.1.mlp.down_proj.weight"
-GUARD = {**RUN, "max_steps": 4, "poison": {"rank": 1, "step": 3, "parameter": POISONED}}
+GUARD = {**RUN, "max_steps": 4, "schedule_steps": 8, "poison": {"rank": 1, "step": 3, "parameter": POISONED}}
 
 
 def launch(runs: list[dict], cwd: Path) -> subprocess.CompletedProcess:
@@ -46,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     folder = tmp / "ckpt"
     killed = {
         **RUN,
-        "save_every": 3,
+        "save_every": 7,
         "ckpt_dir": str(folder),
         "kill": {"rank": 1, "step": 8},
         "may_fail": True,
@@ -59,8 +67,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     first = launch([killed, *guards], tmp)
     saved = sorted(path.name for path in folder.iterdir())
     # what a save cut off by the kill would leave if renames were not atomic: a newer, incomplete checkpoint
-    shutil.copytree(folder / "step=6.ckpt", folder / "step=7.ckpt", copy_function=shutil.copy)  # new mtimes
-    (folder / "step=7.ckpt" / manifest.MANIFEST_NAME).unlink()
+    shutil.copytree(folder / "step=7.ckpt", folder / "step=8.ckpt", copy_function=shutil.copy)  # new mtimes
+    (folder / "step=8.ckpt" / manifest.MANIFEST_NAME).unlink()
     resumed_config = {
         **RUN,
         "devices": 1,
@@ -84,15 +92,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def test_a_run_killed_mid_step_resumes_from_a_folder_on_one_process(runs: dict) -> None:
     assert not runs["killed_finished"], "rank 1 was to die at step 8"
-    assert runs["saved"] == ["step=3.ckpt", "step=6.ckpt"]
+    assert runs["saved"] == ["step=7.ckpt"]
     stderr, folder = runs["resume_stderr"], runs["folder"]
-    assert f"skipping checkpoint {folder / 'step=7.ckpt'}" in stderr and "is incomplete" in stderr
-    assert f"resuming from {folder / 'step=6.ckpt'}" in stderr
-    expected = reference_run(RUN)  # the uninterrupted training, as one process computes it
+    assert f"skipping checkpoint {folder / 'step=8.ckpt'}" in stderr and "is incomplete" in stderr
+    assert f"resuming from {folder / 'step=7.ckpt'}" in stderr
+    expected = reference_run(RUN)  # the 14 uninterrupted steps, as one process computes them
     resumed = runs["resumed"]
+    assert len(resumed["losses"]) == 7
     assert_same_training(
         {"losses": resumed["losses"], "params": resumed["params"]},
-        {"losses": expected["losses"][6:], "params": expected["params"]},
+        {"losses": expected["losses"][7:], "params": expected["params"]},
         tolerance=TOLERANCE,  # dp 2 -> 1 sums gradients in another order
     )
 

@@ -84,8 +84,9 @@ def assert_same_grad_norms(actual: dict, expected: dict, rtol: float = GRAD_NORM
 
 # bf16 bands below were measured at lr 3e-3 (larger updates: further from the untrained run).
 BF16 = {"max_steps": 5, "lr": 3e-3}
-# A checkpoint every 2 steps of 4-batch epochs: step 4 ends an epoch, step 6 is in the middle of one.
-RESUMABLE = {"max_steps": 8, "steps_per_epoch": 4, "save_every": 2}
+# 14 steps of 4-batch epochs, checkpoints every 4 and every 7 steps: step 4 ends an epoch, step 7 is in the
+# middle of one (the acceptance's "7 steps, stop, resume to 14"); the LR schedule spans all 14 steps.
+RESUMABLE = {"max_steps": 14, "schedule_steps": 14, "steps_per_epoch": 4, "save_every": [4, 7]}
 
 # Runs of one world size share one launch (process start-up is most of the cost of these small runs).
 LAUNCHES: dict[str, dict[str, dict]] = {
@@ -255,11 +256,11 @@ def test_matches_single_process_loop(case: str, launched: Callable[[str], dict])
     assert actual["checkpointed_modules"] == (layers if options.get("activation_checkpointing") else 0)
 
 
-# (uninterrupted run, step of the checkpoint to resume from): mid-epoch on 1 and 2 processes, with gradient
-# accumulation, and at an epoch boundary.
+# (uninterrupted run, step of the checkpoint to resume from): mid-epoch on 1 and 2 processes (7 of 14 steps),
+# with gradient accumulation, and at an epoch boundary.
 RESUMES = {
-    1: [("one_process", 6)],
-    2: [("fsdp2_resumable", 6), ("fsdp2_resumable", 4), ("fsdp2_resumable_accumulate", 3)],
+    1: [("one_process", 7)],
+    2: [("fsdp2_resumable", 7), ("fsdp2_resumable", 4), ("fsdp2_resumable_accumulate", 3)],
 }
 
 

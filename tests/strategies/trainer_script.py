@@ -115,14 +115,14 @@ def main(config: dict) -> None:
             ExpertLoadBalancing(config["moe_balance"]["rate"]),
         ]
     if config.get("save_every"):
-        callbacks.append(
+        # an interval, or several (one ModelCheckpoint each): e.g. [4, 7] saves an epoch end and a mid-epoch step
+        every = config["save_every"]
+        callbacks += [
             ModelCheckpoint(
-                dirpath=config["ckpt_dir"],
-                every_n_train_steps=config["save_every"],
-                save_top_k=-1,
-                filename="{step}",
+                dirpath=config["ckpt_dir"], every_n_train_steps=n, save_top_k=-1, filename="{step}"
             )
-        )
+            for n in (every if isinstance(every, list) else [every])
+        ]
     trainer = L.Trainer(
         strategy=D9DStrategy(**dims),
         accelerator=config.get("accelerator", "cpu"),
