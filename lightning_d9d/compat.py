@@ -308,6 +308,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "its enable_load_balance must be on: torch's ring then assumes our head-and-tail sequence layout",
     ),
     PrivateName(
+        "torch.distributed.distributed_c10d",
+        "_get_default_store",
+        ("mesh/arrival.py",),
+        "the default process group's key-value store: ranks mark their arrival at a collective in it, so a "
+        "rank that never comes is named instead of hanging the collective",
+    ),
+    PrivateName(
         "torch.nn",
         "Module._apply",
         ("models/qwen3.py",),
@@ -447,6 +454,14 @@ def schedule_ops(schedule: str, pp: int, microbatches: int, stages_per_rank: int
     get_schedule_ops = import_private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
     ops: list[list[Any]] = get_schedule_ops(schedule, pp, microbatches, stages_per_rank)
     return ops
+
+
+def default_store() -> torch.distributed.Store:
+    """The key-value store of the default process group (torch has no public accessor)."""
+    store: torch.distributed.Store = import_private(
+        "torch.distributed.distributed_c10d", "_get_default_store"
+    )()
+    return store
 
 
 def pipeline_action_types() -> tuple[Any, Any]:

@@ -12,6 +12,7 @@ import pickle
 import socket
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,7 +26,13 @@ def free_port() -> int:
 
 
 def _rank_main(
-    rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple, queue: Any
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    queue: Any,
+    group_timeout: timedelta | None = None,
 ) -> None:
     code = 0
     try:
@@ -37,7 +44,7 @@ def _rank_main(
             LOCAL_RANK=str(rank),
         )
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=group_timeout)
         result = fn(*args)
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
@@ -52,13 +59,22 @@ def _rank_main(
         os._exit(code)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
-    """Call ``fn(*args)`` on ``world_size`` ranks (process group initialised) and return results by rank."""
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300,
+    group_timeout: timedelta | None = None,
+) -> list[Any]:
+    """Call ``fn(*args)`` on ``world_size`` ranks (process group initialised, with the collective timeout
+    ``group_timeout`` if given) and return results by rank."""
     context = mp.get_context("fork")
     queue = context.Queue()
     port = free_port()
     processes = [
-        context.Process(target=_rank_main, args=(rank, world_size, port, fn, args, queue), daemon=True)
+        context.Process(
+            target=_rank_main, args=(rank, world_size, port, fn, args, queue, group_timeout), daemon=True
+        )
         for rank in range(world_size)
     ]
     for process in processes:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from lightning_d9d.mesh.arrival import CollectiveError, named_collective
+
 from .errors import CheckpointError, CheckpointFileError
 
 T = TypeVar("T")
@@ -95,19 +97,16 @@ def interrupted_replacement(final: Path) -> Path | None:
 
 def gather_outcomes(step: str, mine: Any) -> list[Any]:
     """Every rank's ``mine`` (``all_gather_object`` over the default group). A rank that died or hung makes the
-    collective fail (peer gone, or the process group's timeout): the error then names the step and the
-    collective, instead of the backend's bare transport message alone."""
+    collective fail (peer gone, or the process group's timeout): the error then names the step, the
+    collective and the ranks that never arrived, instead of the backend's bare transport message alone."""
     import torch.distributed as dist
 
     outcomes: list[Any] = [None] * dist.get_world_size()
     try:
-        dist.all_gather_object(outcomes, mine)
-    except Exception as error:
-        raise CheckpointError(
-            f"{step}: the exchange of the ranks' outcomes (all_gather_object over the {len(outcomes)} ranks "
-            f"of the default group) failed, so a rank died or hung (see its log; the timeout is "
-            f"D9DStrategy(timeout=...)): {type(error).__name__}: {error}"
-        ) from error
+        with named_collective("the exchange of the ranks' outcomes (all_gather_object)"):
+            dist.all_gather_object(outcomes, mine)
+    except CollectiveError as error:
+        raise CheckpointError(f"{step}: {error}") from error
     return outcomes
 
 

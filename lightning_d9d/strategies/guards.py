@@ -28,6 +28,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
+from lightning_d9d.mesh.arrival import named_collective
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
     from torch.optim import Optimizer
@@ -82,7 +84,8 @@ def check_step(module: nn.Module, loss_finite: bool | Tensor, step: int) -> str 
     flags = torch.stack([(~torch.isfinite(norm)).float(), (~loss_flag).float()])
     distributed = dist.is_available() and dist.is_initialized()
     if distributed:
-        dist.all_reduce(flags)
+        with named_collective("the non-finite guard's all_reduce"):
+            dist.all_reduce(flags)
     if not bool(flags.sum() > 0):
         return None
     mine = (bool(loss_finite), nonfinite_parameters(module))

@@ -55,4 +55,7 @@ def test_a_rank_dying_in_the_exchange_is_named_by_the_survivor(tmp_path: Path) -
     )
     assert dead is None
     assert survivor.startswith("CheckpointError: finishing "), survivor
-    assert "the exchange of the ranks' outcomes (all_gather_object over the 2 ranks" in survivor
+    assert (
+        "the exchange of the ranks' outcomes (all_gather_object) over the 2 ranks of the default group failed "
+        "on rank 0: rank 1 did not arrive" in survivor
+    ), survivor

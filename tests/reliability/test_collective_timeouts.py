@@ -1,0 +1,72 @@
+"""A rank that never reaches one of our collectives: the others raise within the process group's timeout,
+naming the collective and the missing rank (2 forked gloo ranks, a 1 s timeout; rank 1 stays alive, away)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+
+from lightning_d9d.mesh.arrival import CollectiveError
+from lightning_d9d.state.atomic import agree
+from lightning_d9d.state.errors import CheckpointError
+from lightning_d9d.strategies.guards import check_step
+
+TIMEOUT = timedelta(seconds=1)
+AWAY = 3.5  # rank 1's absence: longer than the timeout, so rank 0 fails by the timeout, not a closed peer
+
+
+def _guard_step(module: torch.nn.Module) -> str | None:
+    module.weight.grad = torch.ones_like(module.weight)
+    return check_step(module, True, step=5)
+
+
+def guard_with_rank_1_away() -> tuple[float, str]:
+    """One guard step together, then rank 1 stays away from the next: what rank 0 raises, and after how long."""
+    module = torch.nn.Linear(2, 2)
+    assert _guard_step(module) is None  # both ranks arrive: a finite step passes
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return 0.0, "away"
+    start = time.monotonic()
+    try:
+        _guard_step(module)
+    except CollectiveError as error:
+        assert error.missing == [1]
+        return time.monotonic() - start, f"{type(error).__name__}: {error}"
+    return time.monotonic() - start, "no error"
+
+
+def checkpoint_agreement_with_rank_1_away() -> tuple[float, str]:
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return 0.0, "away"
+    start = time.monotonic()
+    try:
+        agree(lambda: "checked", distributed=True)
+    except CheckpointError as error:
+        return time.monotonic() - start, f"{type(error).__name__}: {error}"
+    return time.monotonic() - start, "no error"
+
+
+def test_the_guard_names_its_collective_and_the_rank_that_never_came() -> None:
+    (elapsed, message), away = run_distributed(guard_with_rank_1_away, 2, group_timeout=TIMEOUT)
+    assert away == (0.0, "away")
+    assert message.startswith(
+        "CollectiveError: the non-finite guard's all_reduce over the 2 ranks of the default group failed on "
+        "rank 0: rank 1 did not arrive"
+    ), message
+    assert "D9DStrategy(timeout=...)" in message
+    assert TIMEOUT.total_seconds() - 0.2 <= elapsed < AWAY - 1, elapsed  # by the timeout, not rank 1's return
+
+
+def test_the_checkpoint_agreement_names_its_collective_and_the_rank_that_never_came() -> None:
+    (elapsed, message), _ = run_distributed(checkpoint_agreement_with_rank_1_away, 2, group_timeout=TIMEOUT)
+    assert message.startswith(
+        "CheckpointError: agreeing on the checks of a checkpoint: the exchange of the ranks'"
+    )
+    assert "failed on rank 0: rank 1 did not arrive" in message, message
+    assert elapsed < AWAY - 1, elapsed
