@@ -4,7 +4,8 @@
 a directory with a ``manifest.json`` whose files all exist with the listed sizes (checksums are checked by the
 load itself). Newest means the latest manifest, the file a save writes last. Every other candidate that was
 passed over for being incomplete is logged with the reason. (``ckpt_path="last"`` is Lightning's: it resolves
-to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks, which an atomic save keeps complete.)
+to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks, which an atomic save keeps complete; if
+that one fails its checks anyway, the error carries a note naming the newest other complete checkpoint.)
 
 Deleting (``save_top_k`` / keep-last-N, through the strategy's ``remove_checkpoint``) never removes the only
 complete checkpoint of a folder.
@@ -40,13 +41,16 @@ def incomplete_reason(path: Path) -> str | None:
     return None
 
 
-def newest_complete(folder: Path) -> tuple[Path, list[tuple[Path, str]]]:
-    """The newest complete checkpoint directly inside ``folder``, and the newer ones skipped with why.
+def newest_complete(folder: Path, *, besides: Path | None = None) -> tuple[Path, list[tuple[Path, str]]]:
+    """The newest complete checkpoint directly inside ``folder`` (other than ``besides``), and the newer ones
+    skipped with why.
 
     Hidden entries (temporary and set-aside directories of saves in flight or crashed) are never candidates.
     """
     candidates = [
-        entry for entry in folder.iterdir() if not entry.name.startswith(".") and looks_like_checkpoint(entry)
+        entry
+        for entry in folder.iterdir()
+        if not entry.name.startswith(".") and entry != besides and looks_like_checkpoint(entry)
     ]
 
     def written(entry: Path) -> float:
@@ -66,6 +70,22 @@ def newest_complete(folder: Path) -> tuple[Path, list[tuple[Path, str]]]:
         f"{folder} holds no complete checkpoint to resume from"
         + (f"; incomplete:{listed}" if skipped else " (no checkpoint directories at all)"),
         path=str(folder),
+    )
+
+
+def other_complete_hint(path: Path) -> str | None:
+    """For a checkpoint ``path`` that failed its checks: the fix, naming the newest other complete checkpoint
+    of its folder (None if there is none). ``ckpt_path="last"`` resolves to a ``last*.ckpt`` by Lightning's
+    own rules, which know nothing of completeness; falling back silently would need its private API, and a
+    path the user named is never replaced by another."""
+    try:
+        other, _ = newest_complete(path.parent, besides=path)
+    except (CheckpointError, OSError):
+        return None
+    return (
+        f"{path.name} (what ckpt_path='last' resolves to, if it is the newest last*.ckpt) cannot be loaded; "
+        f"the newest other complete checkpoint in {path.parent} is {other.name}: resume with "
+        f"ckpt_path={str(other)!r}, or ckpt_path={str(path.parent)!r} after deleting or repairing {path.name}"
     )
 
 

@@ -265,8 +265,16 @@ def load(
     :func:`~lightning_d9d.state.selection.newest_complete`).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    path = selection.resolve(Path(path).absolute(), distributed=distributed)
-    meta = agree(lambda: _checked(path, len(optimizers), weights_only), distributed=distributed)
+    named = Path(path).absolute()
+    path = selection.resolve(named, distributed=distributed)
+    try:
+        meta = agree(lambda: _checked(path, len(optimizers), weights_only), distributed=distributed)
+    except CheckpointError as error:
+        # a checkpoint named directly (ckpt_path="last" too): say which other one is complete
+        hint = selection.other_complete_hint(path) if path == named else None
+        if hint is not None:
+            error.add_note(hint)
+        raise
     state: dict[str, Any] = {MODEL_SECTION: get_model_state_dict(module)}
     state.update({optimizer_section(i): optimizer_state(module, opt) for i, opt in optimizers.items()})
     try:

@@ -158,6 +158,42 @@ def test_a_folder_resolves_to_the_newest_complete_checkpoint_and_logs_the_skippe
     assert str(older) not in text  # older than the chosen one: not considered, not logged
 
 
+@pytest.mark.parametrize("damage", ["manifest_deleted", "bytes_flipped"])
+def test_a_damaged_last_checkpoint_fails_naming_the_newest_complete_one(tmp_path: Path, damage: str) -> None:
+    """What ``ckpt_path="last"`` resolves to (``last.ckpt``) is damaged: the error names it, and its note the
+    newest other complete checkpoint of the folder and the ckpt_path that resumes from it."""
+    folder = tmp_path / "checkpoints"
+    saved(folder / "step=2.ckpt", seed=0)
+    complete = saved(folder / "step=4.ckpt", seed=1)
+    last = saved(folder / "last.ckpt", seed=2)
+    os.utime(folder / "step=2.ckpt" / manifest.MANIFEST_NAME, (1e9, 1e9))
+    if damage == "manifest_deleted":
+        (last / manifest.MANIFEST_NAME).unlink()
+    else:
+        (shard,) = last.glob("*.distcp")
+        flip_a_byte(shard)
+    module, optimizer = trained(seed=5)
+    before = snapshot(module, optimizer)
+    error_type = MissingShardError if damage == "manifest_deleted" else CorruptShardError
+    with pytest.raises(error_type, match=r"last\.ckpt") as caught:
+        load(last, module, {0: optimizer}, strict=True, weights_only=True)
+    assert_unchanged(before, module, optimizer)
+    (note,) = caught.value.__notes__
+    assert f"the newest other complete checkpoint in {folder} is step=4.ckpt" in note
+    assert f"resume with ckpt_path={str(complete)!r}" in note
+    load(complete, module, {0: optimizer}, strict=True, weights_only=True)  # the fix works
+    assert torch.equal(module[0].weight, trained(seed=1)[0][0].weight)
+
+
+def test_a_damaged_checkpoint_alone_in_its_folder_has_no_note(tmp_path: Path) -> None:
+    last = saved(tmp_path / "checkpoints" / "last.ckpt")
+    (last / manifest.MANIFEST_NAME).unlink()
+    module, optimizer = trained(seed=5)
+    with pytest.raises(MissingShardError) as caught:
+        load(last, module, {0: optimizer}, strict=True, weights_only=True)
+    assert not getattr(caught.value, "__notes__", [])
+
+
 def test_a_folder_without_a_complete_checkpoint_fails_listing_why(tmp_path: Path) -> None:
     folder = tmp_path / "checkpoints"
     incomplete = saved(folder / "step=2.ckpt")
