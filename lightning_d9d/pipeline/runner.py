@@ -25,6 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.mesh.arrival import named_collective
 from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.modules.moe import paused_load_counting
 from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
@@ -155,7 +156,8 @@ class PipelineRunner:
         self._checked.add(mode)
         digest = torch.cat([_digest(tensor) for tensor in (*inputs, target)]).to(self.device)
         gathered = [torch.empty_like(digest) for _ in range(self.pp)]
-        dist.all_gather(gathered, digest, group=self.group)
+        with named_collective("the pipeline's same-batch check (all_gather)", self.group):
+            dist.all_gather(gathered, digest, group=self.group)
         differ = [rank for rank, other in enumerate(gathered) if not torch.equal(other, gathered[0])]
         if differ:
             raise ValueError(

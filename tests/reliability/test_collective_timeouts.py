@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
-from lightning_d9d.mesh.arrival import CollectiveError
+from lightning_d9d.mesh.arrival import CollectiveError, named_collective
 from lightning_d9d.state.atomic import agree
 from lightning_d9d.state.errors import CheckpointError
 from lightning_d9d.strategies.guards import check_step
@@ -69,4 +69,30 @@ def test_the_checkpoint_agreement_names_its_collective_and_the_rank_that_never_c
         "CheckpointError: agreeing on the checks of a checkpoint: the exchange of the ranks'"
     )
     assert "failed on rank 0: rank 1 did not arrive" in message, message
+    assert elapsed < AWAY - 1, elapsed
+
+
+def group_collective_with_rank_1_away() -> tuple[float, str]:
+    """As the pipeline's same-batch check runs: over a group of its own (here of both ranks)."""
+    group = dist.new_group(
+        [0, 1], timeout=TIMEOUT
+    )  # a new group takes torch's default, not the default group's
+    if dist.get_rank() == 1:
+        time.sleep(AWAY)
+        return 0.0, "away"
+    start = time.monotonic()
+    try:
+        with named_collective("a check over a subgroup", group):
+            dist.all_reduce(torch.ones(1), group=group)
+    except CollectiveError as error:
+        return time.monotonic() - start, f"{type(error).__name__}: {error}"
+    return time.monotonic() - start, "no error"
+
+
+def test_a_collective_over_a_subgroup_names_the_group_and_the_rank_that_never_came() -> None:
+    (elapsed, message), _ = run_distributed(group_collective_with_rank_1_away, 2, group_timeout=TIMEOUT)
+    assert message.startswith(
+        "CollectiveError: a check over a subgroup over the 2 ranks of the group of ranks [0, 1] failed on rank 0: "
+        "rank 1 did not arrive"
+    ), message
     assert elapsed < AWAY - 1, elapsed
