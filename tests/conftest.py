@@ -1,6 +1,7 @@
 import os
 import sys
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -12,10 +13,21 @@ if not torch.cuda.is_available():
 
 # Imported before any fork so that ranks do not each pay for these lazy imports.
 import torch._dynamo
+import torch.distributed as dist
 import torch.distributed.tensor
 
 sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore", message=".*does not support alltoall.*")
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind() -> Iterator[None]:
+    """The distributed tests fork their gloo ranks from this process (tests/distributed.py). A default process
+    group that an in-process run leaves here (a one-device Trainer, the docs' snippets) would be inherited by
+    every later rank ("trying to initialize the default process group twice"): destroy it after its test."""
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
