@@ -22,12 +22,18 @@ warnings.filterwarnings("ignore", message=".*does not support alltoall.*")
 
 @pytest.fixture(autouse=True)
 def no_process_group_left_behind() -> Iterator[None]:
-    """The distributed tests fork their gloo ranks from this process (tests/distributed.py). A default process
-    group that an in-process run leaves here (a one-device Trainer, the docs' snippets) would be inherited by
-    every later rank ("trying to initialize the default process group twice"): destroy it after its test."""
+    """The distributed tests fork their gloo ranks from this process (tests/distributed.py) and launch others
+    as subprocesses. An in-process run (a one-device Trainer, the docs' snippets) leaves a default process group
+    here, which every later forked rank would inherit ("trying to initialize the default process group twice"),
+    and Lightning's MASTER_PORT / RANK / WORLD_SIZE in the environment, which later launches would inherit
+    ("address already in use"): destroy the group and restore the environment after each test."""
+    environment = dict(os.environ)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
