@@ -19,8 +19,6 @@ from contextlib import contextmanager
 
 import torch.distributed as dist
 
-from lightning_d9d.compat import default_store
-
 # How many times this process entered each named collective: every rank enters them in the same order, so
 # the n-th arrival of rank r has the same key on every rank.
 _rounds: dict[str, int] = {}
@@ -46,6 +44,8 @@ def named_collective(collective: str, group: dist.ProcessGroup | None = None) ->
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         yield
         return
+    from lightning_d9d.compat import default_store  # here: compat imports Lightning (see parallel_dims)
+
     store, rank = default_store(), dist.get_rank()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     where = "the default group" if group is None else f"the group of ranks {ranks}"

@@ -11,8 +11,6 @@ from math import prod
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from lightning_d9d.compat import flatten_mesh
-
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 # Views made by flattening several mesh dims into one. "batch" is an alias of "dp" (see ``mesh_for``).
@@ -140,6 +138,10 @@ class ParallelDims:
     def build_mesh(self, device_type: str) -> ParallelDims:
         """Create the device mesh (a collective-free call once the process group exists)."""
         self._require_resolved("build_mesh")
+        # Imported here, not at the top: compat imports Lightning, and the checkpoint code reaches this package
+        # (mesh.arrival) from `python -m lightning_d9d.convert`, which must not pay for importing Lightning.
+        from lightning_d9d.compat import flatten_mesh
+
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
         # Keep the flattened meshes themselves: slicing flattened dims out of the root mesh is deprecated.
