@@ -17,7 +17,8 @@ from lightning_d9d.kernels.dispatch import launchable, use_triton
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """``[a, b] -> [-b, a]`` over the last dim (a 90-degree rotation of each ``(a_i, b_i)`` pair)."""
     first, second = x.chunk(2, dim=-1)
     return torch.cat((-second, first), dim=-1)
 
@@ -25,9 +26,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_reference(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q``/``k``: ``[B, heads, T, head_dim]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``."""
+    """The PyTorch reference: ``q``/``k``: ``[B, heads, T, head_dim]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 @triton.jit
@@ -162,7 +163,9 @@ def rope_triton(
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q and k: Triton on CUDA (when cos/sin need no gradient), the reference elsewhere."""
+    """Rotate ``q`` and ``k`` (``[B, heads, T, head_dim]``) by the angles whose ``cos``/``sin`` are
+    ``[B or 1, T, head_dim]``: both in one Triton pass on CUDA (when cos/sin need no gradient), the PyTorch
+    reference elsewhere."""
     plain = not (cos.requires_grad or sin.requires_grad) and q.dtype == k.dtype
     if plain and use_triton("rope", q, k, cos, sin):
         return rope_triton(q, k, cos, sin)

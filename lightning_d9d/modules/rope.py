@@ -10,7 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lightning_d9d.kernels.rope import apply_rope
+# One implementation of the rotation, in kernels/ (below this layer); re-exported under the names blocks use.
+from lightning_d9d.kernels.rope import apply_rope as apply_rotary
+from lightning_d9d.kernels.rope import rotate_half
+
+__all__ = ["RotaryEmbedding", "apply_rotary", "rope_inverse_frequencies", "rotate_half"]
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float) -> torch.Tensor:
@@ -88,17 +92,3 @@ class RotaryEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_positions={self.max_positions}, theta={self.theta}"
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """``[a, b] -> [-b, a]`` over the last dim (a 90-degree rotation of each ``(a_i, b_i)`` pair)."""
-    first, second = x.chunk(2, dim=-1)
-    return torch.cat((-second, first), dim=-1)
-
-
-def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q`` and ``k`` (``[B, heads, T, head_dim]``) by the angles whose ``cos``/``sin`` are
-    ``[B or 1, T, head_dim]``: both in one Triton pass on CUDA, the PyTorch reference elsewhere."""
-    return apply_rope(q, k, cos, sin)
