@@ -10,11 +10,10 @@ import pytest
 import torch
 import transformers
 from distributed import run_distributed
+from hf_fsdp import check_fsdp_load_and_export
 from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, make_hf_checkpoint
 
-from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.state import INDEX_NAME, KeyCoverageError, check_coverage, infer_shapes
 from lightning_d9d.state.hf import (
     QWEN3,
@@ -88,35 +87,14 @@ def test_one_process_load_and_export_match_transformers(tied: bool, tmp_path: Pa
         assert key in exported and torch.equal(back.state_dict()[key], value), key
 
 
-def _fsdp_rank(directory: Path, out: Path, ids: torch.Tensor) -> None:
-    rank = torch.distributed.get_rank()
-    dims = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
-    with torch.device("meta"):
-        model = _our_model(directory)
-    model.parallelize(dims, ParallelOptions())
-    model.to_empty(device="cpu")
-    model.init_weights(100 + rank)  # different on each rank: loading must overwrite every shard
-    load_hf(model, directory)
-    local = tuple(model.model.embed_tokens.weight.to_local().shape)
-    with torch.no_grad():
-        logits = model(ids)
-    save_hf(model, out / "export", max_shard_bytes=30_000)  # a collective: every rank gathers, rank 0 writes
-    torch.save({"logits": logits, "local": local}, out / f"rank{rank}.pt")
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_fsdp_two_processes_load_and_export_match_transformers(tied: bool, tmp_path: Path) -> None:
     # 97 rows: uneven embedding shards (49 + 48)
     hf = make_hf_checkpoint(tmp_path / "hf", tie_word_embeddings=tied, vocab_size=97)
-    ids = batch(97)
-    expected = hf_logits(hf, ids)
-    run_distributed(_fsdp_rank, 2, tmp_path / "hf", tmp_path, ids, timeout=120)
-    for rank, rows in enumerate((49, 48)):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["local"] == (rows, SMALL["hidden_size"])  # really sharded
-        torch.testing.assert_close(result["logits"], expected, rtol=TOLERANCE, atol=TOLERANCE)
-    back = load_transformers(tmp_path / "export")
-    torch.testing.assert_close(hf_logits(back, ids), expected, rtol=TOLERANCE, atol=TOLERANCE)
+    shards = [(rows, SMALL["hidden_size"]) for rows in (49, 48)]
+    check_fsdp_load_and_export(
+        _our_model, "model.embed_tokens.weight", shards, hf, batch(97), tmp_path / "hf", tmp_path, TOLERANCE
+    )
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "export",
         "hf",

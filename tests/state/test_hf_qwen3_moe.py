@@ -10,15 +10,13 @@ from typing import Any
 
 import torch
 import transformers
-from distributed import run_distributed
+from hf_fsdp import check_fsdp_load_and_export
 from hf_helpers import batch, config_json, hf_logits, load_transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from lightning_d9d.convert import main
-from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
-from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.state import INDEX_NAME, infer_shapes
 from lightning_d9d.state.hf import QWEN3_MOE, check_same_model, hf_format, load_hf, save_hf
 
@@ -130,31 +128,17 @@ def test_fused_layout_loads_and_converts_to_the_per_expert_one(tmp_path: Path) -
     torch.testing.assert_close(hf_logits(back, ids), expected, rtol=TOLERANCE, atol=TOLERANCE)
 
 
-def _fsdp_rank(directory: Path, out: Path, ids: torch.Tensor) -> None:
-    rank = torch.distributed.get_rank()
-    dims = ParallelDims(dp_shard=2).resolve(2).build_mesh("cpu")
-    with torch.device("meta"):
-        model = _our_model(directory)
-    model.parallelize(dims, ParallelOptions())
-    model.to_empty(device="cpu")
-    model.init_weights(100 + rank)  # different on each rank: loading must overwrite every shard
-    load_hf(model, directory)
-    local = tuple(model.model.layers["0"].mlp.experts.gate_proj.to_local().shape)
-    with torch.no_grad():
-        logits = model(ids)
-    save_hf(model, out / "export", max_shard_bytes=30_000)
-    torch.save({"logits": logits, "local": local}, out / f"rank{rank}.pt")
-
-
 def test_fsdp_two_processes_load_and_export_match_transformers(tmp_path: Path) -> None:
     # 5 experts: uneven expert shards (3 + 2)
     hf = make_moe_checkpoint(tmp_path / "hf", num_experts=5)
-    ids = batch(VOCAB)
-    expected = hf_logits(hf, ids)
-    run_distributed(_fsdp_rank, 2, tmp_path / "hf", tmp_path, ids, timeout=120)
-    for rank, experts in enumerate((3, 2)):
-        result = torch.load(tmp_path / f"rank{rank}.pt")
-        assert result["local"] == (experts, SMALL["hidden_size"], SMALL["moe_intermediate_size"])
-        torch.testing.assert_close(result["logits"], expected, rtol=TOLERANCE, atol=TOLERANCE)
-    back = load_transformers(tmp_path / "export")
-    torch.testing.assert_close(hf_logits(back, ids), expected, rtol=TOLERANCE, atol=TOLERANCE)
+    shards = [(experts, SMALL["hidden_size"], SMALL["moe_intermediate_size"]) for experts in (3, 2)]
+    check_fsdp_load_and_export(
+        _our_model,
+        "model.layers.0.mlp.experts.gate_proj",
+        shards,
+        hf,
+        batch(VOCAB),
+        tmp_path / "hf",
+        tmp_path,
+        TOLERANCE,
+    )
