@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens
-from lightning_d9d.modules.moe.dispatch import Dispatched
+from lightning_d9d.modules.moe.dispatch import Dispatched, local_expert_count
 from lightning_d9d.modules.moe.router import Routing
 
 
@@ -73,15 +73,10 @@ class AllToAllDispatcher:
 
     def __init__(self, group: dist.ProcessGroup, num_experts: int) -> None:
         ep = dist.get_world_size(group)
-        if num_experts % ep != 0:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by ep ({ep}): each ep rank holds the same number "
-                "of experts; choose an ep that divides the number of experts"
-            )
+        self.num_local_experts = local_expert_count(num_experts, ep, "ep")
         self.group = group
         self.ep = ep
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // ep
 
     def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
         rows, permutation = permute_tokens(hidden, routing.expert_indices)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_d9d.modules.moe.dispatch import Dispatched
+from lightning_d9d.modules.moe.dispatch import Dispatched, local_expert_count
 from lightning_d9d.modules.moe.router import Routing
 
 # Intranode NVLink buffer size (bytes) when the caller gives none: enough for 4096 bf16 tokens of hidden 7168
@@ -97,15 +97,11 @@ class DeepEPDispatcher:
     docstring). ``buffer``: one ``deep_ep.Buffer`` over the ``ep`` group, shared by every MoE layer."""
 
     def __init__(self, buffer: Any, num_experts: int) -> None:
-        ranks = int(buffer.group_size)
-        if num_experts % ranks != 0:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the DeepEP group size ({ranks}); choose an ep "
-                "that divides the number of experts"
-            )
+        self.num_local_experts = local_expert_count(
+            num_experts, int(buffer.group_size), "the DeepEP group size"
+        )
         self.buffer = buffer
         self.num_experts = num_experts
-        self.num_local_experts = num_experts // ranks
 
     def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
         weights = routing.expert_weights.float()

@@ -72,3 +72,15 @@ class LocalDispatcher:
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         permutation: Permutation = dispatched.state
         return unpermute_tokens(expert_output, permutation, dispatched.expert_weights)
+
+
+def local_expert_count(num_experts: int, ranks: int, group: str) -> int:
+    """Experts each of ``ranks`` expert-parallel ranks holds (``num_experts / ranks``), for the dispatchers that
+    split them; a ``num_experts`` that ``ranks`` does not divide is refused, naming both and ``group`` (what
+    ``ranks`` counts) before any exchange starts."""
+    if num_experts % ranks != 0:
+        raise ValueError(
+            f"num_experts ({num_experts}) must be divisible by {group} ({ranks}): each ep rank holds the same "
+            "number of experts; choose an ep that divides the number of experts"
+        )
+    return num_experts // ranks
