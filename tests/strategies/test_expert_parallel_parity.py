@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_trainer_parity import BASE, assert_matches_reference, run_trainer
+from test_trainer_parity import BASE, assert_matches_reference, launcher_by_world_size
 
 from lightning_d9d.convert import main as convert
 from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -92,26 +92,8 @@ def config_of(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """``checkpoints / case``: the checkpoint directory of a case with ``save_every``."""
-    return tmp_path_factory.mktemp("ep_checkpoints")
-
-
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Callable[[str], dict]:
-    """``launched(case)``: the result of ``case``, running all cases of its world size in one launch."""
-    results: dict[str, dict] = {}
-
-    def result(case: str) -> dict:
-        if case not in results:
-            devices = CASES[case]["devices"]
-            names = [name for name, config in CASES.items() if config["devices"] == devices]
-            configs = [{**CASES[name], "ckpt_dir": str(checkpoints / name)} for name in names]
-            tmp: Path = tmp_path_factory.mktemp(f"ep_{devices}")
-            results.update(run_trainer(configs, tmp, f"ep{devices}", names=names))
-        return results[case]
-
-    return result
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    return launcher_by_world_size(CASES, tmp_path_factory, "ep")
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -126,10 +108,9 @@ def test_expert_parallel_matches_single_process_loop(case: str, launched: Callab
     assert all(value > 0.3 for name, value in loads.items() if name.endswith("load_cv")), loads
 
 
-def test_expert_parallel_checkpoint_converts_to_hf(
-    launched: Callable[[str], dict], checkpoints: Path, tmp_path: Path
-) -> None:
+def test_expert_parallel_checkpoint_converts_to_hf(launched: Callable[[str], dict], tmp_path: Path) -> None:
     actual = launched("ep2")
+    checkpoints: Path = launched.checkpoints  # type: ignore[attr-defined]
     config = Qwen3MoeConfig.tiny(**MOE)
     (tmp_path / "config").mkdir()
     (tmp_path / "config" / "config.json").write_text(json.dumps(config.to_hf_dict()))
