@@ -1,0 +1,96 @@
+"""Where a training step goes on the GPU: ``torch.profiler`` over a few steps of one benchmark path.
+
+The model as ``train_throughput.py``'s plain-loop paths build it (``--path``: ``ours_fsdp_compiled`` is our model
+parallelized as the strategy does it, FSDP2 bf16 mixed precision on one rank and per-block compile;
+``hf_fsdp_compiled`` is the transformers baseline), the loss as the Trainer computes it (our fused LM head +
+cross-entropy on CUDA; the logits path for transformers), fused AdamW. ``--warmup`` steps, then ``--steps``
+profiled steps; prints the CUDA kernels by total time, the GPU time per step, and writes a Chrome trace.
+
+    PYTHONPATH=. python benchmarks/profile_step.py --model moe --out runs/profile
+    PYTHONPATH=. python benchmarks/profile_step.py --model moe --path hf_fsdp_compiled --out runs/profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_throughput import build_model, parse_args
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=["0.6b", "moe"], default="moe")
+    parser.add_argument("--path", default="ours_fsdp_compiled")
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path("runs/profile"))
+    own = parser.parse_args()
+    args = parse_args(
+        ["--model", own.model, "--seq-len", str(own.seq_len), "--batch-size", str(own.batch_size)]
+    )
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    model, forward = build_model(own.path, args, device)
+    from lightning_d9d.models.causal_lm import fused_causal_lm_loss
+    from lightning_d9d.modules.loss import CausalLMLoss
+
+    loss_fn = CausalLMLoss()
+    generator = torch.Generator().manual_seed(1234)
+    ids = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
+    inputs, labels = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    autocast = "fsdp" not in own.path  # the plain loops without FSDP autocast, as train_throughput.py
+
+    def step() -> None:
+        with (
+            torch.profiler.record_function("forward+loss"),
+            torch.autocast("cuda", torch.bfloat16, enabled=autocast),
+        ):
+            loss = fused_causal_lm_loss(model, (inputs,), labels, loss_fn)
+            if loss is None:
+                loss = loss_fn(forward(inputs), labels)
+        with torch.profiler.record_function("backward"):
+            loss.backward()
+        with torch.profiler.record_function("optimizer"):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    for _ in range(own.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    start = time.perf_counter()
+    for _ in range(own.steps):
+        step()
+    torch.cuda.synchronize()
+    unprofiled_ms = (time.perf_counter() - start) * 1e3 / own.steps
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profile:
+        for _ in range(own.steps):
+            step()
+        torch.cuda.synchronize()
+    own.out.mkdir(parents=True, exist_ok=True)
+    name = f"{own.model}_{own.path}"
+    profile.export_chrome_trace(str(own.out / f"{name}.json"))
+    averages = profile.key_averages()
+    try:
+        table = averages.table(sort_by="self_device_time_total", row_limit=own.rows, max_name_column_width=70)
+    except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=own.rows, max_name_column_width=70)
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    header = f"{name}: {unprofiled_ms:.1f} ms/step wall (unprofiled), peak {peak:.2f} GiB\n"
+    (own.out / f"{name}.txt").write_text(header + table)
+    print(header + table, flush=True)
+
+
+if __name__ == "__main__":
+    main()
