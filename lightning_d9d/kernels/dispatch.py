@@ -6,7 +6,8 @@ included when ``TRITON_INTERPRET=1`` (how CI tests the kernels without a GPU).
 
 The references run where Triton cannot or need not: DTensors (tensor / sequence parallel activations: the
 reference's ops dispatch on them), and inside ``torch.compile`` (Inductor fuses the reference itself, and the
-compiled blocks are traced with ``fullgraph=True``).
+compiled blocks are traced with ``fullgraph=True``), except kernels registered as torch custom operators (the
+MoE permutation), which compiled code calls as they are.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ def kernel_mode() -> str:
     return mode
 
 
-def use_triton(name: str, *tensors: torch.Tensor, gpu_checked: bool = True) -> bool:
+def use_triton(name: str, *tensors: torch.Tensor, gpu_checked: bool = True, traceable: bool = False) -> bool:
     """Whether kernel ``name`` runs its Triton version on these tensors (see the module docstring); logs the
     choice once per kernel. ``gpu_checked=False``: a kernel whose GPU tests have not run yet, which ``auto``
-    leaves on its reference (``triton`` still runs it)."""
+    leaves on its reference (``triton`` still runs it). ``traceable``: the kernel is a torch custom operator,
+    which ``torch.compile`` calls as it is, so it runs inside compiled code too."""
     mode = kernel_mode()
-    if mode == "reference" or torch.compiler.is_compiling() or (mode == "auto" and not gpu_checked):
+    compiling = torch.compiler.is_compiling()
+    if mode == "reference" or (compiling and not traceable) or (mode == "auto" and not gpu_checked):
         return False
     if any(isinstance(t, DTensor) for t in tensors) or not triton_installed():
         return False
@@ -58,10 +61,16 @@ def use_triton(name: str, *tensors: torch.Tensor, gpu_checked: bool = True) -> b
         if mode == "auto"
         else on_cuda or (interpreting() and all(t.device.type == "cpu" for t in tensors))
     )
-    if chosen and name not in _ANNOUNCED:
+    if chosen and not compiling:  # a log call would break the traced graph; the operator announces itself
+        announce(name)
+    return chosen
+
+
+def announce(name: str) -> None:
+    """Log once that kernel ``name`` runs its Triton version."""
+    if name not in _ANNOUNCED:
         _ANNOUNCED.add(name)
         log.info("%s: Triton kernel (set $%s=reference for the PyTorch reference)", name, ENV_VAR)
-    return chosen
 
 
 def launchable(kernel: Any, device: torch.device) -> Any:

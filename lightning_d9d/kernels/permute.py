@@ -3,7 +3,8 @@
 The pure-PyTorch reference, correct on every device, and Triton kernels behind the same two functions
 (:mod:`lightning_d9d.kernels.permute_triton`: gathers only, the weighted sum fused, no ``[T, k, H]``
 intermediate). The Triton path runs on CUDA in eager mode (its GPU tests, tests/gpu/test_kernels_gpu.py, have
-passed); inside ``torch.compile`` the reference runs, so its backward is a gather too (:class:`_GatherRows`):
+passed), inside ``torch.compile`` too (they are custom operators); where the reference runs, its backward is a
+gather too (:class:`_GatherRows`):
 ``index_select``'s own backward is ``index_add``, a scatter with atomics (bf16 on the GPU: slow, and its
 summation order varies run to run), whereas both permutations here can be undone by reading through the
 inverse map: each token's gradient is its ``k`` slots' gradients read through ``inverse`` and summed.
@@ -86,7 +87,7 @@ def permute_tokens(hidden: torch.Tensor, expert_indices: torch.Tensor) -> tuple[
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
     sources = torch.div(order, top_k, rounding_mode="floor")
-    if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED):
+    if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
         grouped = permute_rows_triton(hidden, sources, inverse, top_k)
     else:
         # Token t's k slots sit at grouped rows inverse[t * k : (t + 1) * k].
@@ -103,7 +104,7 @@ def unpermute_tokens(grouped: torch.Tensor, permutation: Permutation, weights: t
             f"unpermute_tokens got {grouped.shape[0]} rows and weights {tuple(weights.shape)}: expected "
             f"T * k rows with k = {permutation.top_k}"
         )
-    if use_triton("unpermute_tokens", grouped, weights, gpu_checked=PERMUTE_GPU_CHECKED):
+    if use_triton("unpermute_tokens", grouped, weights, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
         return unpermute_rows_triton(grouped, permutation.inverse, weights)
     # Grouped row r holds slot order[r]: reading the slots' gradients through order undoes the gather.
     slots = _gather_rows(grouped, permutation.inverse, permutation.order, 1)

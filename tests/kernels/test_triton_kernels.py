@@ -170,6 +170,45 @@ def test_moe_permute_and_unpermute(
         assert relative_error(out, ref) < BOUND[dtype]
 
 
+def test_moe_permutation_runs_its_kernels_inside_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The permutation kernels are torch custom operators: a ``fullgraph`` compile keeps them in the graph (the
+    other kernels give way to their references there) and AOT autograd runs their registered backward, equal
+    to the reference's gradients."""
+    tokens, hidden_size, top_k, experts = 11, 24, 3, 5
+    generator = torch.Generator().manual_seed(3)
+    hidden = leaf(tokens, hidden_size, dtype=torch.float32, device="cpu", seed=9)
+    indices = torch.stack([torch.randperm(experts, generator=generator)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=generator).requires_grad_()
+    scale = torch.randn(experts, hidden_size, generator=generator)
+    graph_ops: set[str] = set()
+
+    def recording_backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        graph_ops.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return torch._dynamo.backends.common.aot_autograd(fw_compiler=lambda g, _: g.forward)(
+            gm, example_inputs
+        )
+
+    def round_trip(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        grouped, permutation = permute_tokens(h, indices)
+        return unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, w)
+
+    monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+    torch._dynamo.reset()
+    compiled = torch.compile(round_trip, backend=recording_backend, fullgraph=True)
+    with poisoned_allocations():
+        out = compiled(hidden, weights)
+        got = grads((out,), (hidden, weights))
+    assert {"lightning_d9d.permute_rows.default", "lightning_d9d.unpermute_rows.default"} <= graph_ops, (
+        graph_ops
+    )
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    ref = round_trip(hidden, weights)
+    expected = grads((ref,), (hidden, weights))
+    assert relative_error(out, ref) < BOUND[torch.float32]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[torch.float32]
+
+
 @pytest.mark.parametrize(
     ("sizes", "k", "n", "dtype"),
     [
