@@ -88,8 +88,13 @@ def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return out.transpose(1, 2)
 
 
+# Looked up once at import: Dynamo refuses to trace importlib's find_spec, and a compiled block whose queries
+# are fp32 (under autocast) reaches this check when the backend is chosen inside the graph.
+_FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
+
+
 def _flash_attn_unsupported(q: torch.Tensor) -> str | None:
-    if importlib.util.find_spec("flash_attn") is None:
+    if not _FLASH_ATTN_INSTALLED:
         return "the flash-attn package is not installed"
     return _half_on_cuda(q, 8)
 
