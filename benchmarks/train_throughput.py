@@ -80,11 +80,25 @@ PATHS: dict[str, str] = {
     # Diagnostics: the example's module with fused AdamW and its loss logged without prog_bar (no .item()).
     "ours_trainer_lean": "ours_trainer, module with fused AdamW and self.log(..., prog_bar=False)",
     "ours_trainer_compiled_lean": "ours_trainer_compiled, the same lean module",
+    # The strategy's levers on one GPU (docs/benchmarks.md): no FSDP on the one-rank mesh (bf16 autocast),
+    # selective activation checkpointing (matmul and attention outputs kept, element-wise ops recomputed).
+    "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
+    "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
+    "ours_trainer_compiled_nofsdp_selective": "both of the above",
 }
 DEFAULT_PATHS = [
     p
     for p in PATHS
-    if p not in ("ours_fsdp_compiled", "ours_trainer_lean", "ours_trainer_compiled_lean", "hf_fsdp_compiled")
+    if p
+    not in (
+        "ours_fsdp_compiled",
+        "ours_trainer_lean",
+        "ours_trainer_compiled_lean",
+        "hf_fsdp_compiled",
+        "ours_trainer_compiled_nofsdp",
+        "ours_trainer_compiled_selective",
+        "ours_trainer_compiled_nofsdp_selective",
+    )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
 MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled"]
@@ -507,7 +521,11 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             self.setup_s = self.t_start - self.t_fit
 
     timer = StepTimer()
-    strategy = D9DStrategy(compile="compiled" in path)
+    strategy = D9DStrategy(
+        compile="compiled" in path,
+        fsdp_on_one_rank="nofsdp" not in path,
+        activation_checkpointing="selective" if path.endswith("selective") else False,
+    )
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="gpu" if device.type == "cuda" else "cpu",

@@ -17,9 +17,13 @@ def parallelize_data(
 ) -> None:
     """Apply data parallelism to ``module`` (one FSDP unit per block of ``blocks``, then the root).
 
-    Always applied, even on one rank: parameters then are ``DTensor``s on every layout, which is what the
-    checkpoint code and distributed norm clipping rely on.
+    Applied on one rank too unless ``options.fsdp_on_one_rank`` is off: parameters then are ``DTensor``s on
+    every layout. Off, a one-rank world keeps plain parameters: FSDP there only copies (each block's parameters
+    cast and "all-gathered" into a second buffer every forward, gradients copied out again), which measured
+    about 6 % of a compiled 0.6B training step on an H200.
     """
+    if not options.fsdp_on_one_rank and dims.world_size == 1:
+        return
     if dims.dp_replicate > 1:
         parallelize_replicate(
             module,

@@ -22,6 +22,9 @@ class ParallelOptions:
         compile: ``torch.compile`` each repeated block.
         context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
             CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
+        fsdp_on_one_rank: wrap the model in FSDP2 also when the whole world is one rank (parameters are then
+            ``DTensor``s as on every other layout). ``False`` leaves plain parameters there: no all-gather
+            copies, casts or hooks around each block (the mixed precision then comes from autocast).
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -29,3 +32,4 @@ class ParallelOptions:
     activation_checkpointing: bool | str = False
     compile: bool = False
     context_attention: str = "auto"
+    fsdp_on_one_rank: bool = True

@@ -91,6 +91,10 @@ class D9DStrategy(ModelParallelStrategy):
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
+        fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
+            are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
+            autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
+            per-block all-gather copies and casts, faster on one GPU (``docs/benchmarks.md``).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
         timeout: how long any collective may wait (a ``timedelta``; Lightning's default is 30 minutes): a rank
             whose peer hung or died fails after it instead of waiting forever (see ``docs/reliability.md``).
@@ -123,6 +127,7 @@ class D9DStrategy(ModelParallelStrategy):
         compile: bool = False,
         context_attention: str = "auto",
         reshard_after_forward: bool = True,
+        fsdp_on_one_rank: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -157,6 +162,7 @@ class D9DStrategy(ModelParallelStrategy):
             )
         self._context_attention = context_attention
         self._reshard_after_forward = reshard_after_forward
+        self._fsdp_on_one_rank = fsdp_on_one_rank
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
 
     @classmethod
@@ -272,6 +278,9 @@ class D9DStrategy(ModelParallelStrategy):
             model._d9d_parallelized = True  # type: ignore[assignment]
             model._d9d_runner = runner  # type: ignore[assignment]
         self._runner = getattr(model, "_d9d_runner", None)
+        # bf16-mixed casts through FSDP's MixedPrecisionPolicy; a model left without FSDP autocasts instead.
+        wrapped = any(isinstance(module, FSDPModule) for module in model.modules())
+        self.precision_plugin.autocast_device = None if wrapped else self.root_device.type
         if self._runner is not None:
             self.precision_plugin.norm_reduce_groups = self._runner.grad_norm_groups
         self._sync_metrics_over_data_ranks(model)
@@ -294,6 +303,7 @@ class D9DStrategy(ModelParallelStrategy):
             activation_checkpointing=self._activation_checkpointing,
             compile=self._compile,
             context_attention=self._context_attention,
+            fsdp_on_one_rank=self._fsdp_on_one_rank,
         )
 
     def _parallelize(self, module: nn.Module, stages: dict[int, nn.Module] | None = None) -> None:

@@ -38,7 +38,8 @@ class D9DPrecision(Precision):
     - ``32-true``: fp32 everywhere.
     - ``bf16-mixed``: fp32 master parameters; FSDP2 casts them to bf16 for compute and reduces gradients in
       fp32 (``MixedPrecisionPolicy``). No autocast: it would also wrap pipeline backward passes and cast
-      where the model deliberately keeps fp32 (norms, loss).
+      where the model deliberately keeps fp32 (norms, loss). Only a model left without FSDP (one rank,
+      ``D9DStrategy(fsdp_on_one_rank=False)``) runs its forward under bf16 autocast: ``autocast_device``.
     - ``bf16-true``: parameters, gradients and optimizer state in bf16.
 
     Norm and value clipping group parameters by device mesh and reduce over ``norm_reduce_groups`` (the
@@ -48,6 +49,8 @@ class D9DPrecision(Precision):
     def __init__(self, precision: str = "32-true") -> None:
         self.precision = check_precision(precision)  # type: ignore[assignment]
         self.norm_reduce_groups: Sequence[dist.ProcessGroup | None] = ()
+        # Set by the strategy for a bf16-mixed model that no FSDP unit casts: forward runs under autocast.
+        self.autocast_device: str | None = None
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -77,7 +80,12 @@ class D9DPrecision(Precision):
     @override
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.tensor_init_context():
+        autocast: AbstractContextManager = (
+            torch.autocast(self.autocast_device, dtype=torch.bfloat16)
+            if self.precision == "bf16-mixed" and self.autocast_device is not None
+            else nullcontext()
+        )
+        with self.tensor_init_context(), autocast:
             yield
 
     @override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import sys
 from pathlib import Path
@@ -91,7 +92,12 @@ def reference_run(config: dict) -> dict:
     if precision == "bf16-true":
         module.model.to(torch.bfloat16)  # parameters, gradients and optimizer state in bf16
     compute_model = module.model
-    if precision == "bf16-mixed":
+    # bf16-mixed without FSDP (one rank, fsdp_on_one_rank=False): the strategy autocasts the forward instead.
+    autocast = precision == "bf16-mixed" and config.get("dims", {}).get("fsdp_on_one_rank") is False
+    forward_context = (
+        (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    )
+    if precision == "bf16-mixed" and not autocast:
         # What FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) does: compute with a bf16
         # copy of the fp32 parameters (buffers stay fp32), hand fp32 gradients to the fp32 parameters.
         compute_model = copy.deepcopy(module.model)
@@ -128,7 +134,8 @@ def reference_run(config: dict) -> dict:
                 ]
                 loss = torch.stack(parts).mean()  # unpadded: the global token mean
             else:
-                loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
+                with forward_context():
+                    loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
             losses.append(loss.item())
             (loss / accumulate).backward()
             if compute_model is not module.model:

@@ -94,6 +94,22 @@ LAUNCHES: dict[str, dict[str, dict]] = {
         "one_process": {"devices": 1, "dp": 1, **RESUMABLE},
         "bf16-mixed_one_process": {"devices": 1, "dp": 1, **BF16, "precision": "bf16-mixed"},
         "bf16-true_one_process": {"devices": 1, "dp": 1, **BF16, "precision": "bf16-true"},
+        # no FSDP on the one rank: plain parameters, clipping, and bf16-mixed as autocast
+        "one_process_without_fsdp": {
+            "devices": 1,
+            "dp": 1,
+            "max_steps": 5,
+            "clip": 0.05,
+            "save_every": 3,
+            "dims": {"fsdp_on_one_rank": False},
+        },
+        "bf16-mixed_one_process_without_fsdp": {
+            "devices": 1,
+            "dp": 1,
+            **BF16,
+            "precision": "bf16-mixed",
+            "dims": {"fsdp_on_one_rank": False},
+        },
     },
     "lightning_launcher": {
         "fsdp2": {"devices": 2, "dp": 2, "max_steps": 5, "validate": True, "launcher": "lightning"},
@@ -254,12 +270,13 @@ def test_matches_single_process_loop(case: str, launched: Callable[[str], dict])
     options = config.get("dims", {})
     assert actual["compiled_modules"] == (layers if options.get("compile") else 0)
     assert actual["checkpointed_modules"] == (layers if options.get("activation_checkpointing") else 0)
+    assert actual["dtensor_params"] == options.get("fsdp_on_one_rank", True)
 
 
 # (uninterrupted run, step of the checkpoint to resume from): mid-epoch on 1 and 2 processes (7 of 14 steps),
 # with gradient accumulation, and at an epoch boundary.
 RESUMES = {
-    1: [("one_process", 7)],
+    1: [("one_process", 7), ("one_process_without_fsdp", 3)],
     2: [("fsdp2_resumable", 7), ("fsdp2_resumable", 4), ("fsdp2_resumable_accumulate", 3)],
 }
 
@@ -321,6 +338,20 @@ def bf16_mismatch(
         if abs(a - e) > BF16_GRAD_NORM_RTOL * e:
             return f"gradient norm of step {step}: {a} vs {e}"
     return None
+
+
+def test_bf16_mixed_without_fsdp_autocasts(launched: Callable[[str], dict]) -> None:
+    """One rank without FSDP: plain fp32 parameters, the forward under bf16 autocast, equal to a loop that
+    autocasts; and measurably not FSDP's casting (a bf16 copy of every parameter), so the check can tell."""
+    case = "bf16-mixed_one_process_without_fsdp"
+    config = config_of(case)
+    actual = launched(case)
+    assert actual["param_dtypes"] == ["torch.float32"] and not actual["dtensor_params"]
+    expected = reference_run(config)
+    assert_same_training(actual, expected)
+    assert_same_grad_norms(actual, expected)
+    fsdp_casting = reference_run({**config, "dims": {}})
+    assert max(abs(a - b) for a, b in zip(actual["losses"], fsdp_casting["losses"], strict=True)) > TOLERANCE
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])

@@ -164,6 +164,7 @@ def main(config: dict) -> None:
         result["val_loss"] = metrics[0]["val/loss"]
     result["moe_load"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")}
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    result["dtensor_params"] = any(isinstance(p, DTensor) for p in module.parameters())
     result["backend"] = dist.get_backend() if dist.is_initialized() else None
     # that compile and activation checkpointing were applied: blocks compiled in place, blocks wrapped
     result["compiled_modules"] = sum(
