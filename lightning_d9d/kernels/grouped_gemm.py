@@ -220,6 +220,11 @@ def grouped_mm(
     """``[T, K] x [G, K, N] -> [T, N]``, rows of ``x`` grouped consecutively by ``group_sizes``; see the module
     docstring for the backends and how one is chosen."""
     check_grouped_inputs(x, w, group_sizes)
+    if torch.is_autocast_enabled(x.device.type):
+        # A matmul under autocast: torch's grouped_mm is not on autocast's list (it refuses fp32 x bf16), so
+        # cast here as autocast casts a Linear (bf16-mixed without FSDP keeps fp32 expert weights).
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x, w = x.to(dtype), w.to(dtype)
     return select_grouped_gemm_backend(x, w, backend).run(x, w, group_sizes)
 
 

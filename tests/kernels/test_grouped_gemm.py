@@ -160,3 +160,27 @@ def test_cuda_bf16_backend_equals_loop(backend: str) -> None:
         torch.testing.assert_close(grad.float(), expected_grad.float(), atol=5e-2, rtol=2e-2)
     if torch.cuda.get_device_capability()[0] in (9, 10):
         assert gg.select_grouped_gemm_backend(x, w).name == "torch"
+
+
+def test_autocast_casts_the_operands_for_every_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under autocast (bf16-mixed without FSDP) a backend receives operands in the autocast dtype, as a
+    Linear would, and the fp32 inputs still get fp32 gradients: torch's grouped_mm, which autocast does not
+    cover, refuses fp32 x bf16."""
+    monkeypatch.setattr(gg, "_BACKENDS", dict(gg._BACKENDS))
+    seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def run(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        seen.append((x.dtype, w.dtype))
+        return gg.loop_grouped_mm(x, w, sizes)
+
+    gg.register_grouped_gemm_backend(
+        gg.GroupedGemmBackend("recording", run, lambda x, w: None, lambda x, w: True)
+    )
+    x, w, group_sizes = _inputs(SIZES)
+    x, w = x.float().requires_grad_(), w.float().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = grouped_mm(x, w, group_sizes, backend="recording")
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    assert x.grad is not None and w.grad is not None
+    assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
