@@ -26,10 +26,12 @@ def no_process_group_left_behind() -> Iterator[None]:
     as subprocesses. An in-process run (a one-device Trainer, the docs' snippets) leaves a default process group
     here, which every later forked rank would inherit ("trying to initialize the default process group twice"),
     and Lightning's MASTER_PORT / RANK / WORLD_SIZE in the environment, which later launches would inherit
-    ("address already in use"): destroy the group and restore the environment after each test."""
+    ("address already in use"): destroy the group and restore the environment after each test. A group that
+    existed before the test (a module-scoped fixture's, as in the GPU tests) is its owner's to destroy."""
     environment = dict(os.environ)
+    group_before = dist.is_available() and dist.is_initialized()
     yield
-    if dist.is_available() and dist.is_initialized():
+    if not group_before and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     if os.environ != environment:
         os.environ.clear()

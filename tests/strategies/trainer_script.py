@@ -171,7 +171,7 @@ def main(config: dict) -> None:
         getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
     )
     result["checkpointed_modules"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in module.modules())
-    calls = torch.tensor(FUSED_LOSS_CALLS[0])
+    calls = torch.tensor(FUSED_LOSS_CALLS[0], device=trainer.strategy.root_device)  # NCCL: on the GPU
     if dist.is_initialized():  # under pp only the ranks that hold the last stage compute the loss
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)
     result["fused_loss_calls"] = int(calls)
