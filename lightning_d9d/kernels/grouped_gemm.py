@@ -31,6 +31,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,12 @@ def check_grouped_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Te
 
 # ----------------------------------------------------------------------------------------- loop
 def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """The reference: one matmul per group. Empty groups give empty blocks (and zero gradients for their ``w``)."""
+    """The reference: one matmul per group. Empty groups give empty blocks (and zero gradients for their ``w``).
+
+    Inside ``torch.compile`` it runs as one custom operator (:func:`_traced_loop`): the group sizes are read on
+    the host, which a traced graph cannot do (a compiled MoE block on CPU would fail to compile)."""
+    if torch.compiler.is_compiling():
+        return _traced_loop(x, w, group_sizes)
     sizes = [int(size) for size in group_sizes.tolist()]
     if sum(sizes) != x.shape[0]:
         raise ValueError(f"group_sizes sum to {sum(sizes)} but x has {x.shape[0]} rows: they must be equal")
@@ -89,6 +95,50 @@ def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor)
 
 def _loop_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
+
+
+@torch.library.custom_op("lightning_d9d::loop_grouped_mm", mutates_args=())
+def _traced_loop(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return loop_grouped_mm(x, w, group_sizes)
+
+
+@_traced_loop.register_fake
+def _(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((x.shape[0], w.shape[2]))
+
+
+@torch.library.custom_op("lightning_d9d::loop_grouped_mm_backward", mutates_args=())
+def _traced_loop_backward(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d x = grad @ w[g].T`` per group; ``d w[g] = x_g.T @ grad_g`` (zero for an empty group)."""
+    sizes = [int(size) for size in group_sizes.tolist()]
+    grad_x = loop_grouped_mm(grad, w.transpose(1, 2), group_sizes)
+    grad_w = torch.stack(
+        [block.t() @ grad_block for block, grad_block in zip(x.split(sizes), grad.split(sizes), strict=True)]
+    )
+    return grad_x, grad_w.to(w.dtype)
+
+
+@_traced_loop_backward.register_fake
+def _(
+    grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def _traced_loop_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _traced_loop_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    x, w, group_sizes = ctx.saved_tensors
+    grad_x, grad_w = _traced_loop_backward(grad.contiguous(), x, w, group_sizes)
+    return grad_x, grad_w, None
+
+
+_traced_loop.register_autograd(_traced_loop_grad, setup_context=_traced_loop_context)
 
 
 # ---------------------------------------------------------------------------------------- torch

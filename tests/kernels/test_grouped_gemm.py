@@ -184,3 +184,23 @@ def test_autocast_casts_the_operands_for_every_backend(monkeypatch: pytest.Monke
     out.float().sum().backward()
     assert x.grad is not None and w.grad is not None
     assert x.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("sizes", [SIZES, [0, 0, 0]])
+def test_loop_traces_under_torch_compile(sizes: list[int]) -> None:
+    """A compiled MoE block on CPU: the loop reads its group sizes on the host, which a fullgraph trace cannot,
+    so inside torch.compile it runs as one custom operator with its own backward; values and gradients (empty
+    groups included) equal the eager loop's."""
+    x, w, group_sizes = _inputs(sizes)
+    compiled = torch.compile(
+        lambda a, b: grouped_mm(a, b, group_sizes, backend="loop"), backend="aot_eager", fullgraph=True
+    )
+    torch._dynamo.reset()
+    out = compiled(x, w)
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(4))
+    grads = torch.autograd.grad(out, (x, w), upstream)
+    expected = rowwise_reference(x, w, sizes) if sum(sizes) else gg.loop_grouped_mm(x, w, group_sizes)
+    expected_grads = torch.autograd.grad(expected, (x, w), upstream, allow_unused=True)
+    torch.testing.assert_close(out, expected)
+    for grad, expected_grad, leaf in zip(grads, expected_grads, (x, w), strict=True):
+        torch.testing.assert_close(grad, torch.zeros_like(leaf) if expected_grad is None else expected_grad)
