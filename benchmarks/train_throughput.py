@@ -558,7 +558,9 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             return out
 
     module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
-    module = module_cls(config, lr=args.lr, max_steps=total + args.probe_steps)
+    # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
+    # compares runs that took the same optimizer steps; the schedule costs nothing measurable either way.
+    module = module_cls(config, lr=args.lr, warmup_steps=0, max_steps=10**9)
     trainer.fit(module, DataLoader(FixedBatches(), batch_size=args.batch_size, num_workers=0))
     assert module.model is not None
     result: dict[str, Any] = {
@@ -731,6 +733,27 @@ def derive(results: list[dict[str, Any]], args: argparse.Namespace, fpt: int) ->
         for name, value in base.items():
             if r.get("tokens_per_s"):
                 r[f"vs_{name}"] = r["tokens_per_s"] / value
+    check_losses(results)
+
+
+LOSS_TOLERANCE = 0.02
+
+
+def check_losses(results: list[dict[str, Any]]) -> None:
+    """The correctness guard: every path trains on the same batch with the same optimizer and learning rate, so
+    its loss after the last step must be finite and within ``LOSS_TOLERANCE`` (relative) of the baseline's (the
+    first baseline path that ran). Sets ``final_loss``, ``loss_vs_baseline`` and ``loss_ok`` on each result."""
+    trained = [r for r in results if r.get("ok") and r.get("losses")]
+    baseline = next((r for name in BASELINES for r in trained if r["path"] == name), None)
+    for r in trained:
+        final = r["losses"][-1]
+        r["final_loss"] = final
+        if baseline is None:
+            r["loss_ok"] = math.isfinite(final)
+            continue
+        relative = final / baseline["losses"][-1] - 1
+        r["loss_vs_baseline"] = relative
+        r["loss_ok"] = math.isfinite(final) and abs(relative) <= LOSS_TOLERANCE
 
 
 def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:
@@ -768,8 +791,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines += [
         "",
         "| path | forward+loss ms | backward ms | optimizer ms | idle between steps ms | host syncs/step "
-        "| first step s | warm-up s | peak mem in warm-up GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| first step s | warm-up s | peak mem in warm-up GiB | final loss | vs baseline's |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         if not r.get("ok"):
@@ -782,8 +805,15 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             f"| {_label(r, results)} | {fmt(med(r, 'forward_ms'), '.1f')} | {fmt(med(r, 'backward_ms'), '.1f')} "
             f"| {fmt(med(r, 'optimizer_ms'), '.1f')} | {fmt(med(r, 'gap_ms'), '.2f')} | {fmt(per_step, '.1f')} "
             f"| {fmt(r.get('first_step_s'), '.1f')} | {fmt(r.get('warmup_s'), '.1f')} "
-            f"| {fmt(r.get('peak_mem_warmup_gib'), '.1f')} |"
+            f"| {fmt(r.get('peak_mem_warmup_gib'), '.1f')} | {fmt(r.get('final_loss'), '.4f')} "
+            f"| {fmt(100 * r['loss_vs_baseline'] if 'loss_vs_baseline' in r else None, '+.2f')}% |"
         )
+    failed = [_label(r, results) for r in rows if r.get("ok") and r.get("loss_ok") is False]
+    lines += [
+        "",
+        f"loss guard (final loss finite and within {LOSS_TOLERANCE:.0%} of the baseline's): "
+        + (f"FAILED for {', '.join(failed)}" if failed else "passed"),
+    ]
     v = meta["versions"]
     peak = next((r for r in results if r["path"] == "matmul_peak" and r.get("ok")), None)
     lines += [
@@ -891,8 +921,9 @@ def main(argv: list[str] | None = None) -> None:
         "flops_per_token": fpt,
         "precision": "fp32 master weights + torch.autocast(bf16) in the plain loops; bf16-mixed (FSDP2 "
         "MixedPrecisionPolicy) in ours_fsdp_loop and the Trainer paths",
-        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), fused on CUDA in the plain loops; the "
-        "example's configure_optimizers (AdamW, default foreach, + LambdaLR) in the Trainer paths",
+        "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), fused on CUDA, constant lr, in the plain "
+        "loops; the example's configure_optimizers (the same AdamW, fused on CUDA; its LambdaLR made constant: "
+        "no warm-up, cosine over 10^9 steps) in the Trainer paths",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "note": args.note,
         "gpus_used": gpus,
@@ -929,6 +960,8 @@ def main(argv: list[str] | None = None) -> None:
     results.sort(key=lambda r: r["job"])
     table = _write(args.out, meta, results, args, fpt)
     print(table, flush=True)
+    if any(r.get("loss_ok") is False for r in results):
+        raise SystemExit("loss guard failed: a path's final loss is not within the band (see the table)")
 
 
 def _write(
