@@ -1,0 +1,73 @@
+"""Bar charts of ``train_throughput.py`` results: tokens/s (with the ratio to the run's baseline) and peak memory
+per path, one group of bars per result file (each file is one run, so ratios are only taken inside a group).
+
+    python benchmarks/plot.py --out docs/benchmarks.png \\
+        "dense, run A=benchmarks/results/<dir>/dense/run2.json" "MoE=benchmarks/results/<dir>/moe/run5.json"
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+BASELINE = "hf_fsdp_compiled"
+
+
+def load(spec: str) -> tuple[str, list[dict[str, Any]]]:
+    title, _, path = spec.partition("=")
+    results = json.loads(Path(path).read_text())["results"]
+    return title, [r for r in results if r.get("ok") and r.get("tokens_per_s")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", help="TITLE=path/to/train_throughput.json")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [load(spec) for spec in args.runs]
+    figure, axes = plt.subplots(2, len(runs), figsize=(4.2 * len(runs), 6.5), squeeze=False)
+    for column, (title, results) in enumerate(runs):
+        baseline = next((r for r in results if r["path"] == BASELINE), None)
+        names = [
+            r["path"].replace("ours_trainer_compiled", "ours").replace("hf_fsdp_compiled", "baseline")
+            for r in results
+        ]
+        colors = ["tab:gray" if r["path"] == BASELINE else "tab:blue" for r in results]
+        speed, memory = axes[0][column], axes[1][column]
+        bars = speed.bar(names, [r["tokens_per_s"] / 1e3 for r in results], color=colors)
+        if baseline is not None:
+            for bar, r in zip(bars, results, strict=True):
+                ratio = r["tokens_per_s"] / baseline["tokens_per_s"]
+                speed.annotate(
+                    f"{ratio:.2f}x",
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center",
+                    va="bottom",
+                    fontsize=8,
+                )
+        speed.set_title(title, fontsize=10)
+        speed.set_ylabel("thousand tokens/s")
+        memory.bar(names, [r["peak_mem_gib"] for r in results], color=colors)
+        memory.set_ylabel("peak memory, GiB")
+        for axis in (speed, memory):
+            axis.tick_params(axis="x", labelrotation=30, labelsize=7)
+    figure.suptitle(
+        "One H200: our Trainer path vs transformers + FSDP2 + per-layer torch.compile (gray)", fontsize=10
+    )
+    figure.tight_layout()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
