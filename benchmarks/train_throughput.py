@@ -85,6 +85,10 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
+    # The strongest peer: torchtitan's own Qwen3 through its own parallelize_qwen3 on one device (its
+    # single-device path: no FSDP, bf16 autocast, per-block compile; activation checkpointing off, as ours).
+    # Needs torchtitan 0.2.2 and its pure-Python dependencies on the path (benchmarks/README.md).
+    "titan_compiled": "torchtitan 0.2.2 Qwen3 (its 0.6B flavor), parallelize_qwen3 on 1 device, plain loop",
 }
 DEFAULT_PATHS = [
     p
@@ -98,11 +102,12 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
+        "titan_compiled",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
 MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled"]
-BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled")
+BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled", "titan_compiled")
 
 
 # ===================================================================================================== worker
@@ -282,6 +287,8 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
 
         return model, forward
 
+    if path == "titan_compiled":
+        return _titan_model(args, config, device)
     model_class = _model_class(config)
 
     if path in ("ours_fsdp_loop", "ours_fsdp_compiled"):
@@ -312,6 +319,43 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
         return model, model
     if path == "ours_compiled_model":
         return model, torch.compile(model)
+    return model, model
+
+
+def _titan_model(args: argparse.Namespace, config: Any, device: Any) -> tuple[Any, Any]:
+    """torchtitan's Qwen3 as its trainer builds it for one device: its own flavor of the shape (``0.6B``, or
+    ``debugmodel`` for ``--model tiny``, given our vocabulary so the batches fit), its ``parallelize_qwen3`` with
+    compile on (per transformer block) and activation checkpointing off; no parallel degree is enabled, so no
+    FSDP, and the plain loop autocasts to bf16 as torchtitan's ``maybe_enable_amp`` does on one device."""
+    import dataclasses
+
+    import torch
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims as TitanDims
+    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3, qwen3_args
+
+    flavors = {"0.6b": "0.6B", "tiny": "debugmodel"}
+    if args.model not in flavors:
+        raise ValueError(
+            f"titan_compiled has no flavor for --model {args.model}; use one of {sorted(flavors)}"
+        )
+    model_args = dataclasses.replace(
+        qwen3_args[flavors[args.model]], max_seq_len=args.seq_len, vocab_size=config.vocab_size
+    )
+    job = JobConfig()
+    job.training.seq_len = args.seq_len
+    job.compile.enable = True
+    job.compile.components = ["model"]
+    job.activation_checkpoint.mode = "none"
+    dims = TitanDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
+    torch.manual_seed(args.seed)
+    with torch.device("meta"):
+        model = Qwen3Model(model_args)
+    model = parallelize_qwen3(model, dims, job)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=device)
+    model.train()
     return model, model
 
 
