@@ -34,6 +34,7 @@ from lightning_d9d.modules import (
     ones_fill,
     zeros_fill,
 )
+from lightning_d9d.modules.autocast import to_autocast_dtype
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.plans import (
@@ -274,7 +275,7 @@ def run_decoder(
         seq_len = inputs.shape[1]
         if sequence_shards > 1:
             check_sequence_length(seq_len, sequence_shards)
-        x = embed_tokens(inputs)
+        x = to_autocast_dtype(embed_tokens(inputs))  # bf16 residual stream under autocast too
     else:
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from lightning_d9d.kernels.rmsnorm import rms_norm
+from lightning_d9d.modules.autocast import to_autocast_dtype
 
 
 class RMSNorm(nn.Module):
@@ -22,8 +23,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # A Triton kernel on CUDA, the PyTorch reference elsewhere (lightning_d9d.kernels.dispatch).
-        return rms_norm(x, self.weight, self.eps)
+        # A Triton kernel on CUDA, the PyTorch reference elsewhere (lightning_d9d.kernels.dispatch). Under
+        # autocast the weight is taken in the compute dtype, as FSDP's mixed precision would hand it over.
+        return rms_norm(x, to_autocast_dtype(self.weight), self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
