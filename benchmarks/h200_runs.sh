@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one-GPU measurements docs/benchmarks.md reports, in the order a short device lease should run them
+# (each part writes under $OUT/<part>; run a part by name: `benchmarks/h200_runs.sh dense moe`).
+#   dense    the 0.6B shape: baseline, torchtitan (when its wheels are on PYTHONPATH), ours and its levers
+#   moe      the MoE shape: baseline, ours with and without FSDP on the one rank
+#   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours
+#   kernels  benchmarks/kernels.py (all parts)
+#   gpu      the gpu-marked tests
+# Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+OUT=${OUT:-runs/h200}
+bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 "$@"; }
+titan=""
+python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled,"
+status=0
+for part in "${@:-dense moe}"; do
+  for name in $part; do
+    mkdir -p "$OUT/$name"  # (the throughput parts create their own folders too)
+    case $name in
+      dense) bench --seq-len 4096 --batch-size 4 --out "$OUT/dense" --paths \
+          "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_selective,ours_trainer_compiled_nofsdp" ;;
+      moe) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --steps 40 \
+          --out "$OUT/moe" --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp ;;
+      long) for seq in 16384 32768; do
+          bench --seq-len $seq --batch-size 1 --out "$OUT/long$seq" --paths hf_fsdp_compiled,ours_trainer_compiled \
+            || status=1
+        done ;;
+      kernels) python3 benchmarks/kernels.py --out "$OUT/kernels/kernels.json" ;;
+      gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;
+      *) echo "unknown part $name" >&2; exit 2 ;;
+    esac || status=1
+  done
+done
+exit $status
