@@ -125,13 +125,14 @@ def reference_run(config: dict) -> dict:
             if config.get("moe") is not None:  # rank r's batch is rows r, r + dp, ... of the global batch
                 dp, ids, labels = config["dp"], batch["input_ids"], batch["labels"]
                 chunks = _microbatches(config)
-                parts = [
-                    causal_lm_loss(compute_model(rows), row_labels)
-                    for r in range(dp)
-                    for rows, row_labels in zip(
-                        ids[r::dp].tensor_split(chunks), labels[r::dp].tensor_split(chunks), strict=True
-                    )
-                ]
+                with forward_context():
+                    parts = [
+                        causal_lm_loss(compute_model(rows), row_labels)
+                        for r in range(dp)
+                        for rows, row_labels in zip(
+                            ids[r::dp].tensor_split(chunks), labels[r::dp].tensor_split(chunks), strict=True
+                        )
+                    ]
                 loss = torch.stack(parts).mean()  # unpadded: the global token mean
             else:
                 with forward_context():

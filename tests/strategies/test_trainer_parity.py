@@ -110,6 +110,22 @@ LAUNCHES: dict[str, dict[str, dict]] = {
             "precision": "bf16-mixed",
             "dims": {"fsdp_on_one_rank": False},
         },
+        # Qwen3-MoE without FSDP: its grouped GEMMs cast under autocast like a Linear
+        "moe_one_process_without_fsdp": {
+            "devices": 1,
+            "dp": 1,
+            "max_steps": 3,
+            "moe": {"router_z_loss_coef": 1e-3},
+            "dims": {"fsdp_on_one_rank": False},
+        },
+        "bf16-mixed_moe_one_process_without_fsdp": {
+            "devices": 1,
+            "dp": 1,
+            **BF16,
+            "precision": "bf16-mixed",
+            "moe": {"router_z_loss_coef": 1e-3},
+            "dims": {"fsdp_on_one_rank": False},
+        },
     },
     "lightning_launcher": {
         "fsdp2": {"devices": 2, "dp": 2, "max_steps": 5, "validate": True, "launcher": "lightning"},
@@ -340,11 +356,13 @@ def bf16_mismatch(
     return None
 
 
-def test_bf16_mixed_without_fsdp_autocasts(launched: Callable[[str], dict]) -> None:
+@pytest.mark.parametrize(
+    "case", ["bf16-mixed_one_process_without_fsdp", "bf16-mixed_moe_one_process_without_fsdp"]
+)
+def test_bf16_mixed_without_fsdp_autocasts(case: str, launched: Callable[[str], dict]) -> None:
     """One rank without FSDP: plain fp32 parameters and the forward under bf16 autocast, equal to a loop that
     autocasts; within the bf16 bands of FSDP's casting (a bf16 copy of every parameter: the embedding and the
-    norms compute in bf16 under autocast too); and not fp32 training, so autocast did run."""
-    case = "bf16-mixed_one_process_without_fsdp"
+    norms compute in bf16 under autocast too); and not fp32 training, so autocast did run. Dense and MoE."""
     config = config_of(case)
     actual = launched(case)
     assert actual["param_dtypes"] == ["torch.float32"] and not actual["dtensor_params"]
@@ -357,7 +375,6 @@ def test_bf16_mixed_without_fsdp_autocasts(launched: Callable[[str], dict]) -> N
     assert mismatch is None, mismatch
     fp32 = reference_run({**config, "precision": "32-true", "dims": {}})
     gap = max(abs(a - b) for a, b in zip(actual["losses"], fp32["losses"], strict=True))
-    print(f"autocast vs FSDP casting: {max(abs(a - b) for a, b in zip(actual['losses'], fsdp_casting['losses']))}")
     assert gap > 10 * TOLERANCE, gap
 
 
