@@ -1,0 +1,193 @@
+"""Step time of the example module on any layout of the d9d strategy, through ``Trainer(strategy=D9DStrategy(...))``.
+
+One process per GPU (torchrun), the same global batch whatever the layout, so layouts compare by step time:
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --dp-shard 2 --compile
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --tp 2 --compile
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --cp 2 --context-attention torch_ring
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --pp 2 --schedule 1F1B --microbatches 8
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --model moe --ep 2 --dispatcher deepep
+    torchrun --standalone --nproc-per-node 1 benchmarks/layouts.py --compile          # the one-GPU reference
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --device cpu --model tiny --dp-shard 2  # smoke
+
+Prints one JSON line (rank 0): the layout, median step time over the steps after ``--warmup``, tokens/s, MFU
+(``num_flops_per_token(seq_len)`` x tokens / (GPUs x ``--peak-tflops``); active parameters for MoE), the peak
+memory of the fullest rank, and the last loss (a layout that computes something else shows there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader, Dataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from pretrain_qwen3 import Qwen3Pretraining
+from train_throughput import _moe_config
+
+from lightning_d9d import D9DStrategy
+from lightning_d9d.models import Qwen3Config
+
+
+class RandomTokens(Dataset):
+    def __init__(self, vocab: int, seq_len: int, samples: int) -> None:
+        self.vocab, self.seq_len, self.samples = vocab, seq_len, samples
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        tokens = torch.randint(
+            0, self.vocab, (self.seq_len + 1,), generator=torch.Generator().manual_seed(index)
+        )
+        return {"input_ids": tokens[:-1], "labels": tokens[1:]}
+
+
+class StepTimer(Callback):
+    """Host time of each training step between two device synchronisations."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.start = 0.0
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self._sync()
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self._sync()
+        self.times.append(time.perf_counter() - self.start)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss.detach()))  # after the timing: the read-back is outside the window
+
+
+def model_config(args: argparse.Namespace) -> Any:
+    if args.model in ("moe", "moe_tiny"):
+        return _moe_config(args.model)
+    # A tied head cannot be split from the embedding over pipeline stages.
+    untied = {"tie_word_embeddings": False} if args.pp > 1 else {}
+    return Qwen3Config.qwen3_0_6b(**untied) if args.model == "0.6b" else Qwen3Config.tiny(**untied)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", choices=["0.6b", "tiny", "moe", "moe_tiny"], default="0.6b")
+    for degree in ("pp", "dp-replicate", "tp", "cp", "ep"):
+        parser.add_argument(f"--{degree}", type=int, default=1)
+    parser.add_argument("--dp-shard", type=int, default=-1, help="-1: the ranks the other degrees leave")
+    parser.add_argument("--schedule", default="1F1B")
+    parser.add_argument("--microbatches", type=int, default=None)
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--activation-checkpointing", choices=["off", "selective", "full"], default="off")
+    parser.add_argument("--context-attention", default="auto", choices=["auto", "all_gather", "torch_ring"])
+    parser.add_argument("--dispatcher", default="all_to_all", choices=["all_to_all", "deepep"])
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all ranks")
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for MFU")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ["LIGHTNING_D9D_MOE_DISPATCH"] = args.dispatcher
+    L.seed_everything(0, verbose=False)
+    config = model_config(args)
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+    checkpointing = {"off": False, "selective": "selective", "full": True}[args.activation_checkpointing]
+    strategy = D9DStrategy(
+        pp=args.pp,
+        dp_replicate=args.dp_replicate,
+        dp_shard=args.dp_shard,
+        cp=args.cp,
+        tp=args.tp,
+        ep=args.ep,
+        pipeline_schedule=args.schedule,
+        microbatches=args.microbatches if args.pp > 1 else None,
+        compile=args.compile,
+        activation_checkpointing=checkpointing,
+        context_attention=args.context_attention,
+    )
+    timer = StepTimer(args.device)
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="gpu" if args.device == "cuda" else "cpu",
+        devices=devices,
+        precision="bf16-mixed",
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        num_sanity_val_steps=0,
+    )
+    module = Qwen3Pretraining(config, lr=1e-4, warmup_steps=1, max_steps=args.steps)
+    data = RandomTokens(config.vocab_size, args.seq_len, args.global_batch * args.steps)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    # Ranks that hold different tokens split the global batch; tp, cp and pp peers share theirs.
+    data_ranks = devices // (args.pp * args.tp * args.cp)
+    trainer.fit(module, DataLoader(data, batch_size=args.global_batch // data_ranks, num_workers=2))
+    step = statistics.median(timer.times[args.warmup :])
+    tokens = args.global_batch * args.seq_len
+    assert module.model is not None
+    per_token = module.model.num_flops_per_token(args.seq_len)  # from the config: the whole model, any stage
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
+    memory = torch.tensor([peak], device=args.device)
+    if dist.is_initialized():
+        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    if trainer.is_global_zero:
+        dims = strategy.parallel_dims
+        layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+        print(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "layout": {k: v for k, v in layout.items() if v > 1} or {"one rank": 1},
+                    "schedule": f"{args.schedule} mb={args.microbatches}" if args.pp > 1 else None,
+                    "compile": args.compile,
+                    "activation_checkpointing": args.activation_checkpointing,
+                    "context_attention": args.context_attention if args.cp > 1 else None,
+                    "dispatcher": args.dispatcher if args.ep > 1 else None,
+                    "gpus": devices,
+                    "seq_len": args.seq_len,
+                    "global_batch": args.global_batch,
+                    "step_s_median": round(step, 4),
+                    "tokens_per_s": round(tokens / step),
+                    "mfu": round(per_token * tokens / step / (devices * args.peak_tflops * 1e12), 4),
+                    "peak_mem_gib_max_rank": round(float(memory), 2),
+                    "last_loss": round(timer.losses[-1], 4),
+                    "torch": torch.__version__,
+                    "lightning": L.__version__,
+                    "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                }
+            ),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
