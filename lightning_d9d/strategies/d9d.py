@@ -94,7 +94,8 @@ class D9DStrategy(ModelParallelStrategy):
         fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
             are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
-            per-block all-gather copies and casts, faster on one GPU (``docs/benchmarks.md``).
+            per-block all-gather copies, but autocast's own casts; no faster than the default in the H200
+            runs so far (``docs/benchmarks.md``).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
         timeout: how long any collective may wait (a ``timedelta``; Lightning's default is 30 minutes): a rank
             whose peer hung or died fails after it instead of waiting forever (see ``docs/reliability.md``).
