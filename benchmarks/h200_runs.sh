@@ -11,7 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 OUT=${OUT:-runs/h200}
-bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 "$@"; }
+# --matmul-peak: MFU also against the bf16 matmul rate measured at the start of the same run (issue 12)
+bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 --matmul-peak "$@"; }
 titan=""
 python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled,"
 status=0
