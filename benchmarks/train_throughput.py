@@ -876,7 +876,13 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         lines.append(f"note: {meta['note']}")
     if peak is not None:
         lines.append(
-            f"measured bf16 matmul ({peak['matmul_n']}^3, random data): {peak['matmul_tflops']:.0f} TFLOP/s"
+            f"measured bf16 matmul ({peak['matmul_n']}^3, random data): {peak['matmul_tflops']:.0f} TFLOP/s; "
+            "MFU against it: "
+            + ", ".join(
+                f"{_label(r, results)} {100 * r['model_tflops'] / peak['matmul_tflops']:.1f}%"
+                for r in rows
+                if r.get("model_tflops")
+            )
         )
     return "\n".join(lines)
 
