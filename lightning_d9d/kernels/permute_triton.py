@@ -24,6 +24,11 @@ from lightning_d9d.kernels.triton_compat import tl, triton
 # Elements of one program's tile (rows x columns): enough bytes in flight per program, few enough registers.
 TILE = 8192
 BLOCK_H = 1024
+# How a token's k rows are read by the weighted sums: True, one [k, BLOCK] tile summed over its first axis;
+# False, k row loads unrolled (top_k a compile-time constant), each added into one [BLOCK] accumulator, so no
+# reduction crosses threads. Both are exact to fp32 summation order; which is faster on the H200 is measured by
+# benchmarks/kernels.py --only moe (the tile one ran at 1.6-1.9 TB/s in the model), then the other goes.
+TOKEN_TILE = True
 
 
 @triton.jit
@@ -83,6 +88,43 @@ def _unpermute_backward(  # type: ignore[no-untyped-def]
     tl.store(DW + token * top_k + choice, dot, mask=choice_mask)
 
 
+@triton.jit
+def _weighted_gather_sum_unrolled(  # type: ignore[no-untyped-def]
+    SRC, IDX, W, DST, hidden, TOP_K: tl.constexpr, HAS_WEIGHTS: tl.constexpr, BLOCK: tl.constexpr
+):  # pragma: no cover - compiled by Triton
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < hidden
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in tl.static_range(TOP_K):
+        row = tl.load(IDX + token * TOP_K + j).to(tl.int64)
+        x = tl.load(SRC + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHTS:
+            x = x * tl.load(W + token * TOP_K + j).to(tl.float32)
+        acc += x
+    tl.store(DST + token * hidden + cols, acc.to(DST.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _unpermute_backward_unrolled(  # type: ignore[no-untyped-def]
+    DOUT, GROUPED, IDX, W, DGROUPED, DW, hidden, TOP_K: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr
+):  # pragma: no cover - compiled by Triton
+    token = tl.program_id(0).to(tl.int64)
+    choice = tl.arange(0, K)
+    dot = tl.zeros((K,), tl.float32)
+    for start in range(0, hidden, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < hidden
+        dout = tl.load(DOUT + token * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(IDX + token * TOP_K + j).to(tl.int64)
+            weight = tl.load(W + token * TOP_K + j).to(tl.float32)
+            x = tl.load(GROUPED + row * hidden + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(DGROUPED + row * hidden + cols, (dout * weight).to(DGROUPED.dtype.element_ty), mask=mask)
+            dot += tl.where(choice == j, tl.sum(dout * x, axis=0), 0.0)
+    tl.store(DW + token * TOP_K + choice, dot, mask=choice < TOP_K)
+
+
 def _tile(hidden: int, rows: int) -> tuple[int, int]:
     """(rows per tile as a power of two >= ``rows``, columns per tile)."""
     rows_pow2 = triton.next_power_of_2(max(rows, 1))
@@ -90,6 +132,7 @@ def _tile(hidden: int, rows: int) -> tuple[int, int]:
 
 
 def _warps(rows: int, block: int) -> int:
+    # 4 warps give a 1024-wide bf16 row 8 elements (one 16-byte load) per thread.
     return 8 if rows * block >= 4096 else 4
 
 
@@ -122,8 +165,22 @@ def weighted_gather_sum(
     src = src.contiguous()
     tokens, width = index.numel() // top_k, src.shape[1]
     out = torch.empty((tokens, width), dtype=src.dtype, device=src.device)
-    k, block = _tile(width, top_k)
     w = weights.contiguous() if weights is not None else src
+    if not TOKEN_TILE:
+        block = min(BLOCK_H, triton.next_power_of_2(width))
+        launchable(_weighted_gather_sum_unrolled, src.device)[(tokens, triton.cdiv(width, block))](
+            src,
+            index.contiguous(),
+            w,
+            out,
+            width,
+            top_k,
+            weights is not None,
+            block,
+            num_warps=_warps(1, block),
+        )
+        return out
+    k, block = _tile(width, top_k)
     launchable(_weighted_gather_sum, src.device)[(tokens,)](
         src, index.contiguous(), w, out, top_k, width, weights is not None, k, block,
         num_warps=_warps(k, block),
@@ -147,6 +204,13 @@ def unpermute_backward(
     d_weights = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)
     top_k, width = weights.shape[1], grouped.shape[1]
     k, block = _tile(width, top_k)
+    if not TOKEN_TILE:
+        block = min(BLOCK_H, triton.next_power_of_2(width))
+        launchable(_unpermute_backward_unrolled, grouped.device)[(weights.shape[0],)](
+            grad.contiguous(), grouped, inverse.contiguous(), weights, d_grouped, d_weights, width, top_k, k, block,
+            num_warps=_warps(1, block),
+        )  # fmt: skip
+        return d_grouped, d_weights
     launchable(_unpermute_backward, grouped.device)[(weights.shape[0],)](
         grad.contiguous(), grouped, inverse.contiguous(), weights, d_grouped, d_weights, top_k, width, k, block,
         num_warps=_warps(k, block),
