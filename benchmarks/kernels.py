@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import itertools
 import json
 import math
 import platform
@@ -94,7 +95,21 @@ def fwd_bwd(forward: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Run
     return f, fb
 
 
+def _rms_norm_launch(x: torch.Tensor, w: torch.Tensor, tile: int, per_sm: int) -> Callable[[], Any]:
+    """Our RMSNorm with another launch shape (``rmsnorm.TILE_ELEMENTS`` / ``PROGRAMS_PER_SM``). Set, not restored,
+    by each call: the backward reads them after the forward returns; ``elementwise_rows`` puts the defaults back."""
+    from lightning_d9d.kernels import rmsnorm
+
+    def run() -> Any:
+        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM = tile, per_sm
+        return rms_norm_triton(x, w, 1e-6)
+
+    return run
+
+
 def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
+    from lightning_d9d.kernels import rmsnorm
+
     rows: list[dict[str, Any]] = []
     liger_rms = _library("liger_kernel.transformers.functional", "liger_rms_norm")
     liger_swiglu = _library("liger_kernel.transformers.functional", "liger_swiglu")
@@ -116,7 +131,12 @@ def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
         }
         if liger_rms is not None:
             variants["liger"] = lambda: liger_rms(x, w, 1e-6)  # type: ignore[misc]
+        if not quick:  # our launch shapes (tile elements, backward programs per SM) beside the default
+            for tile, per_sm in itertools.product((2048, 4096, 8192), (2, 4, 8)):
+                variants[f"ours, tile {tile}, {per_sm}/SM"] = _rms_norm_launch(x, w, tile, per_sm)
+        defaults = rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM
         rows += measure("rms_norm", shape, variants, [x, w], x.numel() * 2 * 2, x.numel() * 2 * 3, copy_gbs)
+        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM = defaults
     for shape in [(4, 4096, 3072)]:
         g, u = leaf(*shape), leaf(*shape)
         variants = {

@@ -62,9 +62,16 @@ def _rms_norm_backward(  # type: ignore[no-untyped-def]
     tl.store(DW + pid * cols + col, dw, mask=col < cols)
 
 
+# The launch shape: rows per program tile (TILE_ELEMENTS / the padded row length, at most 32) and the backward's
+# persistent programs per SM. benchmarks/kernels.py sweeps both on the GPU (the hidden-size backward ran at 63 %
+# of the copy bandwidth with these values); change them here when a sweep finds a faster pair.
+TILE_ELEMENTS = 4096
+PROGRAMS_PER_SM = 4
+
+
 def _blocks(cols: int) -> tuple[int, int, int]:
     block_n = triton.next_power_of_2(cols)
-    block_m = max(1, min(32, 4096 // block_n))
+    block_m = max(1, min(32, TILE_ELEMENTS // block_n))
     warps = 4 if block_n * block_m <= 4096 else 8
     return block_m, block_n, warps
 
@@ -115,7 +122,7 @@ def _programs(device: torch.device) -> int:
     """Programs of the persistent backward: a few per SM (each keeps its weight-gradient sums in registers)."""
     if device.type != "cuda":
         return 4
-    return 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 class _RMSNorm(torch.autograd.Function):
