@@ -21,10 +21,12 @@ import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import lightning
 import torch
+import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.distributed.device_mesh import DeviceMesh
@@ -238,6 +240,18 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "the flattened views (dp, fsdp, loss, ...) of the N-D mesh; torch has no public way yet (flatten_mesh)",
     ),
     PrivateName(
+        "torch.distributed",
+        "ProcessGroupGloo._Options",
+        ("mesh/parallel_dims.py",),
+        "the collective timeout of the mesh's own gloo groups (group_options; torch has no public Options)",
+    ),
+    PrivateName(
+        "torch.distributed",
+        "ProcessGroupGloo._Options._timeout",
+        ("mesh/parallel_dims.py",),
+        "the timeout field the Options carry to new_group (group_options)",
+    ),
+    PrivateName(
         "torch.distributed.pipelining.schedules",
         "_PipelineSchedule",
         ("pipeline/schedules.py",),
@@ -414,9 +428,12 @@ WRAPPER_PREFIXES: tuple[str, ...] = (
 
 
 # --------------------------------------------------------------------- helpers for attribute accesses
-def flatten_mesh(mesh: DeviceMesh, dims: str | tuple[str, ...], name: str) -> DeviceMesh:
-    """``mesh[dims]`` as one dimension called ``name`` (``DeviceMesh._flatten``: torch has no public API yet)."""
-    return mesh[dims]._flatten(name)
+def flatten_mesh(
+    mesh: DeviceMesh, dims: str | tuple[str, ...], name: str, backend_override: Any | None = None
+) -> DeviceMesh:
+    """``mesh[dims]`` as one dimension called ``name`` (``DeviceMesh._flatten``: torch has no public API yet);
+    ``backend_override``: ``(backend, options)`` for the group it makes (the collective timeout)."""
+    return mesh[dims]._flatten(name, backend_override=backend_override)
 
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
@@ -468,6 +485,23 @@ def pipeline_action_types() -> tuple[Any, Any]:
     """torch's ``(_Action, _ComputationType)``, to build single-stage schedule orders for the timeline."""
     schedules = "torch.distributed.pipelining.schedules"
     return import_private(schedules, "_Action"), import_private(schedules, "_ComputationType")
+
+
+def group_options(timeout: timedelta | None) -> tuple[str, Any] | None:
+    """``("gloo", options)`` that give a new gloo process group the collective ``timeout``; None when there is no
+    timeout to pass on or the default group is not gloo. torch's ``new_group`` would otherwise give each gloo mesh
+    group its own default timeout (30 minutes), not the default group's. NCCL is left to torch (it splits the
+    default group's communicator; passing NCCL options there is untested here, with no GPUs to test it on)."""
+    if (
+        timeout is None
+        or not dist.is_available()
+        or not dist.is_initialized()
+        or dist.get_backend() != "gloo"
+    ):
+        return None
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    options._timeout = timeout
+    return "gloo", options
 
 
 # Every module relying on a private name imports this one first: check the versions before it runs.

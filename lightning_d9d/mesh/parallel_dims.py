@@ -7,7 +7,9 @@ without a process group is checked here, so a bad configuration fails before any
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
+from datetime import timedelta
 from math import prod
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -135,24 +137,36 @@ class ParallelDims:
         return self.dp_replicate > 1
 
     # -------------------------------------------------------------------------------------------- mesh
-    def build_mesh(self, device_type: str) -> ParallelDims:
-        """Create the device mesh (a collective-free call once the process group exists)."""
+    def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> ParallelDims:
+        """Create the device mesh (a collective-free call once the process group exists). ``timeout``: the
+        collective timeout of every process group the mesh makes (its dims over a subset of the ranks, the
+        flattened views, the expert mesh), as the default group's; None keeps torch's defaults there."""
         self._require_resolved("build_mesh")
         # Imported here, not at the top: compat imports Lightning, and the checkpoint code reaches this package
         # (mesh.arrival) from `python -m lightning_d9d.convert`, which must not pay for importing Lightning.
-        from lightning_d9d.compat import flatten_mesh
+        from lightning_d9d.compat import flatten_mesh, group_options
 
+        options = group_options(timeout)
         shape = tuple(getattr(self, name) for name in MESH_DIM_NAMES)
-        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+        mesh = init_device_mesh(
+            device_type,
+            shape,
+            mesh_dim_names=MESH_DIM_NAMES,
+            backend_override=dict.fromkeys(MESH_DIM_NAMES, options) if options else None,
+        )
         # Keep the flattened meshes themselves: slicing flattened dims out of the root mesh is deprecated.
         views = {name: mesh[name] for name in MESH_DIM_NAMES}
-        views.update({view: flatten_mesh(mesh, dims, view) for view, dims in _FLATTENED_VIEWS.items()})
+        views.update(
+            {view: flatten_mesh(mesh, dims, view, options) for view, dims in _FLATTENED_VIEWS.items()}
+        )
         views["batch"] = views["dp"]
         views["hsdp"] = mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "fsdp"]
-        views.update(self._expert_views(mesh, views))
+        views.update(self._expert_views(mesh, views, options))
         return replace(self, mesh=mesh, _views=views)
 
-    def _expert_views(self, mesh: DeviceMesh, views: dict[str, DeviceMesh]) -> dict[str, DeviceMesh]:
+    def _expert_views(
+        self, mesh: DeviceMesh, views: dict[str, DeviceMesh], options: tuple[str, Any] | None = None
+    ) -> dict[str, DeviceMesh]:
         """``ep``, ``efsdp`` and the 2-D ``ehsdp`` (dp_replicate, efsdp). Without ep, experts shard like every
         other parameter (``efsdp`` is ``fsdp``) and no extra process group is made."""
         if self.ep == 1:
@@ -160,7 +174,12 @@ class ParallelDims:
         ranks = mesh.mesh.reshape(self.pp, self.dp_replicate, self.efsdp, self.ep)
         # Its own root (ep cuts across dp_shard, cp and tp), so that FSDP can compose efsdp with ep: both are
         # dims of one mesh, as FSDP requires of a data-parallel mesh and the mesh its parameters are split on.
-        expert_mesh = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=EXPERT_MESH_DIM_NAMES)
+        expert_mesh = DeviceMesh(
+            mesh.device_type,
+            ranks,
+            mesh_dim_names=EXPERT_MESH_DIM_NAMES,
+            backend_override=(options,) * len(EXPERT_MESH_DIM_NAMES) if options else None,
+        )
         return {
             "ep": expert_mesh["ep"],
             "efsdp": expert_mesh["efsdp"],

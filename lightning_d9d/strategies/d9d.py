@@ -211,7 +211,7 @@ class D9DStrategy(ModelParallelStrategy):
         # Validate again (the cluster environment may have changed the world size), still before any collective.
         dims = self._resolve_dims()
         self._setup_distributed()
-        self._dims = dims.build_mesh(self.root_device.type)
+        self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self.device_mesh)

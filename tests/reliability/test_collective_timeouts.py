@@ -96,3 +96,34 @@ def test_a_collective_over_a_subgroup_names_the_group_and_the_rank_that_never_ca
         "rank 1 did not arrive"
     ), message
     assert elapsed < AWAY - 1, elapsed
+
+
+def mesh_groups_with_rank_0_away() -> tuple[str, float, str]:
+    """4 ranks as dp_shard=2 x tp=2 with ep=2, the mesh built with a 1 s timeout while the default group keeps
+    60 s. Rank 0 stays away; rank 1 waits for it on an expert-mesh group (ep {0, 1}), rank 2 on a flattened view
+    (loss {0, 2}), rank 3 on a mesh dim over part of the ranks (tp {2, 3}, for rank 2, itself stuck): how long
+    until each raises, and what."""
+    from lightning_d9d.mesh import ParallelDims
+
+    dims = ParallelDims(dp_shard=2, tp=2, ep=2).resolve(4).build_mesh("cpu", timeout=TIMEOUT)
+    view = {1: "ep", 2: "loss", 3: "tp"}.get(dist.get_rank())
+    if view is None:
+        time.sleep(AWAY)
+        return "away", 0.0, ""
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=dims.mesh_for(view).get_group())
+    except RuntimeError as error:
+        return view, time.monotonic() - start, f"{type(error).__name__}: {str(error)[:120]}"
+    return view, time.monotonic() - start, "no error"
+
+
+def test_every_mesh_group_takes_the_strategy_timeout() -> None:
+    """``D9DStrategy(timeout=...)`` reaches the mesh's own groups (a dim over part of the ranks, a flattened view,
+    the expert mesh): without it torch gives each such gloo group 30 minutes, so the waiting ranks would fail
+    only when rank 0 left (3.5 s, a closed connection); with it each raises after about the timeout."""
+    results = run_distributed(mesh_groups_with_rank_0_away, 4, group_timeout=timedelta(seconds=60))
+    assert results[0][0] == "away"
+    for view, seconds, error in results[1:]:
+        assert error.startswith("RuntimeError") and 0.8 <= seconds <= 2.5, (view, seconds, error)
+    assert [view for view, _, _ in results[1:]] == ["ep", "loss", "tp"]
