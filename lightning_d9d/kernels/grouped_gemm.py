@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +36,11 @@ import torch
 import torch.nn.functional as F
 
 from lightning_d9d.kernels.grouped_gemm_triton import triton_grouped_mm, triton_unsupported
+from lightning_d9d.kernels.registry import BackendRegistry
 
 log = logging.getLogger("lightning_d9d.kernels")
 
 ENV_VAR = "LIGHTNING_D9D_GROUPED_GEMM"
-AUTO = "auto"
 
 # (x [T, K], w [G, K, N], group_sizes [G]) -> [T, N]
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -209,59 +208,28 @@ def _package_preferred(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 # ------------------------------------------------------------------------------------- registry
-_BACKENDS: dict[str, GroupedGemmBackend] = {}
-_ANNOUNCED: set[str] = set()
+_REGISTRY: BackendRegistry[GroupedGemmBackend] = BackendRegistry(
+    "grouped GEMM", ENV_VAR, fallback="loop", hint="the backend= argument", log=log
+)
 
 
 def register_grouped_gemm_backend(backend: GroupedGemmBackend, *, before: str | None = None) -> None:
     """Add (or replace) a backend; ``before`` puts it ahead of that backend in ``auto``'s order."""
-    if backend.name == AUTO:
-        raise ValueError(f"{AUTO!r} is reserved for automatic selection: choose another backend name")
-    _BACKENDS.pop(backend.name, None)
-    if before is None:
-        _BACKENDS[backend.name] = backend
-        return
-    if before not in _BACKENDS:
-        raise ValueError(f"unknown grouped GEMM backend {before!r}: choose one of {sorted(_BACKENDS)}")
-    entries = list(_BACKENDS.items())
-    position = [name for name, _ in entries].index(before)
-    entries.insert(position, (backend.name, backend))
-    _BACKENDS.clear()
-    _BACKENDS.update(entries)
+    _REGISTRY.register(backend, before=before)
 
 
 def grouped_gemm_backends() -> tuple[str, ...]:
     """The registered names, in ``auto``'s order."""
-    return tuple(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def select_grouped_gemm_backend(
     x: torch.Tensor, w: torch.Tensor, backend: str | None = None
 ) -> GroupedGemmBackend:
     """``backend`` (else ``$LIGHTNING_D9D_GROUPED_GEMM``, else ``auto``) resolved for these inputs."""
-    name = backend or os.environ.get(ENV_VAR) or AUTO
-    if name == AUTO:
-        chosen = next(
-            (candidate for candidate in _BACKENDS.values() if candidate.preferred(x, w)), _BACKENDS["loop"]
-        )
-    else:
-        if name not in _BACKENDS:
-            raise ValueError(
-                f"unknown grouped GEMM backend {name!r}: choose one of {[AUTO, *_BACKENDS]} "
-                f"(the backend= argument or ${ENV_VAR})"
-            )
-        chosen = _BACKENDS[name]
-        reason = chosen.unsupported(x, w)
-        if reason is not None:
-            raise ValueError(
-                f"grouped GEMM backend {name!r} cannot run these inputs: {reason}. "
-                f"Choose another backend (or {AUTO!r}) with backend= or ${ENV_VAR}"
-            )
-    # Not while torch.compile traces (a fullgraph compile cannot hold a logging call): an eager call logs.
-    if chosen.name not in _ANNOUNCED and not torch.compiler.is_compiling():
-        _ANNOUNCED.add(chosen.name)
-        log.info("grouped GEMM backend: %s (from %s)", chosen.name, name)
-    return chosen
+    return _REGISTRY.select(
+        backend, lambda b: b.preferred(x, w), lambda b: b.unsupported(x, w), "these inputs"
+    )
 
 
 def grouped_mm(

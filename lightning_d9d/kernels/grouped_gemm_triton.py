@@ -23,6 +23,14 @@ BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
 
 
 @triton.jit
+def _dot(a, b, FP32: tl.constexpr):  # type: ignore[no-untyped-def]  # pragma: no cover - compiled by Triton
+    # fp32 operands: IEEE products (the default would round them to tf32 and miss the fp32 loop's values)
+    if FP32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
 def _grouped_rows_matmul(  # type: ignore[no-untyped-def]
     X,
     W,
@@ -65,10 +73,7 @@ def _grouped_rows_matmul(  # type: ignore[no-untyped-def]
             mask=(ks[:, None] < k) & (cols[None, :] < n),
             other=0.0,
         )
-        if FP32:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += _dot(a, b, FP32)
     mask = (rows[:, None] < end) & (cols[None, :] < n)
     tl.store(Y + rows[:, None] * sym + cols[None, :] * syn, acc.to(Y.dtype.element_ty), mask=mask)
 
@@ -112,10 +117,7 @@ def _grouped_weight_grad(  # type: ignore[no-untyped-def]
             mask=(rows[:, None] < end) & (cols[None, :] < n),
             other=0.0,
         )
-        if FP32:
-            acc += tl.dot(a, b, input_precision="ieee")
-        else:
-            acc += tl.dot(a, b)
+        acc += _dot(a, b, FP32)
     mask = (ks[:, None] < k) & (cols[None, :] < n)
     tl.store(
         DW + group * swg + ks[:, None] * swk + cols[None, :] * swn, acc.to(DW.dtype.element_ty), mask=mask

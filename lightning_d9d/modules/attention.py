@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lightning_d9d.kernels.registry import BackendRegistry
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import apply_rotary
 
@@ -40,7 +40,6 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 ENV_VAR = "LIGHTNING_D9D_ATTENTION"
-AUTO = "auto"
 log = logging.getLogger("lightning_d9d.modules")
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -99,52 +98,29 @@ def _flash_attn_unsupported(q: torch.Tensor) -> str | None:
     return _half_on_cuda(q, 8)
 
 
-_BACKENDS: dict[str, AttentionBackend] = {}
-_ANNOUNCED: set[str] = set()
+_REGISTRY: BackendRegistry[AttentionBackend] = BackendRegistry(
+    "attention", ENV_VAR, fallback="sdpa", hint="Attention.attention_backend", log=log
+)
 
 
 def register_attention_backend(backend: AttentionBackend, *, before: str | None = None) -> None:
     """Add (or replace) a backend; ``before`` puts it ahead of that one in ``auto``'s order."""
-    if backend.name == AUTO:
-        raise ValueError(f"{AUTO!r} is reserved for automatic selection: choose another backend name")
-    _BACKENDS.pop(backend.name, None)
-    if before is not None and before not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {before!r}: choose one of {sorted(_BACKENDS)}")
-    entries = list(_BACKENDS.items())
-    position = [name for name, _ in entries].index(before) if before is not None else len(entries)
-    entries.insert(position, (backend.name, backend))
-    _BACKENDS.clear()
-    _BACKENDS.update(entries)
+    _REGISTRY.register(backend, before=before)
 
 
 def attention_backends() -> tuple[str, ...]:
     """The registered names, in ``auto``'s order."""
-    return tuple(_BACKENDS)
+    return _REGISTRY.names()
 
 
 def select_attention_backend(q: torch.Tensor, name: str | None = None) -> AttentionBackend:
     """``name`` (else ``$LIGHTNING_D9D_ATTENTION``, else ``auto``) resolved for queries like ``q``."""
-    wanted = name or os.environ.get(ENV_VAR) or AUTO
-    if wanted == AUTO:
-        chosen = next((b for b in _BACKENDS.values() if b.preferred(q)), _BACKENDS["sdpa"])
-    else:
-        if wanted not in _BACKENDS:
-            raise ValueError(
-                f"unknown attention backend {wanted!r}: choose one of {[AUTO, *_BACKENDS]} "
-                f"(Attention.attention_backend or ${ENV_VAR})"
-            )
-        chosen = _BACKENDS[wanted]
-        reason = chosen.unsupported(q)
-        if reason is not None:
-            raise ValueError(
-                f"attention backend {wanted!r} cannot run {q.dtype} queries on {q.device}: it {reason}. "
-                f"Choose another (or {AUTO!r}) with Attention.attention_backend or ${ENV_VAR}"
-            )
-    # Not while torch.compile traces a block (fullgraph: a logging call cannot be traced); eager calls log.
-    if chosen.name not in _ANNOUNCED and not torch.compiler.is_compiling():
-        _ANNOUNCED.add(chosen.name)
-        log.info("attention backend: %s (from %s, %s on %s)", chosen.name, wanted, q.dtype, q.device.type)
-    return chosen
+
+    def unsupported(backend: AttentionBackend) -> str | None:
+        reason = backend.unsupported(q)
+        return None if reason is None else f"it {reason}"
+
+    return _REGISTRY.select(name, lambda b: b.preferred(q), unsupported, f"{q.dtype} queries on {q.device}")
 
 
 def _never(q: torch.Tensor) -> bool:

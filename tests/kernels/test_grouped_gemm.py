@@ -62,7 +62,7 @@ def test_auto_picks_the_loop_on_cpu_and_logs_once(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.delenv(gg.ENV_VAR, raising=False)
-    monkeypatch.setattr(gg, "_ANNOUNCED", set())
+    monkeypatch.setattr(gg._REGISTRY, "announced", set())
     x, w, _ = _inputs(SIZES)
     with caplog.at_level(logging.INFO, logger="lightning_d9d.kernels"):
         for _ in range(3):
@@ -118,7 +118,7 @@ def test_grouped_gemm_package_is_optional(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_registered_backend_goes_first_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gg, "_BACKENDS", dict(gg._BACKENDS))
+    monkeypatch.setattr(gg._REGISTRY, "backends", dict(gg._REGISTRY.backends))
     used: list[str] = []
 
     def run(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
@@ -166,7 +166,7 @@ def test_autocast_casts_the_operands_for_every_backend(monkeypatch: pytest.Monke
     """Under autocast (bf16-mixed without FSDP) a backend receives operands in the autocast dtype, as a
     Linear would, and the fp32 inputs still get fp32 gradients: torch's grouped_mm, which autocast does not
     cover, refuses fp32 x bf16."""
-    monkeypatch.setattr(gg, "_BACKENDS", dict(gg._BACKENDS))
+    monkeypatch.setattr(gg._REGISTRY, "backends", dict(gg._REGISTRY.backends))
     seen: list[tuple[torch.dtype, torch.dtype]] = []
 
     def run(x: torch.Tensor, w: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:

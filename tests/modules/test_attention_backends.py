@@ -23,8 +23,8 @@ from lightning_d9d.modules.attention import (
 
 @pytest.fixture(autouse=True)
 def fresh_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setattr(attention_module, "_BACKENDS", dict(attention_module._BACKENDS))
-    monkeypatch.setattr(attention_module, "_ANNOUNCED", set())
+    monkeypatch.setattr(attention_module._REGISTRY, "backends", dict(attention_module._REGISTRY.backends))
+    monkeypatch.setattr(attention_module._REGISTRY, "announced", set())
     monkeypatch.delenv("LIGHTNING_D9D_ATTENTION", raising=False)
     yield
 
@@ -94,6 +94,6 @@ def test_compiles_as_one_graph(name: str | None) -> None:
     block, x, cos, sin = _block_and_inputs()
     block.attention_backend = name
     expected = block(x, cos, sin)
-    attention_module._ANNOUNCED.clear()  # the first call under compile is the one that selects
+    attention_module._REGISTRY.announced.clear()  # the first call under compile is the one that selects
     block.compile(fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(block(x, cos, sin), expected, rtol=1e-5, atol=1e-5)
