@@ -328,23 +328,17 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         grouped, permutation = permute_tokens(x, indices)
         return unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights)
 
-    from lightning_d9d.kernels import permute_triton
-
-    def with_kernels(
-        mode: str, fn: Callable[[], torch.Tensor], tile: bool = True
-    ) -> Callable[[], torch.Tensor]:
+    def with_kernels(mode: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             os.environ["LIGHTNING_D9D_KERNELS"] = mode
-            permute_triton.TOKEN_TILE = tile
             try:
                 return fn()
             finally:
                 os.environ.pop("LIGHTNING_D9D_KERNELS", None)
-                permute_triton.TOKEN_TILE = True
 
         return run
 
-    def compiled(mode: str, tile: bool = True) -> Callable[[], torch.Tensor]:
+    def compiled(mode: str) -> Callable[[], torch.Tensor]:
         """``round_trip`` compiled afresh under ``mode`` (Dynamo does not guard on the environment: each
         variant starts from an empty cache), as a compiled MoE block runs it: our kernels are custom operators
         there, the sort and index bookkeeping fused by Inductor."""
@@ -354,7 +348,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
             if "fn" not in state:
                 torch._dynamo.reset()
                 state["fn"] = torch.compile(round_trip)
-            return with_kernels(mode, state["fn"], tile)()
+            return with_kernels(mode, state["fn"])()
 
         return run
 
@@ -365,8 +359,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         (tokens, hidden, f"top-{top_k} of {experts}"),
         {
             "ours (Triton), eager": with_kernels("triton", round_trip),
-            "ours in torch.compile, token tile": compiled("triton", tile=True),
-            "ours in torch.compile, unrolled": compiled("triton", tile=False),
+            "ours in torch.compile": compiled("triton"),
             "torch eager": with_kernels("reference", round_trip),
             "torch.compile": compiled("reference"),
         },

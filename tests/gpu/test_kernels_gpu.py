@@ -172,15 +172,12 @@ def test_qwen3_with_kernels_equals_references(monkeypatch: pytest.MonkeyPatch) -
 @pytest.mark.parametrize(
     ("tokens", "hidden", "top_k", "experts"), [(16384, 1024, 8, 128), (3001, 1000, 2, 6)]
 )
-@pytest.mark.parametrize("token_tile", [True, False], ids=["tile", "unrolled"])
 def test_moe_permutation(
-    tokens: int, hidden: int, top_k: int, experts: int, token_tile: bool, monkeypatch: pytest.MonkeyPatch
+    tokens: int, hidden: int, top_k: int, experts: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The Triton permute/unpermute against the references (forced by name: ``auto`` waits for this test, see
     ``lightning_d9d.kernels.permute.PERMUTE_GPU_CHECKED``)."""
-    from lightning_d9d.kernels import permute_tokens, permute_triton, unpermute_tokens
-
-    monkeypatch.setattr(permute_triton, "TOKEN_TILE", token_tile)
+    from lightning_d9d.kernels import permute_tokens, unpermute_tokens
 
     x = leaf(tokens, hidden, dtype=torch.bfloat16, device="cuda", seed=14)
     scores = torch.rand(tokens, experts, device="cuda")

@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 
-from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, permute_triton, unpermute_tokens
+from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
 from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
@@ -151,16 +151,13 @@ def _moe_round_trip(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.
     ("tokens", "hidden_size", "top_k", "dtype"),
     [(7, 5, 3, torch.float32), (9, 1500, 2, torch.float32), (6, 40, 4, torch.bfloat16)],
 )
-@pytest.mark.parametrize("token_tile", [True, False], ids=["tile", "unrolled"])
 def test_moe_permute_and_unpermute(
     tokens: int,
     hidden_size: int,
     top_k: int,
     dtype: torch.dtype,
-    token_tile: bool,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(permute_triton, "TOKEN_TILE", token_tile)
     experts = 6
     generator = torch.Generator().manual_seed(tokens)
     hidden = leaf(tokens, hidden_size, dtype=dtype, device="cpu", seed=8)
