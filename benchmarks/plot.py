@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "hf_fsdp_compiled"
+PEERS = ("titan_compiled",)  # another framework's path, in the run as a second baseline
+PEER_COLOR = "tab:orange"
 
 
 def load(spec: str) -> tuple[str, list[dict[str, Any]]]:
@@ -38,10 +40,16 @@ def main() -> None:
     for column, (title, results) in enumerate(runs):
         baseline = next((r for r in results if r["path"] == BASELINE), None)
         names = [
-            r["path"].replace("ours_trainer_compiled", "ours").replace("hf_fsdp_compiled", "baseline")
+            r["path"]
+            .replace("ours_trainer_compiled", "ours")
+            .replace("hf_fsdp_compiled", "baseline")
+            .replace("titan_compiled", "torchtitan")
             for r in results
         ]
-        colors = ["tab:gray" if r["path"] == BASELINE else "tab:blue" for r in results]
+        colors = [
+            "tab:gray" if r["path"] == BASELINE else PEER_COLOR if r["path"] in PEERS else "tab:blue"
+            for r in results
+        ]
         speed, memory = axes[0][column], axes[1][column]
         bars = speed.bar(names, [r["tokens_per_s"] / 1e3 for r in results], color=colors)
         if baseline is not None:
@@ -61,7 +69,9 @@ def main() -> None:
         for axis in (speed, memory):
             axis.tick_params(axis="x", labelrotation=30, labelsize=7)
     figure.suptitle(
-        "One H200: our Trainer path vs transformers + FSDP2 + per-layer torch.compile (gray)", fontsize=10
+        "One H200: our Trainer path (blue) vs transformers + FSDP2 + per-layer torch.compile (gray) and "
+        "torchtitan (orange); ratios to the gray bar",
+        fontsize=10,
     )
     figure.tight_layout()
     args.out.parent.mkdir(parents=True, exist_ok=True)
