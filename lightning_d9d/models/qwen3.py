@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -37,6 +37,7 @@ from lightning_d9d.modules import (
 from lightning_d9d.modules.autocast import to_autocast_dtype
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.init import Fill
+from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
@@ -48,6 +49,7 @@ from lightning_d9d.plans import (
     parallelize_context,
     parallelize_tensor,
     per_head_norm,
+    replicated_over_tp,
     require_degrees,
     row_parallel_to_sequence,
     sequence_parallel_norm,
@@ -284,6 +286,14 @@ def run_decoder(
     return norm(x) if norm is not None else x
 
 
+class DecoderParts(Protocol):
+    """What :func:`tensor_plan` reads of a decoder (a whole model's or one pipeline stage's)."""
+
+    embed_tokens: nn.Embedding | None
+    layers: nn.ModuleDict
+    norm: RMSNorm | None
+
+
 def tensor_parallel_sizes(config: Qwen3Config) -> dict[str, int]:
     """The sizes tensor parallelism splits, each of which tp must divide."""
     return {
@@ -295,14 +305,16 @@ def tensor_parallel_sizes(config: Qwen3Config) -> dict[str, int]:
 
 
 def tensor_plan(
-    decoder: Qwen3Model | Qwen3Stage, lm_head: nn.Module | None, *, prefix: str = ""
+    decoder: DecoderParts, lm_head: nn.Module | None, *, prefix: str = ""
 ) -> dict[str, ParallelStyle]:
     """Qwen3's tensor-parallel plan for the parts ``decoder`` (and ``lm_head``) hold, keyed by module name
     relative to the module that owns ``decoder`` under ``prefix``.
 
     Attention: q/k/v split by heads (column-parallel), o row-parallel; the q/k norms act per head on this
     rank's heads. MLP: gate/up column-parallel, down row-parallel. Norms and residuals sequence-parallel; the
-    embedding vocabulary-parallel; the head leaves vocabulary-sharded logits for the loss.
+    embedding vocabulary-parallel; the head leaves vocabulary-sharded logits for the loss. An MoE block (the
+    sparse layers of Qwen3-MoE, whose attention and dense layers are Qwen3's) runs whole on every tp rank
+    (:func:`~lightning_d9d.plans.replicated_over_tp`): ep, not tp, splits its experts.
     """
     plan: dict[str, ParallelStyle] = {}
     if decoder.embed_tokens is not None:
@@ -320,6 +332,9 @@ def tensor_plan(
         if isinstance(attention, Attention) and attention.k_norm is not None:
             plan[f"{at}self_attn.k_norm"] = per_head_norm()
         plan[f"{at}post_attention_layernorm"] = sequence_parallel_norm()
+        if isinstance(layer.mlp, MoE):
+            plan[f"{at}mlp"] = replicated_over_tp()
+            continue
         plan[f"{at}mlp"] = gather_sequence()
         for name in ("gate_proj", "up_proj"):
             plan[f"{at}mlp.{name}"] = column_parallel()
