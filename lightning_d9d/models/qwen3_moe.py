@@ -28,6 +28,15 @@ detached value for logging. When the user's loss is scaled before backward (``1 
 transformers averages the routing fractions and probabilities over the sparse layers before multiplying them;
 we average the per-layer losses (the same when there is one sparse layer, and the same value, ``k``, for
 perfectly balanced routing).
+
+Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp``), context (``cp``) and pipeline
+parallelism, in any combination; tp is refused. Under cp every rank holds its load-balanced part of each
+sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees the whole sequence, RoPE rotates by
+the global positions, and the MoE blocks, being position-wise, route the local tokens unchanged. Only the
+load-balancing loss looks across tokens: each block counts the tokens per expert over the cp group
+(``MoE.sequence_group``), so that the cp ranks' losses, averaged like their gradients, are the loss of the whole
+sequences; the z-loss is a token mean over equal parts and needs nothing. The expert loads that the
+auxiliary-loss-free bias update sums are counted per rank and summed over the ``loss`` view, which includes cp.
 """
 
 from __future__ import annotations
@@ -52,6 +61,7 @@ from lightning_d9d.modules import (
     ones_fill,
     zeros_fill,
 )
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.modules.moe.experts import GroupedExperts
@@ -60,16 +70,16 @@ from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
     parallelize_blocks,
+    parallelize_context,
     parallelize_expert,
     require_degrees,
 )
 
 _NOT_YET = {
-    "tp": "tensor parallelism is not implemented for Qwen3-MoE yet (ep splits the experts instead)",
-    "cp": "context parallelism is not implemented for Qwen3-MoE yet",
+    "tp": "ep > 1 to split the experts over ranks (cp > 1 to split long sequences)",
 }
-# ep splits the experts over data ranks; tp and cp ranks hold the same tokens and are refused above.
-_SUPPORTED = (*DATA_PARALLEL, "ep")
+# ep splits the experts over dp_shard x cp ranks; tp ranks would hold the same tokens and are refused above.
+_SUPPORTED = (*DATA_PARALLEL, "cp", "ep")
 
 
 @dataclass
@@ -310,8 +320,13 @@ class Qwen3MoeModel(nn.Module):
         )
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        # Under context parallelism (set by parallelize_context): which positions of each sequence this rank
+        # holds, so that RoPE rotates each token by its global position.
+        self.context_split: LoadBalancedSplit | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is None and self.context_split is not None:
+            position_ids = self.context_split.local_positions(input_ids.shape[1], device=input_ids.device)
         return run_decoder(
             self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, position_ids
         )
@@ -331,19 +346,39 @@ class Qwen3MoeStage(CausalLMStage):
         self.norm = decoder.norm if last else None
         self.lm_head = model.lm_head if last else None
         self._rotary = [decoder.rotary_emb]  # not a submodule: the model owns (and initialises) the tables
+        self.context_split: LoadBalancedSplit | None = None  # as Qwen3MoeModel's: set by parallelize_context
 
     def forward(
         self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
     ) -> torch.Tensor:
-        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs)
+        position_ids = None
+        if self.context_split is not None:
+            # ids [B, T / cp] on the first stage, hidden states [B, T / cp, hidden] after it: the same positions
+            position_ids = self.context_split.local_positions(inputs.shape[1], device=inputs.device)
+        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs, position_ids)
         return self.head(hidden, labels, ignore_index)  # logits, or with labels their loss (CausalLMStage)
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Experts split over ep, then activation checkpointing, compile and data parallelism per decoder
-        layer; each stage its own FSDP root. tp / cp: not yet."""
+        """The model's plan for one pipeline stage (experts over ep, then the sequence split over cp, then
+        activation checkpointing, compile and data parallelism per decoder layer); each stage its own FSDP
+        root. Between stages travel this rank's sequence parts. tp: not yet."""
         require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage", alternatives=_NOT_YET)
         parallelize_expert(self, dims, options)
+        split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
+
+
+def split_sequences(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
+    """Under cp > 1: context-parallel attention and RoPE positions (:func:`~lightning_d9d.plans.
+    parallelize_context`), and every MoE block's load-balancing loss counting the tokens of the whole
+    sequences (the cp group's); nothing without cp. Before the layers are wrapped (checkpointing, compile)."""
+    if not dims.cp_enabled:
+        return
+    cp_mesh = dims.mesh_for("cp")
+    parallelize_context(module, cp_mesh, options.context_attention)
+    for block in module.modules():
+        if isinstance(block, MoE):
+            block.sequence_group = cp_mesh.get_group()
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -423,9 +458,11 @@ class Qwen3MoeForCausalLM(CausalLM):
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """Experts split over ``ep`` (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch,
-        expert weights sharded over ep and FSDP over the remaining data ranks), then activation checkpointing,
-        per-layer ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (embedding, final norm,
-        head). tp and cp are refused."""
+        expert weights sharded over ep and FSDP over the remaining data ranks), then context parallelism over
+        ``cp`` (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
+        positions, the load-balancing loss counted over the cp group), then activation checkpointing, per-layer
+        ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (embedding, final norm, head; FSDP
+        over ``dp_shard * cp``). tp is refused."""
         require_degrees(
             dims,
             supported=_SUPPORTED,
@@ -436,6 +473,7 @@ class Qwen3MoeForCausalLM(CausalLM):
             },
         )
         parallelize_expert(self, dims, options)
+        split_sequences(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)
 

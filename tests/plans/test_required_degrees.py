@@ -9,6 +9,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     IMPLEMENTED,
@@ -64,6 +65,35 @@ def test_qwen3_stage_refuses_degrees_without_plans(degree: str) -> None:
     stage = model.pipeline_stage([0, 1], first=True, last=True)
     with pytest.raises(NotImplementedError, match=f"Qwen3Stage: {degree}=2 is not implemented yet"):
         stage.parallelize(ParallelDims(**degrees(pp=2, **{degree: 2})), ParallelOptions())
+
+
+def moe_model_and_stage() -> list[tuple[str, Any]]:
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny())
+    return [
+        ("Qwen3MoeForCausalLM", model),
+        ("Qwen3MoeStage", model.pipeline_stage([0, 1, 2], first=True, last=True)),
+    ]
+
+
+def test_qwen3_moe_refuses_tp_and_names_ep() -> None:
+    for owner, plan in moe_model_and_stage():
+        pp = 2 if owner == "Qwen3MoeStage" else 1
+        with pytest.raises(
+            NotImplementedError,
+            match=rf"^{owner}: tp=2 is not implemented yet \(tensor parallelism\); use tp=1, or ep > 1 to split "
+            r"the experts over ranks \(cp > 1 to split long sequences\)$",
+        ):
+            plan.parallelize(ParallelDims(pp=pp, tp=2), ParallelOptions())
+
+
+def test_qwen3_moe_accepts_cp_alone_and_with_ep() -> None:
+    # past the degree guard, the plan asks for the cp mesh (these dims have none): cp is not refused
+    for owner, plan in moe_model_and_stage():
+        pp = 2 if owner == "Qwen3MoeStage" else 1
+        for ep in (1, 2):
+            dims = ParallelDims(pp=pp, cp=2, ep=ep).resolve(2 * pp)
+            with pytest.raises(RuntimeError, match=r"mesh_for\(\) needs a mesh"):
+                plan.parallelize(dims, ParallelOptions())
 
 
 def test_qwen3_model_points_pipelines_to_its_stages() -> None:

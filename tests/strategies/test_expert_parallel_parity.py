@@ -6,7 +6,10 @@ Experts 6 and 7 are excluded by their selection bias, so loads are uneven and so
 (``moe/.../load_min`` is 0). 5 optimizer steps: losses, parameters, pre-clip gradient norms. Cases: ep=2 (the
 experts split over both data ranks), ep=2 inside dp_shard=4 (experts split over 2, each shard FSDP-sharded over
 the other 2; 4 processes), ep=2 under HSDP (dp_replicate=2 x dp_shard=2), ep=2 x pp=2 (each pipeline stage's
-experts split over its 2 data ranks), and Qwen3-MoE on pp=2 without ep.
+experts split over its 2 data ranks), Qwen3-MoE on pp=2 without ep, and context parallelism: cp=2 alone (each
+rank routes its half of every sequence; the load-balancing loss counts the whole sequences' tokens, the bias
+update sums the load over both), and ep=2 x cp=2 x dp_shard=2 (experts split over the 2 cp ranks, which hold
+different tokens of the same sequences), and ep=2 x cp=2 x pp=2.
 """
 
 from __future__ import annotations
@@ -83,6 +86,35 @@ CASES: dict[str, dict] = {
         "moe": {**MOE, "num_hidden_layers": 4},  # layers 0, 2, 3 sparse; 2 stages of 2
         "moe_balance": BALANCE,
         "dims": {"pp": 2, "ep": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
+    # the reference runs whole sequences: RoPE positions, attention, the router losses and the bias update must
+    # not see the split
+    "cp2": {
+        "devices": 2,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"cp": 2},
+    },
+    # ep groups are consecutive ranks: each ep pair is a cp pair, inside one of 2 data replicas
+    "ep2_cp2_dp2": {
+        "devices": 4,
+        "dp": 2,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"dp_shard": 2, "cp": 2, "ep": 2},
+    },
+    # pipeline stages, each context- and expert-parallel over the same 2 ranks: the stages pass this rank's
+    # sequence parts on, RoPE rotates by the global positions on every stage
+    "ep2_cp2_pp2": {
+        "devices": 4,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": {**MOE, "num_hidden_layers": 4},
+        "moe_balance": BALANCE,
+        "dims": {"pp": 2, "cp": 2, "ep": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
     },
 }
 

@@ -1,12 +1,17 @@
-"""Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step, move each router's selection
-bias by ``rate * sign(mean load - load)`` per expert, from the load counted over the accumulation window.
+"""Load counted across ranks: the auxiliary-loss-free bias update, and the load-balancing loss's token counts
+under context parallelism.
 
-The load must be the whole step's, so it is summed over every micro-step (each router counts into its
-``expert_load`` buffer in training forwards) and over the ranks that saw different tokens with the same router
-replica (one all-reduce over ``group``: the data-parallel ranks, later including ``cp`` and ``ep``, which
-carve the same data ranks). Every rank then applies the same update, so the replicas stay equal.
+Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step, move each router's selection bias
+by ``rate * sign(mean load - load)`` per expert, from the load counted over the accumulation window. The load
+must be the whole step's, so it is summed over every micro-step (each router counts into its ``expert_load``
+buffer in training forwards) and over the ranks that saw different tokens with the same router replica (one
+all-reduce over ``group``: the ``loss`` view, data-parallel x context-parallel ranks, which ``ep`` carves too).
+Every rank then applies the same update, so the replicas stay equal. Call it after ``optimizer.step()`` on
+every rank (``lightning_d9d.callbacks.ExpertLoadBalancing`` does, once per optimizer step).
 
-Call it after ``optimizer.step()`` on every rank (the later Lightning edge does, once per optimizer step).
+Under context parallelism a rank holds part of each sequence; the load-balancing loss's per-expert token
+fractions must be those of the whole sequences (:func:`mean_tokens_per_expert`), so that the cp ranks' losses,
+averaged like their gradients, equal one process's loss on the whole sequences.
 """
 
 from __future__ import annotations
@@ -47,6 +52,17 @@ def update_expert_bias(
             router.expert_bias.add_(rate * torch.sign(load_float.mean() - load_float))
         router.expert_load.zero_()
     return loads
+
+
+@torch.no_grad()
+def mean_tokens_per_expert(tokens_per_expert: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tokens_per_expert [E]`` averaged over the ranks of ``group`` (fp32, no gradient): divided by this rank's
+    token count it is the fraction of the whole sequences' tokens per expert, since every cp rank holds the
+    same number of tokens (:class:`~lightning_d9d.modules.context_attention.LoadBalancedSplit`). A collective:
+    every rank of ``group`` calls it in the same forward."""
+    total = tokens_per_expert.clone()  # summed as counted (int64: exact), the routing's own counts untouched
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total.to(torch.float32) / dist.get_world_size(group)
 
 
 @contextmanager

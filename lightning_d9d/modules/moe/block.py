@@ -8,15 +8,22 @@ beside the routed experts and is added to their output.
 Router losses: with a nonzero ``aux_loss_coef`` / ``z_loss_coef``, a training-mode forward computes
 ``router_loss`` and attaches its gradient to the block's output (:func:`~lightning_d9d.modules.moe.losses.
 attach_loss`, scaled by ``aux_loss_scale``), so no extra output has to cross pipeline stages and each
-micro-batch's backward adds it once. The detached value is kept in ``last_router_loss`` for logging.
+micro-batch's backward adds it once. The detached value is kept in ``last_router_loss`` for logging. Under
+context parallelism ``sequence_group`` (the cp group, set by the model's plan) makes the load-balancing loss
+count the tokens per expert of the whole sequences (:func:`~lightning_d9d.modules.moe.balancing.
+mean_tokens_per_expert`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from lightning_d9d.modules.mlp import SwiGLU
+from lightning_d9d.modules.moe.balancing import mean_tokens_per_expert
 from lightning_d9d.modules.moe.dispatch import LocalDispatcher, TokenDispatcher
 from lightning_d9d.modules.moe.experts import GroupedExperts
 from lightning_d9d.modules.moe.losses import attach_loss, router_loss
@@ -67,6 +74,9 @@ class MoE(nn.Module):
         self.z_loss_coef = z_loss_coef
         self.aux_loss_scale = 1.0
         self.last_router_loss: torch.Tensor | None = None
+        # The ranks holding the other parts of this rank's sequences (cp), whose tokens the load-balancing
+        # loss counts too; None: this rank's tokens are whole sequences.
+        self.sequence_group: dist.ProcessGroup | None = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
@@ -78,6 +88,9 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)
         if self.training and (self.aux_loss_coef or self.z_loss_coef):
+            if self.sequence_group is not None and self.aux_loss_coef:
+                counts = mean_tokens_per_expert(routing.tokens_per_expert, self.sequence_group)
+                routing = dataclasses.replace(routing, tokens_per_expert=counts)
             loss = router_loss(routing, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
             self.last_router_loss = loss.detach()
             output = attach_loss(output, loss, self.aux_loss_scale)
