@@ -29,8 +29,12 @@ transformers averages the routing fractions and probabilities over the sparse la
 we average the per-layer losses (the same when there is one sparse layer, and the same value, ``k``, for
 perfectly balanced routing).
 
-Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp``), context (``cp``) and pipeline
-parallelism, in any combination; tp is refused. Under cp every rank holds its load-balanced part of each
+Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp x tp``), context (``cp``), tensor
+(``tp``) and pipeline parallelism. Under tp attention, the dense layers, the embedding and the head split as
+Qwen3's (:func:`~lightning_d9d.models.qwen3.tensor_plan`), while every tp rank runs each MoE block whole on the
+gathered sequence (:func:`~lightning_d9d.plans.replicated_over_tp`): the router and experts see every token on
+every tp rank, their gradients need no reduction over tp, and the expert work is repeated tp times (ep, not tp,
+is the degree that splits the experts; the experts' gradient divisor counts the repeats). Under cp every rank holds its load-balanced part of each
 sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees the whole sequence, RoPE rotates by
 the global positions, and the MoE blocks, being position-wise, route the local tokens unchanged. Only the
 load-balancing loss looks across tokens: each block counts the tokens per expert over the cp group
@@ -50,7 +54,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM, CausalLMStage
-from lightning_d9d.models.qwen3 import run_decoder
+from lightning_d9d.models.qwen3 import run_decoder, tensor_plan
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -69,17 +73,16 @@ from lightning_d9d.modules.moe.router import TopKRouter
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
+    check_tensor_parallel_sizes,
     parallelize_blocks,
     parallelize_context,
     parallelize_expert,
+    parallelize_tensor,
     require_degrees,
 )
 
-_NOT_YET = {
-    "tp": "ep > 1 to split the experts over ranks (cp > 1 to split long sequences)",
-}
-# ep splits the experts over dp_shard x cp ranks; tp ranks would hold the same tokens and are refused above.
-_SUPPORTED = (*DATA_PARALLEL, "cp", "ep")
+# tp splits attention and the dense layers; every tp rank runs the MoE blocks whole; ep splits the experts.
+_SUPPORTED = (*DATA_PARALLEL, "cp", "ep", "tp")
 
 
 @dataclass
@@ -270,6 +273,16 @@ class Qwen3MoeConfig:
         return total
 
 
+def tensor_parallel_sizes(config: Qwen3MoeConfig) -> dict[str, int]:
+    """The sizes tensor parallelism splits (the experts are not among them), each of which tp must divide."""
+    return {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+        "vocab_size": config.vocab_size,
+    }
+
+
 class Qwen3MoeDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is an :class:`MoE`
     on sparse layers and a :class:`SwiGLU` on dense ones."""
@@ -323,12 +336,19 @@ class Qwen3MoeModel(nn.Module):
         # Under context parallelism (set by parallelize_context): which positions of each sequence this rank
         # holds, so that RoPE rotates each token by its global position.
         self.context_split: LoadBalancedSplit | None = None
+        self.sequence_shards = 1  # tp under sequence parallelism: hidden states hold T / tp positions
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is None and self.context_split is not None:
             position_ids = self.context_split.local_positions(input_ids.shape[1], device=input_ids.device)
         return run_decoder(
-            self.embed_tokens, self.layers, self.norm, self.rotary_emb, input_ids, position_ids
+            self.embed_tokens,
+            self.layers,
+            self.norm,
+            self.rotary_emb,
+            input_ids,
+            position_ids,
+            sequence_shards=self.sequence_shards,
         )
 
 
@@ -347,22 +367,42 @@ class Qwen3MoeStage(CausalLMStage):
         self.lm_head = model.lm_head if last else None
         self._rotary = [decoder.rotary_emb]  # not a submodule: the model owns (and initialises) the tables
         self.context_split: LoadBalancedSplit | None = None  # as Qwen3MoeModel's: set by parallelize_context
+        self.sequence_shards = 1  # as Qwen3MoeModel's: hidden states between stages hold T / tp positions
+        self._config = model.config
 
     def forward(
         self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
     ) -> torch.Tensor:
         position_ids = None
         if self.context_split is not None:
-            # ids [B, T / cp] on the first stage, hidden states [B, T / cp, hidden] after it: the same positions
-            position_ids = self.context_split.local_positions(inputs.shape[1], device=inputs.device)
-        hidden = run_decoder(self.embed_tokens, self.layers, self.norm, self._rotary[0], inputs, position_ids)
+            # Ids [B, T / cp] on the first stage, [B, T / (cp * tp), hidden] states after it: T / cp positions.
+            local_len = inputs.shape[1] * (1 if self.embed_tokens is not None else self.sequence_shards)
+            position_ids = self.context_split.local_positions(local_len, device=inputs.device)
+        hidden = run_decoder(
+            self.embed_tokens,
+            self.layers,
+            self.norm,
+            self._rotary[0],
+            inputs,
+            position_ids,
+            sequence_shards=self.sequence_shards,
+        )
         return self.head(hidden, labels, ignore_index)  # logits, or with labels their loss (CausalLMStage)
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """The model's plan for one pipeline stage (experts over ep, then the sequence split over cp, then
-        activation checkpointing, compile and data parallelism per decoder layer); each stage its own FSDP
-        root. Between stages travel this rank's sequence parts. tp: not yet."""
-        require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage", alternatives=_NOT_YET)
+        """The model's plan for one pipeline stage (tensor parallelism, experts over ep, then the sequence split
+        over cp, then activation checkpointing, compile and data parallelism per decoder layer); each stage its
+        own FSDP root. Between stages travel this rank's sequence parts."""
+        require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage")
+        if dims.tp_enabled:
+            check_tensor_parallel_sizes(dims.tp, "Qwen3MoeStage", tensor_parallel_sizes(self._config))
+            if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
+                raise NotImplementedError(
+                    "Qwen3MoeStage: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
+                    "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
+                )
+            parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
+            self.sequence_shards = dims.tp
         parallelize_expert(self, dims, options)
         split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
@@ -462,16 +502,23 @@ class Qwen3MoeForCausalLM(CausalLM):
         ``cp`` (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
         positions, the load-balancing loss counted over the cp group), then activation checkpointing, per-layer
         ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (embedding, final norm, head; FSDP
-        over ``dp_shard * cp``). tp is refused."""
+        over ``dp_shard * cp``). Tensor parallelism comes first: attention, the dense layers, the embedding and
+        the head as Qwen3's, the MoE blocks run whole on every tp rank (see the module docstring); sizes tp
+        does not divide are refused before any collective."""
         require_degrees(
             dims,
             supported=_SUPPORTED,
             owner="Qwen3MoeForCausalLM",
             alternatives={
-                **_NOT_YET,
                 "pp": "call Qwen3MoeStage.parallelize on each pipeline stage (the d9d strategy does)",
             },
         )
+        if dims.tp_enabled:
+            check_tensor_parallel_sizes(dims.tp, "Qwen3MoeForCausalLM", tensor_parallel_sizes(self.config))
+            parallelize_tensor(
+                self, dims.mesh_for("tp"), tensor_plan(self.model, self.lm_head, prefix="model.")
+            )
+            self.model.sequence_shards = dims.tp
         parallelize_expert(self, dims, options)
         split_sequences(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.

@@ -1,0 +1,72 @@
+"""Qwen3-MoE under tensor parallelism inside Lightning's loop against a single-process loop (fp32, gloo, 1e-5).
+
+tp splits attention and the dense layer as for Qwen3 (heads, MLP columns, sequence-parallel norms, vocabulary-
+parallel embedding and head); every tp rank runs the MoE blocks whole on the gathered sequence
+(``plans.replicated_over_tp``), so their weights' gradients need no reduction over tp. With ep the experts are
+split over ranks that include tp peers holding the same tokens: each token reaches the experts tp times, which
+the experts' gradient divisor accounts for (``plans.expert``). Router losses in the gradient, the
+auxiliary-loss-free bias update after each optimizer step, uneven loads (experts 6 and 7 excluded); 5 optimizer
+steps: losses, parameters, pre-clip gradient norms. Cases: tp=2; tp=2 x ep=2 x dp_shard=2; tp=2 x cp=2;
+tp=2 x pp=2 (4 processes each, one launch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from test_expert_parallel_parity import BALANCE, MOE
+from test_trainer_parity import BASE, assert_matches_reference, launcher_by_world_size
+
+CASES: dict[str, dict] = {
+    "moe_tp2": {
+        "devices": 2,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"tp": 2},
+    },
+    # ep=2 carved from dp_shard x tp: each ep pair is a tp pair (the same tokens), each expert shard
+    # FSDP-sharded over the 2 data ranks
+    "moe_tp2_ep2": {
+        "devices": 4,
+        "dp": 2,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"tp": 2, "dp_shard": 2, "ep": 2},
+    },
+    # each tp rank gathers its cp part of the sequences; the load-balancing loss counts over the cp group
+    "moe_tp2_cp2": {
+        "devices": 4,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"tp": 2, "cp": 2},
+    },
+    # two tensor-parallel pipeline stages: sequence shards travel between them
+    "moe_tp2_pp2": {
+        "devices": 4,
+        "dp": 1,
+        "max_steps": 5,
+        "moe": {**MOE, "num_hidden_layers": 4},
+        "moe_balance": BALANCE,
+        "dims": {"pp": 2, "tp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
+    return launcher_by_world_size(CASES, tmp_path_factory, "moe_tp")
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_moe_tensor_parallel_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
+    actual = launched(case)
+    assert_matches_reference(actual, {**BASE, **CASES[case]})
+    loads = actual["moe_load"]
+    minima = [value for name, value in loads.items() if name.endswith("load_min")]
+    assert minima and all(value == 0 for value in minima), loads
