@@ -100,3 +100,5 @@ def main(config: dict[str, Any]) -> None:
 if __name__ == "__main__":
     for one in json.loads(sys.argv[1]):
         main(one)
+    if dist.is_initialized():  # before interpreter exit (see trainer_script.py)
+        dist.destroy_process_group()
