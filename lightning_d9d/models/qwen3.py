@@ -346,12 +346,35 @@ def tensor_plan(
     return plan
 
 
-class Qwen3Stage(CausalLMStage):
-    """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm
-    and LM head on the last. It shares its submodules with the (trimmed) :class:`Qwen3ForCausalLM`, which
-    owns the parameters under their global names; this module is what the schedule runs."""
+class _Decoder(DecoderParts, Protocol):
+    rotary_emb: RotaryEmbedding
 
-    def __init__(self, model: Qwen3ForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+
+class _TieConfig(Protocol):
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+
+class DecoderLM(Protocol):
+    """What a :class:`DecoderStage` takes of the whole model (Qwen3's, Qwen3-MoE's)."""
+
+    @property
+    def model(self) -> _Decoder: ...
+
+    @property
+    def lm_head(self) -> nn.Linear | None: ...
+
+    @property
+    def config(self) -> _TieConfig: ...
+
+
+class DecoderStage(CausalLMStage):
+    """One pipeline stage of a Qwen3-family decoder: a few decoder layers, plus the embedding on the first
+    stage and the final norm and LM head on the last. It shares its submodules with the (trimmed) whole model,
+    which owns the parameters under their global names; this module is what the schedule runs. Each model's
+    stage adds its ``parallelize``."""
+
+    def __init__(self, model: DecoderLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
         super().__init__()
         decoder = model.model
         self.embed_tokens = decoder.embed_tokens if first else None
@@ -360,9 +383,9 @@ class Qwen3Stage(CausalLMStage):
         self.lm_head = model.lm_head if last else None
         # Not a submodule: the RoPE tables belong to the model (and its init), the stage only reads them.
         self._rotary = [decoder.rotary_emb]
-        self._config = model.config
-        self.sequence_shards = 1  # as Qwen3Model's: hidden states between stages hold T / tp positions
-        self.context_split: LoadBalancedSplit | None = None  # as Qwen3Model's: set by parallelize_context
+        self._tied = model.config.tie_word_embeddings
+        self.sequence_shards = 1  # as the model's: hidden states between stages hold T / tp positions
+        self.context_split: LoadBalancedSplit | None = None  # as the model's: set by parallelize_context
 
     def forward(
         self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
@@ -384,19 +407,34 @@ class Qwen3Stage(CausalLMStage):
         )
         return self.head(hidden, labels, ignore_index)
 
+    def split_over_tp(self, dims: ParallelDims, sizes: Mapping[str, int]) -> None:
+        """Under tp > 1: the stage's part of the model's tensor plan (:func:`tensor_plan`), after refusing by
+        name the ``sizes`` tp does not divide and a tied embedding whose head is on another stage."""
+        if not dims.tp_enabled:
+            return
+        owner = type(self).__name__
+        check_tensor_parallel_sizes(dims.tp, owner, sizes)
+        if self._tied and (self.embed_tokens is None) != (self.lm_head is None):
+            raise NotImplementedError(
+                f"{owner}: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
+                "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
+            )
+        parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
+        self.sequence_shards = dims.tp
+
+
+class Qwen3Stage(DecoderStage):
+    """One pipeline stage of :class:`Qwen3ForCausalLM` (see :class:`DecoderStage`)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
+        super().__init__(model, layer_ids, first=first, last=last)
+        self._config = model.config
+
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block
         plan): each stage is its own FSDP root. Between stages travel this rank's sequence shards."""
         require_degrees(dims, supported=("pp", *DATA_PARALLEL, "cp", "tp"), owner="Qwen3Stage")
-        if dims.tp_enabled:
-            check_tensor_parallel_sizes(dims.tp, "Qwen3Stage", tensor_parallel_sizes(self._config))
-            if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
-                raise NotImplementedError(
-                    "Qwen3Stage: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
-                    "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
-                )
-            parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
-            self.sequence_shards = dims.tp
+        self.split_over_tp(dims, tensor_parallel_sizes(self._config))
         if dims.cp_enabled:
             parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
         # Before the layers are wrapped: TP and CP (above). No dropout in the layers: no RNG state to keep.

@@ -53,8 +53,8 @@ import torch
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import CausalLM, CausalLMStage
-from lightning_d9d.models.qwen3 import run_decoder, tensor_plan
+from lightning_d9d.models.causal_lm import CausalLM
+from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, tensor_plan
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -352,57 +352,21 @@ class Qwen3MoeModel(nn.Module):
         )
 
 
-class Qwen3MoeStage(CausalLMStage):
-    """One pipeline stage: a few decoder layers, plus the embedding on the first stage and the final norm and
-    LM head on the last; it shares its submodules with the (trimmed) :class:`Qwen3MoeForCausalLM`."""
+class Qwen3MoeStage(DecoderStage):
+    """One pipeline stage of :class:`Qwen3MoeForCausalLM` (see :class:`~lightning_d9d.models.qwen3.DecoderStage`)."""
 
     def __init__(
         self, model: Qwen3MoeForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool
     ) -> None:
-        super().__init__()
-        decoder = model.model
-        self.embed_tokens = decoder.embed_tokens if first else None
-        self.layers = nn.ModuleDict({str(i): decoder.layers[str(i)] for i in layer_ids})
-        self.norm = decoder.norm if last else None
-        self.lm_head = model.lm_head if last else None
-        self._rotary = [decoder.rotary_emb]  # not a submodule: the model owns (and initialises) the tables
-        self.context_split: LoadBalancedSplit | None = None  # as Qwen3MoeModel's: set by parallelize_context
-        self.sequence_shards = 1  # as Qwen3MoeModel's: hidden states between stages hold T / tp positions
+        super().__init__(model, layer_ids, first=first, last=last)
         self._config = model.config
-
-    def forward(
-        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
-    ) -> torch.Tensor:
-        position_ids = None
-        if self.context_split is not None:
-            # Ids [B, T / cp] on the first stage, [B, T / (cp * tp), hidden] states after it: T / cp positions.
-            local_len = inputs.shape[1] * (1 if self.embed_tokens is not None else self.sequence_shards)
-            position_ids = self.context_split.local_positions(local_len, device=inputs.device)
-        hidden = run_decoder(
-            self.embed_tokens,
-            self.layers,
-            self.norm,
-            self._rotary[0],
-            inputs,
-            position_ids,
-            sequence_shards=self.sequence_shards,
-        )
-        return self.head(hidden, labels, ignore_index)  # logits, or with labels their loss (CausalLMStage)
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism, experts over ep, then the sequence split
         over cp, then activation checkpointing, compile and data parallelism per decoder layer); each stage its
         own FSDP root. Between stages travel this rank's sequence parts."""
         require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage")
-        if dims.tp_enabled:
-            check_tensor_parallel_sizes(dims.tp, "Qwen3MoeStage", tensor_parallel_sizes(self._config))
-            if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
-                raise NotImplementedError(
-                    "Qwen3MoeStage: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
-                    "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
-                )
-            parallelize_tensor(self, dims.mesh_for("tp"), tensor_plan(self, self.lm_head))
-            self.sequence_shards = dims.tp
+        self.split_over_tp(dims, tensor_parallel_sizes(self._config))
         parallelize_expert(self, dims, options)
         split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
