@@ -244,8 +244,6 @@ class Qwen3Model(nn.Module):
         self.context_split: LoadBalancedSplit | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None and self.context_split is not None:
-            position_ids = self.context_split.local_positions(input_ids.shape[1], device=input_ids.device)
         return run_decoder(
             self.embed_tokens,
             self.layers,
@@ -254,6 +252,7 @@ class Qwen3Model(nn.Module):
             input_ids,
             position_ids,
             sequence_shards=self.sequence_shards,
+            context_split=self.context_split,
         )
 
 
@@ -266,12 +265,14 @@ def run_decoder(
     position_ids: torch.Tensor | None = None,
     *,
     sequence_shards: int = 1,
+    context_split: LoadBalancedSplit | None = None,
 ) -> torch.Tensor:
     """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm).
 
     Under sequence parallelism (``sequence_shards`` > 1) token ids come in whole and hidden states as this
     rank's ``T / sequence_shards`` positions; the RoPE tables cover the whole sequence either way (attention
-    gathers it).
+    gathers it). Under context parallelism (``context_split``) the rank holds its ``T / cp`` positions of each
+    sequence and, unless ``position_ids`` are given, RoPE rotates them by their global positions.
     """
     if embed_tokens is not None:
         seq_len = inputs.shape[1]
@@ -280,6 +281,8 @@ def run_decoder(
         x = to_autocast_dtype(embed_tokens(inputs))  # bf16 residual stream under autocast too
     else:
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
+    if position_ids is None and context_split is not None:
+        position_ids = context_split.local_positions(seq_len, device=inputs.device)
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)
     for layer in layers.values():
         x = layer(x, cos, sin)
@@ -294,7 +297,23 @@ class DecoderParts(Protocol):
     norm: RMSNorm | None
 
 
-def tensor_parallel_sizes(config: Qwen3Config) -> dict[str, int]:
+class SplitSizes(Protocol):
+    """The sizes of a Qwen3-family config that tensor parallelism splits (Qwen3-MoE's experts are not split)."""
+
+    @property
+    def num_attention_heads(self) -> int: ...
+
+    @property
+    def num_key_value_heads(self) -> int: ...
+
+    @property
+    def intermediate_size(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+
+def tensor_parallel_sizes(config: SplitSizes) -> dict[str, int]:
     """The sizes tensor parallelism splits, each of which tp must divide."""
     return {
         "num_attention_heads": config.num_attention_heads,
@@ -390,20 +409,16 @@ class DecoderStage(CausalLMStage):
     def forward(
         self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
     ) -> torch.Tensor:
-        """Hidden states; on the last stage logits, or with ``labels`` their loss (see :class:`CausalLMStage`)."""
-        position_ids = None
-        if self.context_split is not None:
-            # Ids on the first stage, [B, T / (cp * tp), hidden] states after it: this rank's T / cp positions.
-            local_len = inputs.shape[1] * (1 if self.embed_tokens is not None else self.sequence_shards)
-            position_ids = self.context_split.local_positions(local_len, device=inputs.device)
+        """Hidden states; on the last stage logits, or with ``labels`` their loss (see :class:`CausalLMStage`).
+        Ids on the first stage, ``[B, T / (cp * tp), hidden]`` states after it."""
         hidden = run_decoder(
             self.embed_tokens,
             self.layers,
             self.norm,
             self._rotary[0],
             inputs,
-            position_ids,
             sequence_shards=self.sequence_shards,
+            context_split=self.context_split,
         )
         return self.head(hidden, labels, ignore_index)
 

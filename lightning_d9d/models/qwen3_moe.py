@@ -54,7 +54,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM
-from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, tensor_plan
+from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, tensor_parallel_sizes, tensor_plan
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -273,16 +273,6 @@ class Qwen3MoeConfig:
         return total
 
 
-def tensor_parallel_sizes(config: Qwen3MoeConfig) -> dict[str, int]:
-    """The sizes tensor parallelism splits (the experts are not among them), each of which tp must divide."""
-    return {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "intermediate_size": config.intermediate_size,
-        "vocab_size": config.vocab_size,
-    }
-
-
 class Qwen3MoeDecoderLayer(nn.Module):
     """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is an :class:`MoE`
     on sparse layers and a :class:`SwiGLU` on dense ones."""
@@ -339,8 +329,6 @@ class Qwen3MoeModel(nn.Module):
         self.sequence_shards = 1  # tp under sequence parallelism: hidden states hold T / tp positions
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None and self.context_split is not None:
-            position_ids = self.context_split.local_positions(input_ids.shape[1], device=input_ids.device)
         return run_decoder(
             self.embed_tokens,
             self.layers,
@@ -349,6 +337,7 @@ class Qwen3MoeModel(nn.Module):
             input_ids,
             position_ids,
             sequence_shards=self.sequence_shards,
+            context_split=self.context_split,
         )
 
 
