@@ -3,8 +3,9 @@
 # (each part writes under $OUT/<part>; run a part by name: `benchmarks/h200_runs.sh dense moe`).
 #   dense    the 0.6B shape: baseline, torchtitan (when its wheels are on PYTHONPATH), ours and its levers
 #   moe      the MoE shape: baseline, ours with and without FSDP on the one rank
-#   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours
-#   kernels  benchmarks/kernels.py (all parts)
+#   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours, with and without FSDP on the one rank
+#   kernels  benchmarks/kernels.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
+#            installed: benchmarks/README.md)
 #   gpu      the gpu-marked tests
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
@@ -25,7 +26,8 @@ for part in "${@:-dense moe}"; do
       moe) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --steps 40 \
           --out "$OUT/moe" --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp ;;
       long) for seq in 16384 32768; do
-          bench --seq-len $seq --batch-size 1 --out "$OUT/long$seq" --paths hf_fsdp_compiled,ours_trainer_compiled \
+          bench --seq-len $seq --batch-size 1 --out "$OUT/long$seq" \
+            --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp \
             || status=1
         done ;;
       kernels) python3 benchmarks/kernels.py --out "$OUT/kernels/kernels.json" ;;
