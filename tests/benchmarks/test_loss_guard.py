@@ -7,6 +7,8 @@ import math
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from train_throughput import LOSS_TOLERANCE, check_losses
 
@@ -32,3 +34,23 @@ def test_without_a_baseline_only_finiteness_is_checked() -> None:
     results = [_run("ours_trainer_compiled", 7.5), _run("ours_eager", math.inf)]
     check_losses(results)
     assert [r["loss_ok"] for r in results] == [True, False]
+
+
+def test_every_path_gets_the_same_fresh_batch_each_step() -> None:
+    """The guard compares paths that trained on the same data: ``_batches`` is a function of the arguments
+    alone, gives each step (warm-up, measured and probe steps) its own batch, shifts labels by one token, and
+    draws from a skewed distribution a model can learn (uniform ids would leave every path at ln(vocab))."""
+    from train_throughput import _batches, parse_args
+
+    args = parse_args(
+        ["--seq-len", "4096", "--batch-size", "2", "--warmup", "2", "--steps", "3", "--probe-steps", "1"]
+    )
+    inputs, labels = _batches(args, 500, "cpu")
+    again, _ = _batches(args, 500, "cpu")
+    assert inputs.shape == labels.shape == (2 + 3 + 1, 2, 4096)
+    assert torch.equal(inputs, again)
+    assert all(not torch.equal(inputs[0], inputs[step]) for step in range(1, inputs.shape[0]))
+    assert torch.equal(inputs[:, :, 1:], labels[:, :, :-1])
+    counts = torch.bincount(inputs.flatten(), minlength=500).float()
+    entropy = -(counts / counts.sum() * (counts / counts.sum()).clamp(min=1e-12).log()).sum()
+    assert entropy < math.log(500) - 0.3  # learnable: well below the uniform distribution's ln(vocab)
