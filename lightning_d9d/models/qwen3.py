@@ -367,15 +367,16 @@ def tensor_plan(
 
 class _Decoder(DecoderParts, Protocol):
     rotary_emb: RotaryEmbedding
+    sequence_shards: int
 
 
-class _TieConfig(Protocol):
+class _DecoderConfig(SplitSizes, Protocol):
     @property
     def tie_word_embeddings(self) -> bool: ...
 
 
 class DecoderLM(Protocol):
-    """What a :class:`DecoderStage` takes of the whole model (Qwen3's, Qwen3-MoE's)."""
+    """What :class:`DecoderStage` and :func:`split_model_over_tp` read of a whole Qwen3-family model."""
 
     @property
     def model(self) -> _Decoder: ...
@@ -384,7 +385,18 @@ class DecoderLM(Protocol):
     def lm_head(self) -> nn.Linear | None: ...
 
     @property
-    def config(self) -> _TieConfig: ...
+    def config(self) -> _DecoderConfig: ...
+
+
+def split_model_over_tp(model: DecoderLM, dims: ParallelDims) -> None:
+    """Under tp > 1: the whole model's tensor plan (:func:`tensor_plan`), after refusing by name the sizes tp
+    does not divide (before any collective); the decoder then hands out sequence shards."""
+    if not dims.tp_enabled:
+        return
+    assert isinstance(model, nn.Module)
+    check_tensor_parallel_sizes(dims.tp, type(model).__name__, tensor_parallel_sizes(model.config))
+    parallelize_tensor(model, dims.mesh_for("tp"), tensor_plan(model.model, model.lm_head, prefix="model."))
+    model.model.sequence_shards = dims.tp
 
 
 class DecoderStage(CausalLMStage):
@@ -402,7 +414,7 @@ class DecoderStage(CausalLMStage):
         self.lm_head = model.lm_head if last else None
         # Not a submodule: the RoPE tables belong to the model (and its init), the stage only reads them.
         self._rotary = [decoder.rotary_emb]
-        self._tied = model.config.tie_word_embeddings
+        self._config = model.config
         self.sequence_shards = 1  # as the model's: hidden states between stages hold T / tp positions
         self.context_split: LoadBalancedSplit | None = None  # as the model's: set by parallelize_context
 
@@ -422,14 +434,14 @@ class DecoderStage(CausalLMStage):
         )
         return self.head(hidden, labels, ignore_index)
 
-    def split_over_tp(self, dims: ParallelDims, sizes: Mapping[str, int]) -> None:
+    def split_over_tp(self, dims: ParallelDims) -> None:
         """Under tp > 1: the stage's part of the model's tensor plan (:func:`tensor_plan`), after refusing by
-        name the ``sizes`` tp does not divide and a tied embedding whose head is on another stage."""
+        name the sizes tp does not divide and a tied embedding whose head is on another stage."""
         if not dims.tp_enabled:
             return
         owner = type(self).__name__
-        check_tensor_parallel_sizes(dims.tp, owner, sizes)
-        if self._tied and (self.embed_tokens is None) != (self.lm_head is None):
+        check_tensor_parallel_sizes(dims.tp, owner, tensor_parallel_sizes(self._config))
+        if self._config.tie_word_embeddings and (self.embed_tokens is None) != (self.lm_head is None):
             raise NotImplementedError(
                 f"{owner}: tie_word_embeddings=True with tp > 1 needs the embedding and the head in one "
                 "stage (each stage is sharded on its own); set tie_word_embeddings=False, or tp=1"
@@ -441,15 +453,11 @@ class DecoderStage(CausalLMStage):
 class Qwen3Stage(DecoderStage):
     """One pipeline stage of :class:`Qwen3ForCausalLM` (see :class:`DecoderStage`)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
-        super().__init__(model, layer_ids, first=first, last=last)
-        self._config = model.config
-
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block
         plan): each stage is its own FSDP root. Between stages travel this rank's sequence shards."""
         require_degrees(dims, supported=("pp", *DATA_PARALLEL, "cp", "tp"), owner="Qwen3Stage")
-        self.split_over_tp(dims, tensor_parallel_sizes(self._config))
+        self.split_over_tp(dims)
         if dims.cp_enabled:
             parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
         # Before the layers are wrapped: TP and CP (above). No dropout in the layers: no RNG state to keep.
@@ -530,12 +538,7 @@ class Qwen3ForCausalLM(CausalLM):
             owner="Qwen3ForCausalLM",
             alternatives={"pp": "call Qwen3Stage.parallelize on each pipeline stage (the d9d strategy does)"},
         )
-        if dims.tp_enabled:
-            check_tensor_parallel_sizes(dims.tp, "Qwen3ForCausalLM", tensor_parallel_sizes(self.config))
-            parallelize_tensor(
-                self, dims.mesh_for("tp"), tensor_plan(self.model, self.lm_head, prefix="model.")
-            )
-            self.model.sequence_shards = dims.tp
+        split_model_over_tp(self, dims)
         if dims.cp_enabled:
             parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
         # Before the layers are wrapped: TP and CP (above). The decoder layers have no dropout (Qwen3's

@@ -34,9 +34,10 @@ Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp x tp`
 Qwen3's (:func:`~lightning_d9d.models.qwen3.tensor_plan`), while every tp rank runs each MoE block whole on the
 gathered sequence (:func:`~lightning_d9d.plans.replicated_over_tp`): the router and experts see every token on
 every tp rank, their gradients need no reduction over tp, and the expert work is repeated tp times (ep, not tp,
-is the degree that splits the experts; the experts' gradient divisor counts the repeats). Under cp every rank holds its load-balanced part of each
-sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees the whole sequence, RoPE rotates by
-the global positions, and the MoE blocks, being position-wise, route the local tokens unchanged. Only the
+is the degree that splits the experts; the experts' gradient divisor counts the repeats). Under cp every rank
+holds its load-balanced part of each sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees
+the whole sequence, RoPE rotates by the global positions, and the MoE blocks, being position-wise, route the
+local tokens unchanged. Only the
 load-balancing loss looks across tokens: each block counts the tokens per expert over the cp group
 (``MoE.sequence_group``), so that the cp ranks' losses, averaged like their gradients, are the loss of the whole
 sequences; the z-loss is a token mean over equal parts and needs nothing. The expert loads that the
@@ -54,7 +55,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM
-from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, tensor_parallel_sizes, tensor_plan
+from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, split_model_over_tp
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -73,11 +74,9 @@ from lightning_d9d.modules.moe.router import TopKRouter
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
-    check_tensor_parallel_sizes,
     parallelize_blocks,
     parallelize_context,
     parallelize_expert,
-    parallelize_tensor,
     require_degrees,
 )
 
@@ -344,18 +343,12 @@ class Qwen3MoeModel(nn.Module):
 class Qwen3MoeStage(DecoderStage):
     """One pipeline stage of :class:`Qwen3MoeForCausalLM` (see :class:`~lightning_d9d.models.qwen3.DecoderStage`)."""
 
-    def __init__(
-        self, model: Qwen3MoeForCausalLM, layer_ids: Sequence[int], *, first: bool, last: bool
-    ) -> None:
-        super().__init__(model, layer_ids, first=first, last=last)
-        self._config = model.config
-
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The model's plan for one pipeline stage (tensor parallelism, experts over ep, then the sequence split
         over cp, then activation checkpointing, compile and data parallelism per decoder layer); each stage its
         own FSDP root. Between stages travel this rank's sequence parts."""
         require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage")
-        self.split_over_tp(dims, tensor_parallel_sizes(self._config))
+        self.split_over_tp(dims)
         parallelize_expert(self, dims, options)
         split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
@@ -450,14 +443,14 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
-        """Experts split over ``ep`` (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch,
-        expert weights sharded over ep and FSDP over the remaining data ranks), then context parallelism over
-        ``cp`` (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
-        positions, the load-balancing loss counted over the cp group), then activation checkpointing, per-layer
-        ``torch.compile``, then FSDP/HSDP per decoder layer plus the root (embedding, final norm, head; FSDP
-        over ``dp_shard * cp``). Tensor parallelism comes first: attention, the dense layers, the embedding and
-        the head as Qwen3's, the MoE blocks run whole on every tp rank (see the module docstring); sizes tp
-        does not divide are refused before any collective."""
+        """In order: tensor parallelism over ``tp`` (:func:`~lightning_d9d.models.qwen3.split_model_over_tp`:
+        attention, dense layers, embedding and head as Qwen3's, the MoE blocks whole on every tp rank; sizes tp
+        does not divide refused before any collective), experts split over ``ep``
+        (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch, expert weights sharded over ep
+        and FSDP over the remaining data ranks), context parallelism over ``cp`` (:func:`split_sequences`:
+        load-balanced sequence parts, all-gather attention, RoPE at the global positions, the load-balancing loss
+        counted over the cp group), then activation checkpointing, per-layer ``torch.compile``, and FSDP/HSDP
+        per decoder layer plus the root (embedding, final norm, head; FSDP over ``dp_shard * cp``)."""
         require_degrees(
             dims,
             supported=_SUPPORTED,
@@ -466,12 +459,7 @@ class Qwen3MoeForCausalLM(CausalLM):
                 "pp": "call Qwen3MoeStage.parallelize on each pipeline stage (the d9d strategy does)",
             },
         )
-        if dims.tp_enabled:
-            check_tensor_parallel_sizes(dims.tp, "Qwen3MoeForCausalLM", tensor_parallel_sizes(self.config))
-            parallelize_tensor(
-                self, dims.mesh_for("tp"), tensor_plan(self.model, self.lm_head, prefix="model.")
-            )
-            self.model.sequence_shards = dims.tp
+        split_model_over_tp(self, dims)
         parallelize_expert(self, dims, options)
         split_sequences(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.
