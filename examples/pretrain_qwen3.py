@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset
 
 import lightning_d9d  # noqa: F401  (registers strategy="d9d")
 from lightning_d9d import D9DStrategy, model_loss
-from lightning_d9d.callbacks import Throughput
+from lightning_d9d.callbacks import GarbageCollection, Throughput
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.compat import should_accumulate
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -292,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
         check_val_every_n_epoch=None,
         limit_val_batches=4,
         logger=make_logger(args.logger, args.output),
-        callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10)]
+        # GarbageCollection: Python's collector every 50 steps on every rank, not at random steps
+        callbacks=[checkpoints, Throughput(window=10), PrintProgress(every=10), GarbageCollection()]
         # MoE: the bias update (with the rate) and the per-layer expert load in the logs.
         + ([ExpertLoadBalancing(args.expert_bias_rate)] if moe else []),
         enable_progress_bar=False,
