@@ -8,7 +8,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing, checkpointing_kind
-from lightning_d9d.plans.compile import apply_compile
+from lightning_d9d.plans.compile import apply_compile, compile_mode
 from lightning_d9d.plans.data_parallel import parallelize_data
 from lightning_d9d.plans.options import ParallelOptions
 
@@ -35,11 +35,12 @@ def parallelize_blocks(
     masks than forward did and the gradients are silently wrong.
     """
     kind = checkpointing_kind(options.activation_checkpointing)
+    mode = compile_mode(options.compile)
     for blocks in block_lists:
         if kind is not None:
             apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
-        if options.compile:
-            apply_compile(blocks)
+        if mode is not None:
+            apply_compile(blocks, mode)
     # Read the blocks after wrapping: the FSDP units are the checkpoint wrappers, not the modules inside.
     units = [block for blocks in block_lists for block in _blocks_of(blocks)]
     parallelize_data(module, dims, options, blocks=units)

@@ -4,12 +4,31 @@ from __future__ import annotations
 
 from torch import nn
 
+# torch.compile's modes. "max-autotune-no-cudagraphs" benchmarks Triton GEMM templates against cuBLAS for each
+# matmul shape at compile time (minutes, once); the cudagraph modes need static inputs and addresses, which
+# FSDP's per-block all-gathers do not give.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
-def apply_compile(blocks: nn.ModuleList | nn.ModuleDict) -> None:
+
+def compile_mode(compile: bool | str) -> str | None:
+    """The ``torch.compile`` mode that ``compile`` asks for: ``None`` for ``False``, ``"default"`` for
+    ``True``, a mode name as given; anything else is refused, naming the choices."""
+    if compile is False:
+        return None
+    if compile is True:
+        return "default"
+    if isinstance(compile, str) and compile in COMPILE_MODES:
+        return compile
+    raise ValueError(
+        f"compile={compile!r}: use True, False or one of torch.compile's modes {', '.join(map(repr, COMPILE_MODES))}"
+    )
+
+
+def apply_compile(blocks: nn.ModuleList | nn.ModuleDict, mode: str = "default") -> None:
     """Compile every block of ``blocks`` in place (``Module.compile`` keeps parameter names unchanged).
 
     Blocks share one code object and dynamo inlines ``nn.Module``s (``inline_inbuilt_nn_modules``: on in every
     torch this package supports, deprecated as a setting in 2.13), so the graph is not recompiled per block.
     """
     for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
-        block.compile(fullgraph=True)
+        block.compile(fullgraph=True, mode=mode)

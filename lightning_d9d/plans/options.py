@@ -19,7 +19,8 @@ class ParallelOptions:
         activation_checkpointing: recompute each repeated block's activations in backward: ``True`` (or
             ``"full"``) the whole block, ``"selective"`` only its element-wise ops (matmul and attention
             outputs kept); ``False`` keeps everything.
-        compile: ``torch.compile`` each repeated block.
+        compile: ``torch.compile`` each repeated block: ``True`` in torch's default mode, or a mode's name
+            (``"max-autotune-no-cudagraphs"``: GEMM templates tuned per shape at compile time).
         context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
             CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
         fsdp_on_one_rank: wrap the model in FSDP2 also when the whole world is one rank (parameters are then
@@ -30,6 +31,6 @@ class ParallelOptions:
     mp_policy: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool = True
     activation_checkpointing: bool | str = False
-    compile: bool = False
+    compile: bool | str = False
     context_attention: str = "auto"
     fsdp_on_one_rank: bool = True

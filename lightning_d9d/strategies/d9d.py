@@ -58,6 +58,7 @@ from lightning_d9d.plans import (
     split_batch,
 )
 from lightning_d9d.plans.checkpointing import checkpointing_kind
+from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -87,7 +88,9 @@ class D9DStrategy(ModelParallelStrategy):
             head as ``stage_embedding_weight`` / ``stage_head_weight`` layers.
         activation_checkpointing: recompute in backward: ``True`` / ``"full"`` each transformer block whole,
             ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
-        compile: ``torch.compile`` each transformer block.
+        compile: ``torch.compile`` each transformer block: ``True`` (torch's default mode) or a mode name, e.g.
+            ``"max-autotune-no-cudagraphs"`` (Triton GEMM templates benchmarked against cuBLAS per shape at
+            compile time: minutes once, measured in ``docs/benchmarks.md``).
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
@@ -125,7 +128,7 @@ class D9DStrategy(ModelParallelStrategy):
         stage_embedding_weight: float = 1.0,
         stage_head_weight: float = 1.0,
         activation_checkpointing: bool | str = False,
-        compile: bool = False,
+        compile: bool | str = False,
         context_attention: str = "auto",
         reshard_after_forward: bool = True,
         fsdp_on_one_rank: bool = True,
@@ -155,6 +158,7 @@ class D9DStrategy(ModelParallelStrategy):
         self._dims: ParallelDims | None = None
         checkpointing_kind(activation_checkpointing)  # refuses anything else, before any process group
         self._activation_checkpointing = activation_checkpointing
+        compile_mode(compile)  # refuses an unknown mode before any process group
         self._compile = compile
         if context_attention not in CONTEXT_ATTENTION:
             raise ValueError(

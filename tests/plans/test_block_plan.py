@@ -45,14 +45,16 @@ def loss_and_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def default_plan_rank() -> dict[str, Any]:
-    compiled: list[list[type]] = []
+    compiled: list[tuple[list[type], str]] = []
     # Record what compile is given instead of compiling (seconds per block on CPU): the order is the point.
-    blocks_plan.apply_compile = lambda blocks: compiled.append([type(b) for b in blocks])  # type: ignore[assignment]
+    blocks_plan.apply_compile = lambda blocks, mode: compiled.append(([type(b) for b in blocks], mode))  # type: ignore[assignment]
     torch.manual_seed(0)
     model = DropoutNet()
     reference = copy.deepcopy(model)
     dims = ParallelDims(dp_shard=1).build_mesh("cpu")
-    parallelize_default(model, dims, ParallelOptions(activation_checkpointing=True, compile=True))
+    parallelize_default(
+        model, dims, ParallelOptions(activation_checkpointing=True, compile="max-autotune-no-cudagraphs")
+    )
     x = torch.randn(8, 16)
     return {
         "compiled": compiled,
@@ -67,8 +69,9 @@ def default_plan_rank() -> dict[str, Any]:
 
 def test_default_plan_checkpoints_then_compiles_then_shards_and_keeps_dropout_exact() -> None:
     (result,) = run_distributed(default_plan_rank, 1, timeout=120)
-    # compile saw the checkpoint wrappers (before FSDP); FSDP made each wrapper a unit, then the root.
-    assert result["compiled"] == [[CheckpointWrapper, CheckpointWrapper]]
+    # compile saw the checkpoint wrappers (before FSDP), in the mode asked for; FSDP made each wrapper a unit,
+    # then the root.
+    assert result["compiled"] == [([CheckpointWrapper, CheckpointWrapper], "max-autotune-no-cudagraphs")]
     assert result["units"] == [(True, True), (True, True)]
     assert result["root_is_fsdp"]
     expected = result["expected"]

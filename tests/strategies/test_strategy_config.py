@@ -49,6 +49,14 @@ def test_unknown_schedule_names_the_choices() -> None:
     assert D9DStrategy(pipeline_schedule="interleaved1f1b").pipeline_schedule == "Interleaved1F1B"
 
 
+def test_unknown_compile_mode_names_the_choices() -> None:
+    with pytest.raises(
+        ValueError, match=r"compile='fast': use True, False or one of torch\.compile's modes 'default'"
+    ):
+        D9DStrategy(compile="fast")
+    D9DStrategy(compile="max-autotune-no-cudagraphs")  # a torch.compile mode is accepted
+
+
 def test_every_degree_has_a_plan() -> None:
     # ep is left to the model's plan (Qwen3-MoE splits experts; dense models and the default plan refuse it)
     assert D9DStrategy(ep=2)._requested_dims.ep == 2
