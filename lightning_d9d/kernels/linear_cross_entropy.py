@@ -24,9 +24,12 @@ from lightning_d9d.kernels.dispatch import launchable, use_triton
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 REDUCTIONS = ("mean", "sum")
-# Logits per chunk: 2**28 elements (0.5 GiB in bf16, plus as much in fp32 on the torch path), which amortises
-# the matmuls on a GPU and keeps the peak a fraction of the full logits at the vocabularies where fusing matters.
-CHUNK_ELEMENTS = 2**28
+# Logits per chunk: 5 * 2**27 elements (1.25 GiB in bf16, plus twice that in fp32 on the torch path), 4352
+# tokens at Qwen3's vocabulary. Measured on an H200 at 16384 tokens x vocab 151,936 (docs/benchmarks.md,
+# session 6): 1024 / 1664 / 2048 / 4096 / 8192-token chunks took 29.9 / 29.2 / 27.6 / 26.3 / 26.3 ms forward +
+# backward at 1.51 / 1.51 / 1.51 / 1.77 / 2.93 GiB above the inputs (torch.compile of logits + CE: 27.7 ms, 4.96
+# GiB): fewer chunks mean fewer fp32 weight-gradient accumulations, and the gain stops at about 4096 tokens.
+CHUNK_ELEMENTS = 5 * 2**27
 
 
 def default_chunk_tokens(vocab: int) -> int:
