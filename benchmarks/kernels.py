@@ -95,13 +95,16 @@ def fwd_bwd(forward: Callable[[], Any], inputs: list[torch.Tensor]) -> tuple[Run
     return f, fb
 
 
-def _rms_norm_launch(x: torch.Tensor, w: torch.Tensor, tile: int, per_sm: int) -> Callable[[], Any]:
-    """Our RMSNorm with another launch shape (``rmsnorm.TILE_ELEMENTS`` / ``PROGRAMS_PER_SM``). Set, not restored,
-    by each call: the backward reads them after the forward returns; ``elementwise_rows`` puts the defaults back."""
+def _rms_norm_launch(
+    x: torch.Tensor, w: torch.Tensor, tile: int, per_sm: int, stages: int
+) -> Callable[[], Any]:
+    """Our RMSNorm with another launch shape (``rmsnorm.TILE_ELEMENTS`` / ``PROGRAMS_PER_SM`` /
+    ``BACKWARD_STAGES``). Set, not restored, by each call: the backward reads them after the forward returns;
+    ``elementwise_rows`` puts the defaults back."""
     from lightning_d9d.kernels import rmsnorm
 
     def run() -> Any:
-        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM = tile, per_sm
+        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM, rmsnorm.BACKWARD_STAGES = tile, per_sm, stages
         return rms_norm_triton(x, w, 1e-6)
 
     return run
@@ -121,7 +124,8 @@ def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
     def leaf(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device="cuda", dtype=DTYPE).requires_grad_()
 
-    norm_shapes = [(4, 4096, 1024), (4, 4096, 16, 128)] if not quick else [(4, 4096, 1024)]
+    # 4 x 4096 x 4096: a wider model's hidden size, where the launch and reduction overheads weigh less
+    norm_shapes = [(4, 4096, 1024), (4, 4096, 16, 128), (4, 4096, 4096)] if not quick else [(4, 4096, 1024)]
     for shape in norm_shapes:
         x, w = leaf(*shape), leaf(shape[-1])
         variants: dict[str, Callable[[], Any]] = {
@@ -131,12 +135,13 @@ def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
         }
         if liger_rms is not None:
             variants["liger"] = lambda: liger_rms(x, w, 1e-6)  # type: ignore[misc]
-        if not quick:  # our launch shapes (tile elements, backward programs per SM) beside the default
-            for tile, per_sm in itertools.product((2048, 4096, 8192), (2, 4, 8)):
-                variants[f"ours, tile {tile}, {per_sm}/SM"] = _rms_norm_launch(x, w, tile, per_sm)
-        defaults = rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM
+        if not quick:  # our launch shapes (tile elements, backward programs per SM, pipeline stages)
+            for tile, per_sm, stages in itertools.product((2048, 4096, 8192), (2, 4, 8), (1, 2, 3)):
+                name = f"ours, tile {tile}, {per_sm}/SM, {stages} stages"
+                variants[name] = _rms_norm_launch(x, w, tile, per_sm, stages)
+        defaults = rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM, rmsnorm.BACKWARD_STAGES
         rows += measure("rms_norm", shape, variants, [x, w], x.numel() * 2 * 2, x.numel() * 2 * 3, copy_gbs)
-        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM = defaults
+        rmsnorm.TILE_ELEMENTS, rmsnorm.PROGRAMS_PER_SM, rmsnorm.BACKWARD_STAGES = defaults
     for shape in [(4, 4096, 3072)]:
         g, u = leaf(*shape), leaf(*shape)
         variants = {
@@ -202,6 +207,12 @@ def cross_entropy_rows(quick: bool) -> list[dict[str, Any]]:
     compiled = torch.compile(linear_cross_entropy_reference)
     variants: dict[str, Callable[[], torch.Tensor]] = {
         "ours (chunked)": lambda: chunked_linear_cross_entropy(h, w, labels),
+        **{  # the chunk length: fewer, larger matmuls against a larger peak
+            f"ours, {chunk}-token chunks": lambda chunk=chunk: chunked_linear_cross_entropy(
+                h, w, labels, chunk_tokens=chunk
+            )
+            for chunk in ((1024, 2048, 4096, 8192) if not quick else ())
+        },
         "logits + CE (eager)": lambda: linear_cross_entropy_reference(h, w, labels),
         "logits + CE (torch.compile)": lambda: compiled(h, w, labels),
     }
@@ -311,6 +322,50 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def projection_rows() -> list[dict[str, Any]]:
+    """A decoder layer's input projections at the 0.6B shape (16384 tokens, hidden 1024), forward + backward:
+    separate GEMMs as the checkpoint's layout has them (q, k, v; gate, up) against one GEMM over their
+    concatenated weights (concatenated per call, as a model keeping the checkpoint's parameters would, or
+    stored as one parameter), eager and under ``torch.compile``; TFLOP/s of the GEMMs' FLOPs."""
+    tokens, hidden = 16384, 1024
+    x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE).requires_grad_()
+    rows = []
+    for label, outs in {"q,k,v": (2048, 1024, 1024), "gate,up": (3072, 3072)}.items():
+        ws = [(torch.randn(n, hidden, device="cuda") * 0.02).to(DTYPE).requires_grad_() for n in outs]
+        one = (torch.randn(sum(outs), hidden, device="cuda") * 0.02).to(DTYPE).requires_grad_()
+
+        def separate() -> tuple[torch.Tensor, ...]:
+            return tuple(F.linear(x, w) for w in ws)
+
+        def concatenated() -> tuple[torch.Tensor, ...]:
+            return F.linear(x, torch.cat(ws)).split(outs, dim=-1)
+
+        def one_weight() -> tuple[torch.Tensor, ...]:
+            return F.linear(x, one).split(outs, dim=-1)
+
+        variants = {
+            "separate": separate,
+            "concatenated per call": concatenated,
+            "one parameter": one_weight,
+            "separate, torch.compile": torch.compile(separate),
+            "concatenated per call, torch.compile": torch.compile(concatenated),
+        }
+        flops = 2 * tokens * hidden * sum(outs)
+        for name, forward in variants.items():
+            row: dict[str, Any] = {"kernel": f"projections {label}", "shape": f"{tokens}x{hidden} -> {outs}"}
+            row["impl"] = name
+            try:
+                f, fb = fwd_bwd(forward, [x, *ws, one])
+                row["fwd_ms"], row["fwd_bwd_ms"] = timed(f), timed(fb)
+                row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
+                row["fwd_bwd_TFLOPs"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
+            except Exception as error:
+                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     """MoE token permutation (round trip through a per-expert scaling) and the grouped GEMM backends, at a
     Qwen3-MoE-like shape: 16384 tokens, hidden 1024, top-8 of 128 experts, expert width 768."""
@@ -394,7 +449,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="write all rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
-    parser.add_argument("--only", default="elementwise,ce,attention,moe", help="comma-separated parts to run")
+    parser.add_argument(
+        "--only", default="elementwise,ce,attention,projections,moe", help="comma-separated parts to run"
+    )
     args = parser.parse_args()
     started = time.time()
     import triton
@@ -425,6 +482,8 @@ def main() -> None:
         rows += cross_entropy_rows(args.quick)
     if "attention" in parts:
         rows += attention_rows(args.quick)
+    if "projections" in parts:
+        rows += projection_rows()
     if "moe" in parts:
         try:
             rows += moe_rows(copy_gbs)

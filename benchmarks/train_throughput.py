@@ -85,6 +85,12 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
+    # compile="max-autotune-no-cudagraphs": Inductor benchmarks Triton GEMM templates against cuBLAS per shape
+    "ours_trainer_compiled_autotune": 'ours_trainer_compiled with compile="max-autotune-no-cudagraphs"',
+    "ours_trainer_compiled_nofsdp_autotune": "the same without FSDP on the one rank",
+    # The Trainer paths run the example's GarbageCollection callback (collector every 50 steps, as the example);
+    # this one leaves Python's automatic collector on, to measure that lever.
+    "ours_trainer_compiled_nofsdp_autogc": "ours_trainer_compiled_nofsdp without the GarbageCollection callback",
     # The strongest peer: torchtitan's own Qwen3 through its own parallelize_qwen3 on one device (its
     # single-device path: no FSDP, bf16 autocast, per-block compile; activation checkpointing off, as ours).
     # Needs torchtitan 0.2.2 and its pure-Python dependencies on the path (benchmarks/README.md).
@@ -102,6 +108,9 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
+        "ours_trainer_compiled_autotune",
+        "ours_trainer_compiled_nofsdp_autotune",
+        "ours_trainer_compiled_nofsdp_autogc",
         "titan_compiled",
     )
 ]
@@ -532,6 +541,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     import lightning_d9d
     from lightning_d9d import D9DStrategy
+    from lightning_d9d.callbacks import GarbageCollection
 
     # The example next to the package that is imported (the working tree's, or a snapshot's).
     sys.path.insert(0, str(Path(lightning_d9d.__file__).resolve().parents[1] / "examples"))
@@ -597,7 +607,9 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     timer = StepTimer()
     strategy = D9DStrategy(
-        compile="compiled" in path,
+        compile=("max-autotune-no-cudagraphs" if "autotune" in path else True)
+        if "compiled" in path
+        else False,
         fsdp_on_one_rank="nofsdp" not in path,
         activation_checkpointing="selective" if path.endswith("selective") else False,
     )
@@ -617,7 +629,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         # from the four sequences with repeats, not be the plain loops' batch, and the loss guard would compare
         # different data (it did: +4-7 % after 16 steps on the H200 while the first three steps agreed).
         use_distributed_sampler=False,
-        callbacks=[timer],
+        callbacks=[timer] + ([] if path.endswith("_autogc") else [GarbageCollection()]),
     )
     from lightning_d9d.modules.loss import causal_lm_loss
 

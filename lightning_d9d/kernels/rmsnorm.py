@@ -40,13 +40,26 @@ def _rms_norm_forward(  # type: ignore[no-untyped-def]
 
 @triton.jit
 def _rms_norm_backward(  # type: ignore[no-untyped-def]
-    DY, X, W, RSTD, DX, DW, rows, cols, tiles, programs, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
+    DY,
+    X,
+    W,
+    RSTD,
+    DX,
+    DW,
+    rows,
+    cols,
+    tiles,
+    programs,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # pragma: no cover - compiled by Triton
     pid = tl.program_id(0)
     col = tl.arange(0, BLOCK_N)
     w = tl.load(W + col, mask=col < cols, other=0.0).to(tl.float32)
     dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for tile in range(pid, tiles, programs):
+    # STAGES > 1: Triton prefetches the next tiles' rows while this one is reduced (software pipelining)
+    for tile in tl.range(pid, tiles, programs, num_stages=STAGES):
         row = tile * BLOCK_M + tl.arange(0, BLOCK_M)
         mask = (row[:, None] < rows) & (col[None, :] < cols)
         offsets = row[:, None].to(tl.int64) * cols + col[None, :]
@@ -68,6 +81,7 @@ def _rms_norm_backward(  # type: ignore[no-untyped-def]
 # torch.compile 0.060) and 0.113 ms for the q/k-norm shape (compile 0.317); 2048 or 8192 elements were slower.
 TILE_ELEMENTS = 4096
 PROGRAMS_PER_SM = 8
+BACKWARD_STAGES = 1
 
 
 def _blocks(cols: int) -> tuple[int, int, int]:
@@ -114,6 +128,7 @@ def rms_norm_backward(
         programs,
         block_m,
         block_n,
+        BACKWARD_STAGES,
         num_warps=warps,
     )
     return dx, dw_parts.sum(0).to(weight.dtype)
