@@ -54,12 +54,21 @@ def run_trainer(config: dict | list[dict], tmp_path: Path, name: str, names: lis
     proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(
-            f"trainer run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            f"trainer run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
+            f"first error lines of every rank:\n{first_errors(proc.stderr)}"
         )
     results = {
         label: torch.load(one["out"], weights_only=False) for label, one in zip(labels, configs, strict=True)
     }
     return results if batch else results[labels[0]]
+
+
+def first_errors(stderr: str, limit: int = 40) -> str:
+    """The lines that name a failure (Python errors, C++ aborts such as gloo's enforce messages), in order: the
+    tail of a 4-rank failure is the other ranks' tracebacks about the lost peer, not the first rank's cause."""
+    markers = ("Error", "error:", "terminate called", "what():", "enforce", "Exception", "Signal ")
+    hits = [line for line in stderr.splitlines() if any(marker in line for marker in markers)]
+    return "\n".join(hits[:limit])
 
 
 def assert_same_training(actual: dict, expected: dict, tolerance: float = TOLERANCE) -> None:
