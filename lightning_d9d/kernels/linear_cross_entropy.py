@@ -24,17 +24,25 @@ from lightning_d9d.kernels.dispatch import launchable, use_triton
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 REDUCTIONS = ("mean", "sum")
-# Logits per chunk: 5 * 2**27 elements (1.25 GiB in bf16, plus twice that in fp32 on the torch path), 4352
+# Logits per chunk: 2**28 + 2**26 elements (0.625 GiB in bf16, plus twice that in fp32 on the torch path), 2176
 # tokens at Qwen3's vocabulary. Measured on an H200 at 16384 tokens x vocab 151,936 (docs/benchmarks.md,
-# session 6): 1024 / 1664 / 2048 / 4096 / 8192-token chunks took 29.9 / 29.2 / 27.6 / 26.3 / 26.3 ms forward +
-# backward at 1.51 / 1.51 / 1.51 / 1.77 / 2.93 GiB above the inputs (torch.compile of logits + CE: 27.7 ms, 4.96
-# GiB): fewer chunks mean fewer fp32 weight-gradient accumulations, and the gain stops at about 4096 tokens.
-CHUNK_ELEMENTS = 5 * 2**27
+# session 6; two runs): 1024 / 1664 / 2048 / 4096 / 8192-token chunks took 29.9 / 29.2 / 27.6 / 26.3 / 26.3 ms
+# and 28.9 / - / 26.9 / 25.7 / 25.6 ms forward + backward at 1.51 / 1.51 / 1.51 / 1.77 / 2.93 GiB above the inputs
+# (torch.compile of logits + CE: 27.7 and 26.7 ms at 4.96 GiB). Fewer chunks mean fewer fp32 weight-gradient
+# accumulations, but each chunk's logits add to a training step's peak: 4352-token chunks cost the 0.6B Trainer
+# run 0.7 GiB (selective recompute 23.5 -> 24.3 GiB) for ~1 ms, so the chunk stays near 2048 tokens.
+CHUNK_ELEMENTS = 2**28 + 2**26
 
 
-def default_chunk_tokens(vocab: int) -> int:
-    """Tokens per chunk: ``CHUNK_ELEMENTS / vocab`` rounded down to a multiple of 128 (at least 128)."""
-    return max(128, (CHUNK_ELEMENTS // max(vocab, 1)) // 128 * 128)
+def default_chunk_tokens(vocab: int, tokens: int | None = None) -> int:
+    """Tokens per chunk: at most ``CHUNK_ELEMENTS / vocab`` rounded down to a multiple of 128 (at least 128).
+    Given the ``tokens`` to cut, as few chunks as that allows, all of one length (16384 tokens at Qwen3's vocabulary:
+    8 x 2048, not 7 x 2176 and a ragged 1152, whose small matmuls run slower)."""
+    longest = max(128, (CHUNK_ELEMENTS // max(vocab, 1)) // 128 * 128)
+    if tokens is None or tokens <= 0:
+        return longest
+    chunks = -(-tokens // longest)
+    return -(-tokens // chunks)
 
 
 def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, reduction: str) -> None:
@@ -207,7 +215,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_hidden is not None:
             grad_hidden = grad_hidden * grad_output.to(grad_hidden.dtype)
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_output).to(ctx.weight_dtype)
+            # Scaled after rounding to the weight's dtype, in place on that copy: no second [vocab, hidden] fp32
+            # tensor at the start of backward, where a step's memory peaks (622 MB at Qwen3's vocabulary). The
+            # saved sum stays unscaled (a retained graph may run backward again); a grad_output of 1 (or any
+            # power of 2, as Lightning's accumulation divisors usually are) scales exactly.
+            grad_weight = grad_weight.to(ctx.weight_dtype, copy=True).mul_(grad_output.to(ctx.weight_dtype))
         return grad_hidden, grad_weight, None, None, None, None
 
 
@@ -227,8 +239,8 @@ def chunked_linear_cross_entropy(
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if hidden.dtype != weight.dtype:
         raise ValueError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must have one dtype")
-    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0])
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], flat_hidden.shape[0])
     loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(
         flat_hidden, weight, labels.reshape(-1), ignore_index, reduction == "mean", chunk
     )

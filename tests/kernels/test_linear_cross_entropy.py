@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_d9d.kernels.linear_cross_entropy import (
     chunked_linear_cross_entropy,
+    default_chunk_tokens,
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
@@ -73,6 +74,28 @@ def test_chunked_equals_the_definition(
     torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-5)
     for grad, want in zip(grads, expected_grads, strict=True):
         assert relative_error(grad, want) < 1e-5  # fp32 softmax: a few ulps of 2**-24 per term
+
+
+def test_a_retained_graph_gives_the_same_gradients_twice() -> None:
+    h, w, y = _inputs(seed=3)
+    loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=16) * 2.5
+    first = torch.autograd.grad(loss, (h, w), retain_graph=True)
+    second = torch.autograd.grad(loss, (h, w))  # the saved sums must not have been scaled in place
+    for a, b in zip(first, second, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("vocab", [101, 32000, 151936])
+@pytest.mark.parametrize("tokens", [1, 127, 2048, 4097, 16384, 65536])
+def test_default_chunks_are_as_few_as_allowed_and_even(vocab: int, tokens: int) -> None:
+    longest = default_chunk_tokens(vocab)
+    chunk = default_chunk_tokens(vocab, tokens)
+    chunks = -(-tokens // chunk)
+    assert chunk <= longest
+    assert chunks == -(-tokens // longest)  # no more chunks than the longest allowed chunk needs
+    assert (
+        tokens - (chunks - 1) * chunk > chunk - chunks
+    )  # the last chunk is as long as the others, up to rounding
 
 
 def test_reference_and_dispatcher_agree_with_the_definition() -> None:
