@@ -1,14 +1,27 @@
 """Pipeline parallelism inside Lightning's loop: every torch schedule against a single-process loop (fp32, 1e-5).
 
-Runs of the same world size share one launch (``trainer_script.py`` takes a list of configs): process
-start-up is most of the cost of these small runs.
+Every run of this module shares one launch (``run_forked``): process start-up was most of the cost of these
+small runs.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import torch
 from reference import reference_run
-from test_trainer_parity import BASE, assert_same_grad_norms, assert_same_training, run_trainer
+from test_trainer_parity import (
+    BASE,
+    SCRIPT,
+    assert_same_grad_norms,
+    assert_same_training,
+    first_errors,
+)
 
 from lightning_d9d.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 
@@ -67,18 +80,28 @@ FOUR_RANKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("pp2")
-    configs = {f"{schedule}_{variant}": pp2(schedule, variant) for schedule, variant in PP2_CASES}
-    return run_trainer(list(configs.values()), tmp, "pp2", names=list(configs))
+def four_ranks_config(name: str) -> dict:
+    return {**COMMON, "devices": 4, **FOUR_RANKS[name]}
 
 
-@pytest.fixture(scope="module")
-def four_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    tmp = tmp_path_factory.mktemp("pp4")
-    configs = {name: {**COMMON, "devices": 4, **config} for name, config in FOUR_RANKS.items()}
-    return run_trainer(list(configs.values()), tmp, "pp4", names=list(configs))
+def run_forked(configs: dict[str, dict], tmp_path: Path) -> dict[str, dict]:
+    """``{name: result}`` of the named configs (on ``BASE``), run in one launch in dict order (a checkpoint is
+    written before a later run resumes from it): ``trainer_script.py --fork`` makes the imports once and forks
+    the ranks of each stretch of configs with the same ``devices``. Started by torchrun instead, every rank of
+    every launch imported torch and Lightning itself (about 7 s of CPU each, 4-8 processes on 2 cores), and
+    torchrun too: an empty 8-rank launch (the imports only) took 38 s here, 72 s of CPU, on 2 cores."""
+    placed = [{**BASE, **config, "out": str(tmp_path / f"{name}.pt")} for name, config in configs.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, str(SCRIPT), "--fork", json.dumps(placed)]
+    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"forked trainer runs failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
+            f"first error lines of every rank:\n{first_errors(proc.stderr)}"
+        )
+    return {
+        name: torch.load(one["out"], weights_only=False) for name, one in zip(configs, placed, strict=True)
+    }
 
 
 _references: dict[str, dict] = {}
@@ -102,13 +125,13 @@ def check(actual: dict, config: dict) -> None:
 
 
 @pytest.mark.parametrize(("schedule", "variant"), PP2_CASES, ids=[f"{s}-{v}" for s, v in PP2_CASES])
-def test_pp2_schedule_matches_one_process(schedule: str, variant: str, two_rank_runs: dict) -> None:
-    check(two_rank_runs[f"{schedule}_{variant}"], pp2(schedule, variant))
+def test_pp2_schedule_matches_one_process(schedule: str, variant: str, runs: dict) -> None:
+    check(runs[f"pp2_{schedule}_{variant}"], pp2(schedule, variant))
 
 
 @pytest.mark.parametrize("name", sorted(FOUR_RANKS))
-def test_four_ranks_match_one_process(name: str, four_rank_runs: dict) -> None:
-    check(four_rank_runs[name], {**COMMON, "devices": 4, **FOUR_RANKS[name]})
+def test_four_ranks_match_one_process(name: str, runs: dict) -> None:
+    check(runs[f"four_{name}"], four_ranks_config(name))
 
 
 # 7 of 14 steps, 4-batch epochs: a mid-epoch position, resumed on the same layout and carried to the other
@@ -118,28 +141,29 @@ LAYOUTS = {"pp2_dp2": {"devices": 4, "dims": PP2_DP2}, "pp1_dp2": {"devices": 2,
 
 
 @pytest.fixture(scope="module")
-def resumes(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Three launches: pp2_dp2 for 14 steps; pp1_dp2 for 14 steps and pp1_dp2 resumed from pp2_dp2's step 7;
-    pp2_dp2 resumed from each one's step 7. ``{"<layout>": run, "<saved>_to_<resumed>": run}``."""
-    tmp = tmp_path_factory.mktemp("pp_resume")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every run of this module, in one launch of three stretches, each on freshly forked ranks: 4 ranks (the
+    4-rank layouts; pp2_dp2 for 14 steps), 2 ranks (the pp=2 schedules; pp1_dp2 for 14 steps, and resumed from
+    pp2_dp2's step 7), 4 ranks (pp2_dp2 resumed from each layout's step 7: not in the processes that saved).
+    ``pp2_<schedule>_<variant>``, ``four_<name>``, and for the resumes ``resume_<layout>`` (uninterrupted) and
+    ``resume_<saved>_to_<resumed>``."""
+    tmp = tmp_path_factory.mktemp("pp")
 
-    def step7(layout: str) -> dict:
-        return {
-            **RESUME,
-            **LAYOUTS[layout],
-            "save_every": 0,
-            "resume_from": str(tmp / layout / "step=7.ckpt"),
-        }
+    def step7(saved: str, resumed: str) -> dict:
+        checkpoint = tmp / "checkpoints" / saved / "step=7.ckpt"
+        return {**RESUME, **LAYOUTS[resumed], "save_every": 0, "resume_from": str(checkpoint)}
 
     def saving(layout: str) -> dict:
-        return {**RESUME, **LAYOUTS[layout], "ckpt_dir": str(tmp / layout)}
+        return {**RESUME, **LAYOUTS[layout], "ckpt_dir": str(tmp / "checkpoints" / layout)}
 
-    runs = {"pp2_dp2": run_trainer(saving("pp2_dp2"), tmp, "pp2_dp2")}
-    names = ["pp1_dp2", "pp2_dp2_to_pp1_dp2"]
-    runs.update(run_trainer([saving("pp1_dp2"), step7("pp2_dp2") | LAYOUTS["pp1_dp2"]], tmp, "pp1", names))
-    names = ["pp1_dp2_to_pp2_dp2", "pp2_dp2_to_pp2_dp2"]
-    runs.update(run_trainer([step7("pp1_dp2") | LAYOUTS["pp2_dp2"], step7("pp2_dp2")], tmp, "pp2", names))
-    return runs
+    configs = {f"four_{name}": four_ranks_config(name) for name in FOUR_RANKS}
+    configs["resume_pp2_dp2"] = saving("pp2_dp2")
+    configs.update({f"pp2_{schedule}_{variant}": pp2(schedule, variant) for schedule, variant in PP2_CASES})
+    configs["resume_pp1_dp2"] = saving("pp1_dp2")
+    configs["resume_pp2_dp2_to_pp1_dp2"] = step7("pp2_dp2", "pp1_dp2")
+    configs["resume_pp1_dp2_to_pp2_dp2"] = step7("pp1_dp2", "pp2_dp2")
+    configs["resume_pp2_dp2_to_pp2_dp2"] = step7("pp2_dp2", "pp2_dp2")
+    return run_forked(configs, tmp)
 
 
 @pytest.mark.parametrize(
@@ -147,11 +171,11 @@ def resumes(tmp_path_factory: pytest.TempPathFactory) -> dict:
     [("pp2_dp2", "pp2_dp2", 0.0), ("pp2_dp2", "pp1_dp2", 1e-5), ("pp1_dp2", "pp2_dp2", 1e-5)],
 )
 def test_checkpoint_resumes_exactly_on_the_same_or_another_pipeline_layout(
-    first: str, second: str, tolerance: float, resumes: dict
+    first: str, second: str, tolerance: float, runs: dict
 ) -> None:
     """7 steps, stop, resume to 14: bit for bit the 14 uninterrupted steps on the same layout, within 1e-5 on
     the other (microbatching changes the summation order)."""
-    uninterrupted, resumed = resumes[first], resumes[f"{first}_to_{second}"]
+    uninterrupted, resumed = runs[f"resume_{first}"], runs[f"resume_{first}_to_{second}"]
     assert len(resumed["losses"]) == 7
     assert_same_training(
         {"losses": resumed["losses"], "params": resumed["params"]},

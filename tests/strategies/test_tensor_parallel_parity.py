@@ -2,23 +2,14 @@
 
 Losses, parameters and the gradient norm before clipping after 5 optimizer steps; tp alone (with accumulation,
 with clipping, with tied embeddings), tp under FSDP (2-D), pp x dp_shard x tp on 8 processes, and checkpoints carried between tp=2 and tp=1.
-Runs of one world size share one launch.
+All runs share one launch (``run_forked``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from pathlib import Path
-
 import pytest
-from test_trainer_parity import (
-    BASE,
-    assert_matches_reference,
-    assert_same_grad_norms,
-    assert_same_training,
-    launcher_by_world_size,
-    run_trainer,
-)
+from test_pipeline_parity import run_forked
+from test_trainer_parity import BASE, assert_matches_reference, assert_same_grad_norms, assert_same_training
 
 TP2 = {"devices": 2, "dp": 1, "max_steps": 5, "dims": {"tp": 2}}
 # A checkpoint every 2 steps of 4-batch epochs: step 6 is in the middle of an epoch.
@@ -78,37 +69,37 @@ def config_of(case: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict]:
-    return launcher_by_world_size(CASES, tmp_path_factory, "tp")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Every case, and ``<saved>_on_<resumed on>`` for the resumes, in one launch: stretches of 2, 4 and 8
+    ranks, then the resumes on 2 new ranks (not the processes that saved)."""
+    tmp = tmp_path_factory.mktemp("tp")
+    configs = {
+        case: {**config, "ckpt_dir": str(tmp / "checkpoints" / case)} if config.get("save_every") else config
+        for case, config in sorted(CASES.items(), key=lambda item: item[1]["devices"])
+    }
+    for saved, resumed_on in RESUMES.items():
+        configs[f"{saved}_on_{resumed_on}"] = {
+            **CASES[resumed_on],
+            "save_every": 0,
+            "resume_from": str(tmp / "checkpoints" / saved / f"step={RESUME_STEP}.ckpt"),
+        }
+    return run_forked(configs, tmp)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
-    config = config_of(case)
-    assert_matches_reference(launched(case), config)
+def test_matches_single_process_loop(case: str, runs: dict) -> None:
+    assert_matches_reference(runs[case], config_of(case))
 
 
-def test_checkpoints_move_between_tp2_and_tp1(launched: Callable[[str], dict], tmp_path: Path) -> None:
+def test_checkpoints_move_between_tp2_and_tp1(runs: dict) -> None:
     """A checkpoint saved at tp=2 resumes at tp=1 and one saved at tp=1 resumes at tp=2 (DCP reshards the
     tp-sharded parameters and optimizer state), each continuing like the uninterrupted run."""
-    checkpoints: Path = launched.checkpoints  # type: ignore[attr-defined]
-    uninterrupted = {saved: launched(saved) for saved in RESUMES}  # writes the checkpoints
-    names = [f"{saved}_on_{resumed_on}" for saved, resumed_on in RESUMES.items()]
-    configs = [
-        {
-            **CASES[resumed_on],
-            "save_every": 0,
-            "resume_from": str(checkpoints / saved / f"step={RESUME_STEP}.ckpt"),
-        }
-        for saved, resumed_on in RESUMES.items()
-    ]
-    resumed = run_trainer(configs, tmp_path, "resumed", names=names)  # one launch: both are 2 processes
-    for saved, name in zip(RESUMES, names, strict=True):
-        full = uninterrupted[saved]
+    for saved, resumed_on in RESUMES.items():
+        full, resumed = runs[saved], runs[f"{saved}_on_{resumed_on}"]
         assert_same_training(
-            {"losses": resumed[name]["losses"], "params": resumed[name]["params"]},
+            {"losses": resumed["losses"], "params": resumed["params"]},
             {"losses": full["losses"][RESUME_STEP:], "params": full["params"]},
         )
         assert_same_grad_norms(
-            {"grad_norms": resumed[name]["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]}
+            {"grad_norms": resumed["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]}
         )

@@ -1,13 +1,22 @@
 """Run ``Trainer(strategy=D9DStrategy(...))`` on the example module and save what the tests compare.
 
-Launched by the tests as ``python trainer_script.py '<json config or list of configs>'``; Lightning's launcher re-executes the
-same command line for the other ranks. Rank 0 writes ``{"losses", "params", "val_loss"}`` to ``config["out"]``.
+Launched by the tests as ``python trainer_script.py '<json config or list of configs>'`` (torchrun starts the
+ranks, or Lightning's launcher re-executes the same command line for them), or as ``python trainer_script.py
+--fork '<json list of configs>'``, which forks the ranks itself (``fork_ranks``). Rank 0 writes
+``{"losses", "params", "val_loss"}`` to ``config["out"]``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import itertools
 import json
+import os
+import signal
+import socket
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -181,14 +190,88 @@ def main(config: dict) -> None:
         dist.barrier()
 
 
-if __name__ == "__main__":
-    # One config, or a list of them run one after the other in the same processes (start-up is most of
-    # the cost of a small run; the process group is reused, every run builds its own mesh).
-    configs = json.loads(sys.argv[1])
-    for one in configs if isinstance(configs, list) else [configs]:
-        main(one)
+def run_all(configs: list[dict]) -> None:
+    """The configs one after the other in this process (start-up is most of the cost of a small run; the
+    process group is reused, every run builds its own mesh)."""
+    for one in configs:
+        try:
+            main(one)
+        except BaseException as error:
+            error.add_note(f"in the run that writes {one['out']}")  # which of a launch's runs failed
+            raise
     # Shut the groups down before the interpreter does: left to interpreter exit, a gloo group's threads can
     # still be running when its destructor runs, and the process aborts ("terminate called without an active
     # exception", seen once in CI after a tp resume had finished and saved its result).
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def fork_ranks(configs: list[dict]) -> int:
+    """``--fork``: run each stretch of consecutive configs with the same ``devices`` on that many ranks forked
+    from this process, one stretch after the other, and return the exit status (the first failed rank's, else
+    0). The ranks get torchrun's environment, so Lightning takes them for torchrun's (it starts no processes
+    and the strategy runs as under torchrun); forked after the imports, they do not each pay for them again
+    (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun does, a
+    failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
+    so a run that resumes in a later stretch reads a checkpoint that other processes wrote."""
+    launcher = os.getpid()
+    for devices, stretch in itertools.groupby(configs, key=lambda config: int(config["devices"])):
+        group = list(stretch)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        ranks: set[int] = set()
+        for rank in range(devices):
+            pid = os.fork()
+            if pid == 0:
+                os._exit(_forked_rank(rank, devices, port, group, launcher))
+            ranks.add(pid)
+        status = 0
+        while ranks:
+            pid, wait_status = os.wait()
+            ranks.discard(pid)
+            code = os.waitstatus_to_exitcode(wait_status)
+            if code != 0 and status == 0:
+                status = code if code > 0 else 128 - code  # a signal's number, as a shell reports it
+                for other in ranks:
+                    os.kill(other, signal.SIGKILL)
+        if status:
+            return status
+    return 0
+
+
+def _forked_rank(rank: int, world_size: int, port: int, configs: list[dict], launcher: int) -> int:
+    with contextlib.suppress(OSError, AttributeError):  # die with the launch (a test's timeout kills only it)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, Linux
+    if os.getppid() != launcher:  # it died before prctl
+        return 1
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_RUN_ID="trainer_script_fork",
+    )
+    try:
+        run_all(configs)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+if __name__ == "__main__":
+    # ``'<config or list of configs>'`` in every process of a launch (torchrun's, Lightning's), or
+    # ``--fork '<list of configs>'``: this process starts the ranks (``fork_ranks``).
+    if sys.argv[1] == "--fork":
+        sys.exit(fork_ranks(json.loads(sys.argv[2])))
+    configs = json.loads(sys.argv[1])
+    run_all(configs if isinstance(configs, list) else [configs])
