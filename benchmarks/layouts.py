@@ -9,6 +9,12 @@ One process per GPU (torchrun), the same global batch whatever the layout, so la
     torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --model moe --ep 2 --dispatcher deepep
     torchrun --standalone --nproc-per-node 1 benchmarks/layouts.py --compile          # the one-GPU reference
     torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --device cpu --model tiny --dp-shard 2  # smoke
+    torchrun --standalone --nproc-per-node 2 benchmarks/layouts.py --impl hf    # the baseline on the same batches
+
+``--impl hf`` is the recipe a strong user writes without us, as ``train_throughput.py``'s ``hf_fsdp_compiled``
+path but over every rank: transformers' model, ``torch.compile`` per decoder layer, FSDP2 per layer and the root
+over all ranks (bf16 parameters, fp32 gradient reduction), fused AdamW, in a plain loop fed by the same
+``DistributedSampler`` the Trainer uses; data parallelism only.
 
 Prints one JSON line (rank 0): the layout, median step time over the steps after ``--warmup``, tokens/s, MFU
 (``num_flops_per_token(seq_len)`` x tokens / (GPUs x ``--peak-tflops``); active parameters for MoE), the peak
@@ -35,7 +41,7 @@ from torch.utils.data import DataLoader, Dataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pretrain_qwen3 import Qwen3Pretraining
-from train_throughput import _moe_config
+from train_throughput import _model_class, _moe_config
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.models import Qwen3Config
@@ -79,6 +85,52 @@ class StepTimer(Callback):
         self.losses.append(float(loss.detach()))  # after the timing: the read-back is outside the window
 
 
+def run_hf_baseline(args: argparse.Namespace, config: Any) -> tuple[StepTimer, Any, int]:
+    """The ``--impl hf`` loop (module docstring): ``(timer, the HF model, world size)``."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_d9d.modules.loss import causal_lm_loss
+
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    device = torch.device(
+        args.device, int(os.environ.get("LOCAL_RANK", 0)) if args.device == "cuda" else None
+    )
+    if args.device == "cuda":
+        torch.cuda.set_device(device)
+    mesh = init_device_mesh(args.device, (world,), mesh_dim_names=("dp_shard",))
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config.to_hf_config(), attn_implementation="sdpa"
+        )
+    model.config.use_cache = False
+    model.train()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        if args.compile:
+            layer.compile()
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fused = {"fused": True} if args.device == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    data = RandomTokens(config.vocab_size, args.seq_len, args.global_batch * args.steps)
+    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=False)
+    loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, num_workers=2)
+    timer = StepTimer(args.device)
+    for batch in loader:
+        timer.on_train_batch_start(None, None, batch, 0)
+        logits = model(input_ids=batch["input_ids"].to(device), use_cache=False).logits
+        loss = causal_lm_loss(logits, batch["labels"].to(device))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        timer.on_train_batch_end(None, None, loss, None, 0)
+    return timer, model, world
+
+
 def model_config(args: argparse.Namespace) -> Any:
     if args.model in ("moe", "moe_tiny"):
         return _moe_config(args.model)
@@ -92,6 +144,12 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", choices=["0.6b", "tiny", "moe", "moe_tiny"], default="0.6b")
+    parser.add_argument(
+        "--impl",
+        choices=["ours", "hf"],
+        default="ours",
+        help="hf: the transformers + FSDP2 baseline (data parallel)",
+    )
     for degree in ("pp", "dp-replicate", "tp", "cp", "ep"):
         parser.add_argument(f"--{degree}", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=-1, help="-1: the ranks the other degrees leave")
@@ -107,14 +165,15 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="per GPU, for MFU")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    return parser.parse_args()
+    args = parser.parse_args()
+    other = {d: getattr(args, d.replace("-", "_")) for d in ("pp", "dp-replicate", "tp", "cp", "ep")}
+    if args.impl == "hf" and any(v > 1 for v in other.values()):
+        parser.error(f"--impl hf shards data only (FSDP2 over all ranks); drop {other}")
+    return args
 
 
-def main() -> None:
-    args = parse_args()
-    os.environ["LIGHTNING_D9D_MOE_DISPATCH"] = args.dispatcher
-    L.seed_everything(0, verbose=False)
-    config = model_config(args)
+def run_ours(args: argparse.Namespace, config: Any) -> tuple[StepTimer, Any, int, dict[str, int]]:
+    """``Trainer(strategy=D9DStrategy(...))`` on the layout asked for: ``(timer, model, world size, layout)``."""
     devices = int(os.environ.get("WORLD_SIZE", "1"))
     checkpointing = {"off": False, "selective": "selective", "full": True}[args.activation_checkpointing]
     strategy = D9DStrategy(
@@ -146,25 +205,41 @@ def main() -> None:
     )
     module = Qwen3Pretraining(config, lr=1e-4, warmup_steps=1, max_steps=args.steps)
     data = RandomTokens(config.vocab_size, args.seq_len, args.global_batch * args.steps)
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
     # Ranks that hold different tokens split the global batch; tp, cp and pp peers share theirs.
     data_ranks = devices // (args.pp * args.tp * args.cp)
     trainer.fit(module, DataLoader(data, batch_size=args.global_batch // data_ranks, num_workers=2))
+    dims = strategy.parallel_dims
+    layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    return timer, module.model, devices, layout
+
+
+def main() -> None:
+    args = parse_args()
+    os.environ["LIGHTNING_D9D_MOE_DISPATCH"] = args.dispatcher
+    L.seed_everything(0, verbose=False)
+    config = model_config(args)
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    if args.impl == "hf":
+        timer, model, devices = run_hf_baseline(args, config)
+        layout = {"dp_shard": devices}
+        with torch.device("meta"):  # our model of the same config, for its FLOP count only
+            per_token = _model_class(config)(config).num_flops_per_token(args.seq_len)
+    else:
+        timer, model, devices, layout = run_ours(args, config)
+        assert model is not None
+        per_token = model.num_flops_per_token(args.seq_len)  # from the config: the whole model, any stage
     step = statistics.median(timer.times[args.warmup :])
     tokens = args.global_batch * args.seq_len
-    assert module.model is not None
-    per_token = module.model.num_flops_per_token(args.seq_len)  # from the config: the whole model, any stage
     peak = torch.cuda.max_memory_allocated() / 2**30 if args.device == "cuda" else 0.0
     memory = torch.tensor([peak], device=args.device)
     if dist.is_initialized():
         dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-    if trainer.is_global_zero:
-        dims = strategy.parallel_dims
-        layout = {k: getattr(dims, k) for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")}
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(
             json.dumps(
                 {
+                    "impl": "hf_fsdp_compiled" if args.impl == "hf" else "ours",
                     "model": args.model,
                     "layout": {k: v for k, v in layout.items() if v > 1} or {"one rank": 1},
                     "schedule": f"{args.schedule} mb={args.microbatches}" if args.pp > 1 else None,
@@ -187,6 +262,8 @@ def main() -> None:
             ),
             flush=True,
         )
+    if args.impl == "hf":
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
