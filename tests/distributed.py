@@ -25,6 +25,21 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def set_torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> None:
+    """The variables torchrun gives a rank on one host, for a process forked by a test's own launcher:
+    Lightning then takes the process for torchrun's (it starts no processes of its own)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        GROUP_RANK="0",
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        TORCHELASTIC_RUN_ID=run_id,
+    )
+
+
 def _rank_main(
     rank: int,
     world_size: int,

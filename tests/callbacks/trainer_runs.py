@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
-from distributed import free_port  # noqa: E402
+from distributed import free_port, set_torchrun_environment  # noqa: E402
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus  # noqa: E402
 
 from lightning_d9d import D9DStrategy  # noqa: E402
@@ -158,17 +158,7 @@ KINDS = {"hf": hf_run, "train": train_run}
 def _rank(run: dict[str, Any], rank: int, port: int) -> None:
     code = 0
     try:
-        world = run["devices"]
-        os.environ.update(
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            GROUP_RANK="0",
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            TORCHELASTIC_RUN_ID=f"trainer-runs-{port}",
-        )
+        set_torchrun_environment(rank, run["devices"], port, f"trainer-runs-{port}")
         torch.set_num_threads(1)
         KINDS[run["kind"]](run)
     except BaseException:

@@ -14,7 +14,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import sys
 import traceback
 from pathlib import Path
@@ -28,6 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared launch helpers
+from distributed import free_port, set_torchrun_environment
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 from reference import exclude_experts, train_corpus, uncounted_loss
@@ -217,9 +218,7 @@ def fork_ranks(configs: list[dict]) -> int:
     launcher = os.getpid()
     for devices, stretch in itertools.groupby(configs, key=lambda config: int(config["devices"])):
         group = list(stretch)
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+        port = free_port()
         sys.stdout.flush()
         sys.stderr.flush()
         ranks: set[int] = set()
@@ -247,16 +246,7 @@ def _forked_rank(rank: int, world_size: int, port: int, configs: list[dict], lau
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, Linux
     if os.getppid() != launcher:  # it died before prctl
         return 1
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        GROUP_RANK="0",
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-        TORCHELASTIC_RUN_ID="trainer_script_fork",
-    )
+    set_torchrun_environment(rank, world_size, port, "trainer_script_fork")
     try:
         run_all(configs)
         code = 0
