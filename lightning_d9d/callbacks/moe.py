@@ -4,8 +4,8 @@ expert load (min / max / coefficient of variation) in the loggers.
 Routers count the slots each expert received in every training forward (``TopKRouter.expert_load``), so after
 an optimizer step the counters hold the whole accumulation window (and every pipeline microbatch). This
 callback sums them over the ranks that routed different tokens through the same router replica (the d9d
-strategy's ``loss`` view: data-parallel x context-parallel ranks, ep ranks included, never pp or tp peers;
-the world under other strategies), moves each selection bias by ``rate * sign(mean load - load)``
+strategy's ``routing`` view: data-parallel x context-parallel x tensor-parallel ranks, since each tp rank
+routes its own positions; ep ranks included, never pp peers; the world under other strategies), moves each selection bias by ``rate * sign(mean load - load)``
 (:func:`~lightning_d9d.modules.moe.update_expert_bias`), and resets the counters. Every rank applies the same
 update, so the replicas stay equal.
 
@@ -90,6 +90,6 @@ def _data_group(trainer: pl.Trainer) -> dist.ProcessGroup | None:
         return None
     dims = getattr(trainer.strategy, "parallel_dims", None)
     if dims is not None and dims.mesh is not None:
-        group: dist.ProcessGroup = dims.mesh_for("loss").get_group()
+        group: dist.ProcessGroup = dims.mesh_for("routing").get_group()
         return group
     return dist.group.WORLD

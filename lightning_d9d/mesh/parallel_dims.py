@@ -21,7 +21,14 @@ _FLATTENED_VIEWS = {
     "fsdp": ("dp_shard", "cp"),
     "loss": ("dp_replicate", "dp_shard", "cp"),
 }
-VIEW_NAMES = (*MESH_DIM_NAMES, "dp", "batch", "fsdp", "loss", "hsdp", "ep", "efsdp", "ehsdp")
+# Views that only differ from another one under tp (made only then: each flattened view is a process group).
+_ROUTING_VIEWS = {
+    "sequence": ("cp", "tp"),
+    "routing": ("dp_replicate", "dp_shard", "cp", "tp"),
+}
+VIEW_NAMES = (
+    *MESH_DIM_NAMES, "dp", "batch", "fsdp", "loss", "hsdp", "sequence", "routing", "ep", "efsdp", "ehsdp",
+)  # fmt: skip
 # The expert layout: the dp_shard*cp*tp ranks of each (pp, dp_replicate) cell cut into ``efsdp`` groups of
 # ``ep`` consecutive ranks (ep innermost: an ep group is ranks next to each other, on one host when it can be).
 EXPERT_MESH_DIM_NAMES = ("pp", "dp_replicate", "efsdp", "ep")
@@ -161,6 +168,12 @@ class ParallelDims:
         )
         views["batch"] = views["dp"]
         views["hsdp"] = mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "fsdp"]
+        if self.tp > 1:
+            views.update(
+                {view: flatten_mesh(mesh, dims, view, options) for view, dims in _ROUTING_VIEWS.items()}
+            )
+        else:
+            views.update(sequence=views["cp"], routing=views["loss"])
         views.update(self._expert_views(mesh, views, options))
         return replace(self, mesh=mesh, _views=views)
 
@@ -191,7 +204,9 @@ class ParallelDims:
 
         ``pp, dp_replicate, dp_shard, cp, tp``: single dims; ``dp`` / ``batch``: ranks that see different data
         (samplers, metrics); ``fsdp``: parameter sharding (dp_shard*cp); ``loss``: ranks whose losses are
-        averaged (dp*cp); ``hsdp``: the 2-D (dp_replicate, fsdp) mesh used for HSDP; ``ep``: the ranks that
+        averaged (dp*cp); ``hsdp``: the 2-D (dp_replicate, fsdp) mesh used for HSDP; ``sequence``: the ranks that
+        hold parts of the same sequences when MoE blocks route (cp*tp: under tp each rank routes its sequence
+        shard); ``routing``: the ranks that route different tokens (dp*cp*tp); ``ep``: the ranks that
         split the experts (only when ep > 1); ``efsdp``: the ranks that shard one expert shard; ``ehsdp``: the
         2-D (dp_replicate, efsdp) mesh for the experts under HSDP.
         """

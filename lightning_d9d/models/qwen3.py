@@ -45,11 +45,11 @@ from lightning_d9d.plans import (
     check_tensor_parallel_sizes,
     column_parallel,
     gather_sequence,
+    local_to_sequence_shard,
     parallelize_blocks,
     parallelize_context,
     parallelize_tensor,
     per_head_norm,
-    replicated_over_tp,
     require_degrees,
     row_parallel_to_sequence,
     sequence_parallel_norm,
@@ -332,8 +332,9 @@ def tensor_plan(
     Attention: q/k/v split by heads (column-parallel), o row-parallel; the q/k norms act per head on this
     rank's heads. MLP: gate/up column-parallel, down row-parallel. Norms and residuals sequence-parallel; the
     embedding vocabulary-parallel; the head leaves vocabulary-sharded logits for the loss. An MoE block (the
-    sparse layers of Qwen3-MoE, whose attention and dense layers are Qwen3's) runs whole on every tp rank
-    (:func:`~lightning_d9d.plans.replicated_over_tp`): ep, not tp, splits its experts.
+    sparse layers of Qwen3-MoE, whose attention and dense layers are Qwen3's) runs on this rank's positions
+    with whole weights (:func:`~lightning_d9d.plans.local_to_sequence_shard`; its gradients summed over tp by
+    :func:`~lightning_d9d.plans.route_on_sequence_shards`): ep, not tp, splits its experts.
     """
     plan: dict[str, ParallelStyle] = {}
     if decoder.embed_tokens is not None:
@@ -352,7 +353,7 @@ def tensor_plan(
             plan[f"{at}self_attn.k_norm"] = per_head_norm()
         plan[f"{at}post_attention_layernorm"] = sequence_parallel_norm()
         if isinstance(layer.mlp, MoE):
-            plan[f"{at}mlp"] = replicated_over_tp()
+            plan[f"{at}mlp"] = local_to_sequence_shard()
             continue
         plan[f"{at}mlp"] = gather_sequence()
         for name in ("gate_proj", "up_proj"):

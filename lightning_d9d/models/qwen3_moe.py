@@ -31,17 +31,16 @@ perfectly balanced routing).
 
 Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp x tp``), context (``cp``), tensor
 (``tp``) and pipeline parallelism. Under tp attention, the dense layers, the embedding and the head split as
-Qwen3's (:func:`~lightning_d9d.models.qwen3.tensor_plan`), while every tp rank runs each MoE block whole on the
-gathered sequence (:func:`~lightning_d9d.plans.replicated_over_tp`): the router and experts see every token on
-every tp rank, their gradients need no reduction over tp, and the expert work is repeated tp times (ep, not tp,
-is the degree that splits the experts; the experts' gradient divisor counts the repeats). Under cp every rank
-holds its load-balanced part of each sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees
-the whole sequence, RoPE rotates by the global positions, and the MoE blocks, being position-wise, route the
-local tokens unchanged. Only the
-load-balancing loss looks across tokens: each block counts the tokens per expert over the cp group
-(``MoE.sequence_group``), so that the cp ranks' losses, averaged like their gradients, are the loss of the whole
-sequences; the z-loss is a token mean over equal parts and needs nothing. The expert loads that the
-auxiliary-loss-free bias update sums are counted per rank and summed over the ``loss`` view, which includes cp.
+Qwen3's (:func:`~lightning_d9d.models.qwen3.tensor_plan`), while each tp rank routes its own positions through
+whole MoE weights (:mod:`lightning_d9d.plans.routing`): every token runs through its experts once, the MoE
+blocks' gradients are summed over tp, and ep (carved across tp) splits the experts. Under cp every rank holds
+its load-balanced part of each sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees the
+whole sequence, RoPE rotates by the global positions, and the MoE blocks, being position-wise, route the local
+tokens unchanged. Only the load-balancing loss looks across tokens: each block counts the tokens per expert over
+the ranks that hold parts of the same sequences (``MoE.sequence_group``: cp x tp), so that the ranks' losses,
+combined like their gradients, are the loss of the whole sequences; the z-loss is a token mean over equal parts
+and needs nothing. The expert loads that the auxiliary-loss-free bias update sums are counted per rank and
+summed over the ``routing`` view (data x cp x tp ranks).
 """
 
 from __future__ import annotations
@@ -78,9 +77,10 @@ from lightning_d9d.plans import (
     parallelize_context,
     parallelize_expert,
     require_degrees,
+    route_on_sequence_shards,
 )
 
-# tp splits attention and the dense layers; every tp rank runs the MoE blocks whole; ep splits the experts.
+# tp splits attention and the dense layers; each tp rank routes its own positions; ep splits the experts.
 _SUPPORTED = (*DATA_PARALLEL, "cp", "ep", "tp")
 
 
@@ -350,21 +350,23 @@ class Qwen3MoeStage(DecoderStage):
         require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage")
         self.split_over_tp(dims)
         parallelize_expert(self, dims, options)
+        route_on_sequence_shards(self, dims, options)
         split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
 def split_sequences(module: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
     """Under cp > 1: context-parallel attention and RoPE positions (:func:`~lightning_d9d.plans.
-    parallelize_context`), and every MoE block's load-balancing loss counting the tokens of the whole
-    sequences (the cp group's); nothing without cp. Before the layers are wrapped (checkpointing, compile)."""
-    if not dims.cp_enabled:
-        return
-    cp_mesh = dims.mesh_for("cp")
-    parallelize_context(module, cp_mesh, options.context_attention)
-    for block in module.modules():
-        if isinstance(block, MoE):
-            block.sequence_group = cp_mesh.get_group()
+    parallelize_context`). Under cp or tp > 1: every MoE block's load-balancing loss counting the tokens of the
+    whole sequences (the ``sequence`` view: the cp x tp ranks, each holding some of every sequence's
+    positions when it routes). Before the layers are wrapped (checkpointing, compile)."""
+    if dims.cp_enabled:
+        parallelize_context(module, dims.mesh_for("cp"), options.context_attention)
+    if dims.cp_enabled or dims.tp_enabled:
+        group = dims.mesh_for("sequence").get_group()
+        for block in module.modules():
+            if isinstance(block, MoE):
+                block.sequence_group = group
 
 
 class Qwen3MoeForCausalLM(CausalLM):
@@ -444,12 +446,13 @@ class Qwen3MoeForCausalLM(CausalLM):
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """In order: tensor parallelism over ``tp`` (:func:`~lightning_d9d.models.qwen3.split_model_over_tp`:
-        attention, dense layers, embedding and head as Qwen3's, the MoE blocks whole on every tp rank; sizes tp
-        does not divide refused before any collective), experts split over ``ep``
+        attention, dense layers, embedding and head as Qwen3's, the MoE blocks on this rank's positions; sizes
+        tp does not divide refused before any collective), experts split over ``ep``
         (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch, expert weights sharded over ep
-        and FSDP over the remaining data ranks), context parallelism over ``cp`` (:func:`split_sequences`:
-        load-balanced sequence parts, all-gather attention, RoPE at the global positions, the load-balancing loss
-        counted over the cp group), then activation checkpointing, per-layer ``torch.compile``, and FSDP/HSDP
+        and FSDP over the remaining data ranks), the MoE blocks' gradients summed over tp
+        (:func:`~lightning_d9d.plans.route_on_sequence_shards`), context parallelism over ``cp``
+        (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
+        positions, the load-balancing loss counted over the cp x tp ranks), then activation checkpointing, per-layer ``torch.compile``, and FSDP/HSDP
         per decoder layer plus the root (embedding, final norm, head; FSDP over ``dp_shard * cp``)."""
         require_degrees(
             dims,
@@ -461,6 +464,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         )
         split_model_over_tp(self, dims)
         parallelize_expert(self, dims, options)
+        route_on_sequence_shards(self, dims, options)
         split_sequences(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)

@@ -11,16 +11,17 @@ from lightning_d9d.plans.expert import check_expert_split, parallelize_expert
 from lightning_d9d.plans.fsdp import parallelize_fsdp
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
+from lightning_d9d.plans.routing import route_on_sequence_shards
 from lightning_d9d.plans.tensor import (
     check_sequence_length,
     check_tensor_parallel_sizes,
     column_parallel,
     gather_sequence,
     local_loss,
+    local_to_sequence_shard,
     maybe_loss_parallel,
     parallelize_tensor,
     per_head_norm,
-    replicated_over_tp,
     row_parallel_to_sequence,
     sequence_parallel_norm,
     vocab_parallel_embedding,
@@ -43,6 +44,7 @@ __all__ = [
     "column_parallel",
     "gather_sequence",
     "local_loss",
+    "local_to_sequence_shard",
     "maybe_loss_parallel",
     "parallelize_blocks",
     "parallelize_context",
@@ -54,8 +56,8 @@ __all__ = [
     "parallelize_tensor",
     "per_head_norm",
     "repeated_blocks",
-    "replicated_over_tp",
     "require_degrees",
+    "route_on_sequence_shards",
     "row_parallel_to_sequence",
     "sequence_parallel_norm",
     "split_batch",

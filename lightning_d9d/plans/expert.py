@@ -14,9 +14,8 @@ Gradient scale: an expert's gradient on one rank already sums the contributions 
 peers (the all-to-all's backward brings them), while FSDP would divide the reduced sum only by the ``efsdp``
 (x dp_replicate) ranks it reduces over. Dividing instead by every rank whose loss is averaged (the ``loss``
 view: dp_replicate x dp_shard x cp) gives the mean over all tokens, as for the dense weights. Under tensor
-parallelism the MoE blocks run whole on every tp rank (each tp rank routes the whole sequence, see
-:func:`~lightning_d9d.plans.replicated_over_tp`), so each token reaches the experts tp times and the divisor
-is multiplied by tp.
+parallelism each tp rank routes its own positions (:mod:`lightning_d9d.plans.routing`) and ep is carved from
+dp_shard x cp x tp, so every token still reaches the experts once: the same divisor.
 
 Call it before :func:`~lightning_d9d.plans.parallelize_blocks` (which adds checkpointing, compile and the data
 parallelism of everything else). Without ep (``ep == 1``) it does nothing.
@@ -47,9 +46,7 @@ def parallelize_expert(
         check_expert_split(block, dims.ep)
     ep_mesh = dims.mesh_for("ep")
     expert_dp_mesh = dims.mesh_for("ehsdp") if dims.dp_replicate > 1 else dims.mesh_for("efsdp")
-    # Under tp every tp rank runs the MoE blocks on the whole sequence (plans.tensor.replicated_over_tp), so the
-    # ep peers and the efsdp ranks together hold each token tp times: the reduced sum counts it tp times.
-    averaged_over = dims.mesh_for("loss").size() * dims.tp
+    averaged_over = dims.mesh_for("loss").size()
     for block in blocks:
         distribute_module(block.experts, ep_mesh, _shard_experts)
         block.dispatcher = expert_parallel_dispatcher(

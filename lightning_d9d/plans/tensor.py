@@ -26,7 +26,6 @@ from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
-    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     loss_parallel,
@@ -122,23 +121,13 @@ def gather_sequence(other_args: int = 0) -> ParallelStyle:
     )
 
 
-def replicated_over_tp() -> ParallelStyle:
-    """A block every tp rank runs whole on the whole sequence (an MoE block: its router, experts and their
-    dispatch are not split over tp). The sequence-sharded input is all-gathered, the output cut back to this
-    rank's positions.
-
-    Both gradients stay exact without a reduction over tp: the output's backward all-gathers the positions'
-    gradients, so every tp rank runs the same backward on the same values, its weights' gradients are the
-    whole sequence's (equal on every tp rank, reduced over the data ranks only, as a plain weight's), and
-    the input's backward keeps this rank's positions of a gradient that is the same on every tp rank.
-    """
-    return PrepareModuleInputOutput(
-        input_layouts=Shard(SEQUENCE_DIM),
-        desired_input_layouts=Replicate(),
-        use_local_input=True,
-        output_layouts=Replicate(),
-        desired_output_layouts=Shard(SEQUENCE_DIM),
-        use_local_output=True,
+def local_to_sequence_shard() -> ParallelStyle:
+    """A block that runs on this rank's positions only, with weights that stay whole on every tp rank (an MoE
+    block: each tp rank routes its own tokens through the whole router and experts). Its sequence-sharded input
+    arrives as the local shard and its output is this rank's positions; the weights' gradients then hold only
+    this rank's tokens and must be summed over tp (:func:`~lightning_d9d.plans.route_on_sequence_shards`)."""
+    return PrepareModuleInput(
+        input_layouts=Shard(SEQUENCE_DIM), desired_input_layouts=Shard(SEQUENCE_DIM), use_local_output=True
     )
 
 

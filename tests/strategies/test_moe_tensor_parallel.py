@@ -1,10 +1,12 @@
 """Qwen3-MoE under tensor parallelism inside Lightning's loop against a single-process loop (fp32, gloo, 1e-5).
 
 tp splits attention and the dense layer as for Qwen3 (heads, MLP columns, sequence-parallel norms, vocabulary-
-parallel embedding and head); every tp rank runs the MoE blocks whole on the gathered sequence
-(``plans.replicated_over_tp``), so their weights' gradients need no reduction over tp. With ep the experts are
-split over ranks that include tp peers holding the same tokens: each token reaches the experts tp times, which
-the experts' gradient divisor accounts for (``plans.expert``). Router losses in the gradient, the
+parallel embedding and head); each tp rank routes its own positions through whole MoE weights
+(``plans.routing``): the blocks' gradients are summed over tp, the router losses count tokens over the cp x tp
+ranks with 1/tp of their gradient per rank, and the bias update sums loads over data x cp x tp ranks. With ep
+the experts are split over ranks that include tp peers, each seeing its own tokens (``plans.expert``). Each
+of those four parts was seen failing all cases when left out (the experts' divisor: the ep case). Router
+losses in the gradient, the
 auxiliary-loss-free bias update after each optimizer step, uneven loads (experts 6 and 7 excluded); 5 optimizer
 steps: losses, parameters, pre-clip gradient norms. Cases: tp=2; tp=2 x ep=2 x dp_shard=2; tp=2 x cp=2;
 tp=2 x pp=2 (4 processes each, one launch).

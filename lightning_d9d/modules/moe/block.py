@@ -11,7 +11,8 @@ attach_loss`, scaled by ``aux_loss_scale``), so no extra output has to cross pip
 micro-batch's backward adds it once. The detached value is kept in ``last_router_loss`` for logging. Under
 context parallelism ``sequence_group`` (the cp group, set by the model's plan) makes the load-balancing loss
 count the tokens per expert of the whole sequences (:func:`~lightning_d9d.modules.moe.balancing.
-mean_tokens_per_expert`).
+mean_tokens_per_expert`); under tensor parallelism it is the cp x tp group and ``router_loss_share`` 1/tp (each
+tp rank routes its own positions: :mod:`lightning_d9d.plans.routing`).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class MoE(nn.Module):
         self.aux_loss_coef = aux_loss_coef
         self.z_loss_coef = z_loss_coef
         self.aux_loss_scale = 1.0
+        # This rank's share of the router losses' gradient: 1/tp when each tp rank routes its own sequence shard
+        # and the block's gradients are summed over tp (plans.route_on_sequence_shards), else 1.
+        self.router_loss_share = 1.0
         self.last_router_loss: torch.Tensor | None = None
         # The ranks holding the other parts of this rank's sequences (cp), whose tokens the load-balancing
         # loss counts too; None: this rank's tokens are whole sequences.
@@ -93,5 +97,5 @@ class MoE(nn.Module):
                 routing = dataclasses.replace(routing, tokens_per_expert=counts)
             loss = router_loss(routing, aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
             self.last_router_loss = loss.detach()
-            output = attach_loss(output, loss, self.aux_loss_scale)
+            output = attach_loss(output, loss, self.aux_loss_scale * self.router_loss_share)
         return output.reshape(shape)
