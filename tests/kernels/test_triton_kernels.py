@@ -36,6 +36,7 @@ def interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
         ((5, 24), torch.float32),
         ((2, 3, 100), torch.float32),  # a row length that is not a power of two
         ((2, 3, 5, 16), torch.float32),  # q/k norm: [B, T, heads, head_dim]
+        ((1000, 16), torch.float32),  # 32 tiles of 32 rows over 4 programs: the pipelined backward loop
         ((37, 48), torch.bfloat16),
     ],
 )
