@@ -8,8 +8,8 @@ the experts are split over ranks that include tp peers, each seeing its own toke
 of those four parts was seen failing all cases when left out (the experts' divisor: the ep case). Router
 losses in the gradient, the
 auxiliary-loss-free bias update after each optimizer step, uneven loads (experts 6 and 7 excluded); 5 optimizer
-steps: losses, parameters, pre-clip gradient norms. Cases: tp=2; tp=2 x ep=2 x dp_shard=2; tp=2 x cp=2;
-tp=2 x pp=2 (4 processes each, one launch).
+steps: losses, parameters, pre-clip gradient norms. Cases: tp=2 (2 processes); tp=2 x ep=2 x dp_shard=2;
+tp=2 x cp=2; tp=2 x pp=2; tp=2 x ep=2 x dp_shard=2 compiled (4 processes each, one launch).
 """
 
 from __future__ import annotations
