@@ -8,7 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_d9d.callbacks.moe import ExpertLoadBalancing, load_statistics, routers_by_layer
+from lightning_d9d.callbacks.moe import (
+    ExpertLoadBalancing,
+    layer_load_statistics,
+    load_statistics,
+    routers_by_layer,
+)
 from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 
@@ -17,6 +22,20 @@ def test_load_statistics_by_hand() -> None:
     assert stats["min"] == 0 and stats["max"] == 4
     assert stats["cv"] == pytest.approx((2**0.5) / 2)  # population std sqrt(2) over mean 2
     assert load_statistics(torch.zeros(4, dtype=torch.int64))["cv"] == 0.0  # no token yet: not a NaN
+
+
+def test_every_layers_statistics_come_back_in_one_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    loads = torch.tensor([[0, 2, 4, 2], [0, 0, 0, 0], [5, 1, 1, 1]])
+    expected = [load_statistics(load) for load in loads]
+    transfers: list[str] = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: transfers.append("item"))
+    tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: transfers.append("tolist") or tolist(self))
+    got = layer_load_statistics(loads)
+    assert [list(stats) for stats in got] == [["min", "max", "cv"]] * 3
+    assert [list(stats.values()) for stats in got] == [pytest.approx(list(row.values())) for row in expected]
+    assert got[0]["cv"] == pytest.approx((2**0.5) / 2) and got[1]["cv"] == 0.0
+    assert transfers == ["tolist"]
 
 
 def test_routers_are_named_by_their_decoder_layer() -> None:
