@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from lightning_d9d.kernels import count_tokens_per_expert, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels.permute import sort_key
 
 
 def test_permute_groups_slots_by_expert_stably() -> None:
@@ -15,6 +16,21 @@ def test_permute_groups_slots_by_expert_stably() -> None:
     assert grouped[:, 0].tolist() == [0, 1, 3, 2, 3, 0, 1, 2]
     assert count_tokens_per_expert(indices, 4).tolist() == [3, 2, 3, 0]
     assert permutation.order.tolist() == [1, 2, 6, 5, 7, 0, 3, 4]  # slots t * k + j
+
+
+def test_narrow_sort_keys_keep_the_order() -> None:
+    """Given the expert count, the ids sort as int16 (fewer radix passes on a GPU) into the same stable order;
+    a count past int16 keeps the ids as they are."""
+    generator = torch.Generator().manual_seed(5)
+    experts = 32768
+    indices = torch.randint(0, experts, (4096, 4), generator=generator)
+    indices[::7] = torch.tensor([experts - 1, 0, 5, 5])  # the top id and repeats, whose order must hold
+    hidden = torch.randn(4096, 3, generator=generator)
+    assert sort_key(indices, experts).dtype == torch.int16
+    assert sort_key(indices, experts + 1).dtype == torch.int64
+    grouped, permutation = permute_tokens(hidden, indices, experts)
+    expected_grouped, expected = permute_tokens(hidden, indices)
+    assert torch.equal(permutation.order, expected.order) and torch.equal(grouped, expected_grouped)
 
 
 def test_unpermute_is_the_weighted_sum_over_each_tokens_choices() -> None:

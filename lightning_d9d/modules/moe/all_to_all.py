@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels.permute import sort_key
 from lightning_d9d.modules.moe.dispatch import Dispatched, local_expert_count
 from lightning_d9d.modules.moe.router import Routing
 
@@ -79,7 +80,7 @@ class AllToAllDispatcher:
         self.num_experts = num_experts
 
     def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
-        rows, permutation = permute_tokens(hidden, routing.expert_indices)
+        rows, permutation = permute_tokens(hidden, routing.expert_indices, self.num_experts)
         counts = routing.tokens_per_expert  # [E]: this rank's slots per global expert
         received = torch.empty_like(counts)
         dist.all_to_all_single(received, counts, group=self.group)
@@ -90,7 +91,7 @@ class AllToAllDispatcher:
         arrived = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
         local_expert = torch.arange(self.num_local_experts, device=counts.device).repeat(self.ep)
         row_expert = local_expert.repeat_interleave(by_source.reshape(-1), output_size=arrived.shape[0])
-        order = torch.sort(row_expert, stable=True).indices
+        order = torch.sort(sort_key(row_expert, self.num_local_experts), stable=True).indices
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
         return Dispatched(

@@ -61,7 +61,9 @@ class LocalDispatcher:
     """All experts on this rank: a permutation by expert and its inverse (:mod:`lightning_d9d.kernels.permute`)."""
 
     def dispatch(self, hidden: torch.Tensor, routing: Routing) -> Dispatched:
-        tokens, permutation = permute_tokens(hidden, routing.expert_indices)
+        tokens, permutation = permute_tokens(
+            hidden, routing.expert_indices, routing.tokens_per_expert.numel()
+        )
         return Dispatched(
             tokens=tokens,
             tokens_per_expert=routing.tokens_per_expert,
