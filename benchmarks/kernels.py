@@ -23,6 +23,7 @@ import platform
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -170,6 +171,29 @@ def elementwise_rows(copy_gbs: float, quick: bool) -> list[dict[str, Any]]:
     return rows
 
 
+def flops_row(
+    kernel: str,
+    shape: str,
+    impl: str,
+    forward: Callable[[], Any],
+    inputs: list[torch.Tensor],
+    fwd_flops: float,
+    fwd_bwd_flops: float,
+    iters: int = 20,
+) -> dict[str, Any]:
+    """One compute-bound variant: forward and forward + backward times and their TFLOP/s, printed."""
+    row: dict[str, Any] = {"kernel": kernel, "shape": shape, "impl": impl}
+    try:
+        f, fb = fwd_bwd(forward, inputs)
+        row["fwd_ms"], row["fwd_bwd_ms"] = timed(f, iters=iters), timed(fb, iters=iters)
+        row["fwd_TFLOPs"] = fwd_flops / row["fwd_ms"] / 1e9
+        row["fwd_bwd_TFLOPs"] = fwd_bwd_flops / row["fwd_bwd_ms"] / 1e9
+    except Exception as error:  # a backend or library that does not run here: recorded, not fatal
+        row["error"] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:200]}"
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def measure(
     kernel: str,
     shape: tuple[Any, ...],
@@ -303,22 +327,9 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
             variants["flash-attn"] = lambda: flash_attn(  # type: ignore[misc]
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
             ).transpose(1, 2)
+        shape = f"B{batch} T{seq} H16/8 D128"
         for name, forward in variants.items():
-            row: dict[str, Any] = {
-                "kernel": "attention",
-                "shape": f"B{batch} T{seq} H16/8 D128",
-                "impl": name,
-            }
-            try:
-                f, fb = fwd_bwd(forward, [q, k, v])
-                row["fwd_ms"] = timed(f, iters=10)
-                row["fwd_bwd_ms"] = timed(fb, iters=10)
-                row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
-                row["fwd_bwd_TFLOPs"] = 3.5 * flops / row["fwd_bwd_ms"] / 1e9
-            except Exception as error:
-                row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(flops_row("attention", shape, name, forward, [q, k, v], flops, 3.5 * flops, iters=10))
     return rows
 
 
@@ -351,18 +362,11 @@ def projection_rows() -> list[dict[str, Any]]:
             "concatenated per call, torch.compile": torch.compile(concatenated),
         }
         flops = 2 * tokens * hidden * sum(outs)
+        shape = f"{tokens}x{hidden} -> {outs}"
         for name, forward in variants.items():
-            row: dict[str, Any] = {"kernel": f"projections {label}", "shape": f"{tokens}x{hidden} -> {outs}"}
-            row["impl"] = name
-            try:
-                f, fb = fwd_bwd(forward, [x, *ws, one])
-                row["fwd_ms"], row["fwd_bwd_ms"] = timed(f), timed(fb)
-                row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
-                row["fwd_bwd_TFLOPs"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
-            except Exception as error:
-                row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(
+                flops_row(f"projections {label}", shape, name, forward, [x, *ws, one], flops, 3 * flops)
+            )
     return rows
 
 
@@ -427,21 +431,10 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     a = torch.randn(tokens * top_k, hidden, device="cuda", dtype=DTYPE).requires_grad_()
     w = (torch.randn(experts, hidden, width, device="cuda") * 0.03).to(DTYPE).requires_grad_()
     flops = 2 * tokens * top_k * hidden * width
+    shape = f"{tokens * top_k}x{hidden} @ {experts}x{hidden}x{width}"
     for backend in ("torch", "triton", "loop"):
-        row: dict[str, Any] = {
-            "kernel": "grouped GEMM",
-            "shape": f"{tokens * top_k}x{hidden} @ {experts}x{hidden}x{width}",
-            "impl": backend,
-        }
-        try:
-            f, fb = fwd_bwd(lambda: grouped_mm(a, w, sizes, backend=backend), [a, w])
-            row["fwd_ms"], row["fwd_bwd_ms"] = timed(f, iters=10), timed(fb, iters=10)
-            row["fwd_TFLOPs"] = flops / row["fwd_ms"] / 1e9
-            row["fwd_bwd_TFLOPs"] = 3 * flops / row["fwd_bwd_ms"] / 1e9
-        except Exception as error:
-            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        forward = partial(grouped_mm, a, w, sizes, backend=backend)
+        rows.append(flops_row("grouped GEMM", shape, backend, forward, [a, w], flops, 3 * flops, iters=10))
     return rows
 
 
