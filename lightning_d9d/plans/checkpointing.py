@@ -55,6 +55,32 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+# Profiler range markers: they compute nothing, yet selective checkpointing counts them like model ops.
+PROFILER_RANGE_OPS = (
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+)
+
+
+def replay_ignores_profiler_ranges() -> None:
+    """Have selective checkpointing run profiler range markers without counting them (process-wide, idempotent).
+
+    Selective checkpointing replays a block's ops by (op, call index) and fails when the recompute calls an op
+    more often than the forward did. A block that holds an FSDP unit of its own (an MoE block's experts under
+    ep) runs that unit's hooks inside the region, and their ``record_function`` ranges differ between forward
+    and recompute: "profiler._record_function_enter_new.default invocation index 3 encountered during backward
+    but not found in storage", eager or compiled (torchtitan issue 3427; the torch fix, pytorch PR 185178 /
+    196862, is not in torch 2.13). Torch's own ignore list is where that fix puts these ops too.
+    """
+    for name in (
+        "SAC_IGNORED_OPS",
+        "_SAC_IGNORED_OPS",
+    ):  # public in torch 2.11-2.13, private in later sources
+        ignored = getattr(torch.utils.checkpoint, name, None)
+        if isinstance(ignored, set):
+            ignored.update(PROFILER_RANGE_OPS)
+
+
 def apply_activation_checkpointing(
     blocks: nn.ModuleList | nn.ModuleDict,
     *,
@@ -72,6 +98,7 @@ def apply_activation_checkpointing(
         raise ValueError(f"apply_activation_checkpointing: kind={kind!r}; choose 'full' or 'selective'")
     extra: dict[str, Any] = {}
     if kind == "selective":
+        replay_ignores_profiler_ranges()
         extra["context_fn"] = partial(create_selective_checkpoint_contexts, _keep_matmuls)
     keys = list(blocks.keys()) if isinstance(blocks, nn.ModuleDict) else range(len(blocks))
     for key in keys:

@@ -52,6 +52,16 @@ CASES: dict[str, dict] = {
         "moe_balance": BALANCE,
         "dims": {"pp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
     },
+    # selective recompute around blocks whose experts are an FSDP unit of their own: the unit's hooks run
+    # inside the checkpointed region, and the recompute must replay the block's ops as the forward ran them
+    "ep2_selective": {
+        "devices": 2,
+        "dp": 2,
+        "max_steps": 3,
+        "moe": MOE,
+        "moe_balance": BALANCE,
+        "dims": {"ep": 2, "activation_checkpointing": "selective"},
+    },
     # accumulation: the bias moves once per optimizer step, from the load of both micro-steps
     "ep2_accumulate": {
         "devices": 2,
@@ -133,6 +143,8 @@ def test_expert_parallel_matches_single_process_loop(case: str, launched: Callab
     config = config_of(case)
     actual = launched(case)
     assert_matches_reference(actual, config)
+    if config["dims"].get("activation_checkpointing"):
+        assert actual["checkpointed_modules"] == Qwen3MoeConfig.tiny(**config["moe"]).num_hidden_layers
     # the excluded experts got no token: the load of every logged layer has a 0, and is uneven
     loads = actual["moe_load"]
     minima = [value for name, value in loads.items() if name.endswith("load_min")]
