@@ -28,7 +28,8 @@ def parallelize_blocks(
 
     The order is torchtitan's and matters: a model applies its TP/CP/EP plans before calling this (they
     rewrite the blocks' layers); checkpointing wraps a block before compile, so one compiled graph covers
-    forward and recompute; FSDP goes last, around the wrapped and compiled blocks.
+    forward and recompute (except full recompute under tp, which wraps the compiled block: see below); FSDP
+    goes last, around the wrapped and compiled blocks.
 
     ``preserve_rng_state=False`` skips saving and restoring the RNG state around each recompute. Only a model
     whose blocks draw no random numbers (no dropout) may pass it; otherwise recompute draws other dropout
@@ -37,6 +38,14 @@ def parallelize_blocks(
     kind = checkpointing_kind(options.activation_checkpointing)
     mode = compile_mode(options.compile)
     for blocks in block_lists:
+        if mode is not None and kind == "full" and dims.tp_enabled:
+            # Inside one compiled graph, full recompute of tensor-parallel blocks fails in AOTAutograd on torch
+            # 2.13 ("expected all tensors_saved_with_vc_check to be Tensors": the DTensors' DeviceMesh, now a
+            # graph input, is kept for the recompute). Checkpointing around the compiled block instead re-runs
+            # the compiled forward in backward, the same recompute.
+            apply_compile(blocks, mode)
+            apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
+            continue
         if kind is not None:
             apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
         if mode is not None:

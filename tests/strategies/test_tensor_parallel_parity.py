@@ -1,7 +1,8 @@
 """Tensor + sequence + loss parallelism inside Lightning's loop against a single-process loop (fp32, 1e-5).
 
 Losses, parameters and the gradient norm before clipping after 5 optimizer steps; tp alone (with accumulation,
-with clipping, with tied embeddings), tp under FSDP (2-D), pp x dp_shard x tp on 8 processes, and checkpoints carried between tp=2 and tp=1.
+with clipping, with tied embeddings, compiled with full recompute), tp under FSDP (2-D), pp x dp_shard x tp on 8
+processes, and checkpoints carried between tp=2 and tp=1.
 All runs share one launch (``run_forked``).
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 import pytest
 from test_pipeline_parity import run_forked
 from test_trainer_parity import BASE, assert_matches_reference, assert_same_grad_norms, assert_same_training
+
+from lightning_d9d.models import Qwen3Config
 
 TP2 = {"devices": 2, "dp": 1, "max_steps": 5, "dims": {"tp": 2}}
 # A checkpoint every 2 steps of 4-batch epochs: step 6 is in the middle of an epoch.
@@ -24,6 +27,14 @@ CASES: dict[str, dict] = {
     # the embedding and the head are one Parameter, split over the vocabulary by both
     "tp2_tied": {**TP2, "model": {"tie_word_embeddings": True}},
     "tp2_resumable": {**TP2, **RESUMABLE},
+    # full recompute of compiled tp blocks: one graph for both failed in AOTAutograd (torch 2.13), so the
+    # checkpoint wraps the compiled block; dynamo + AOTAutograd without Inductor's code generation
+    "tp2_full_checkpointing_compiled": {
+        **TP2,
+        "max_steps": 3,
+        "dims": {"tp": 2, "activation_checkpointing": True, "compile": True},
+        "compile_backend": "aot_eager",
+    },
     # tp=1 on as many processes: plain FSDP, so a resume also reshards between FSDP and tp
     "tp1_resumable": {"devices": 2, "dp": 2, **RESUMABLE, "dims": {"dp_shard": 2}},
     # 2-D: FSDP over dp_shard shards the tp shards; padded labels weigh the data ranks by their tokens
@@ -89,6 +100,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_matches_single_process_loop(case: str, runs: dict) -> None:
     assert_matches_reference(runs[case], config_of(case))
+    dims = CASES[case]["dims"]
+    layers = Qwen3Config.tiny(**CASES[case].get("model", {})).num_hidden_layers
+    assert runs[case]["compiled_modules"] == (layers if dims.get("compile") else 0)
+    assert runs[case]["checkpointed_modules"] == (layers if dims.get("activation_checkpointing") else 0)
 
 
 def test_checkpoints_move_between_tp2_and_tp1(runs: dict) -> None:
