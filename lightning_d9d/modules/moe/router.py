@@ -21,6 +21,22 @@ from torch import nn
 from lightning_d9d.kernels import count_tokens_per_expert
 
 
+@torch.library.custom_op("lightning_d9d::count_expert_load", mutates_args=("load",))
+def count_expert_load(load: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+    """``load += tokens_per_expert``, except while a backward pass runs: there a forward is activation
+    checkpointing's recompute of one already counted (the loads came out twice as large with it, full or
+    selective, eager or compiled). An operator of its own so that compiled blocks keep the check for run time
+    instead of tracing it away; the backward pass is told by its graph task, as ``torch.utils.checkpoint`` tells
+    it (``_current_graph_task_id`` is -1 outside the autograd engine)."""
+    if torch._C._current_graph_task_id() == -1:
+        load.add_(tokens_per_expert)
+
+
+@count_expert_load.register_fake
+def _(load: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class Routing:
     """One router call over ``T`` tokens: ``expert_indices [T, k]`` (int64), ``expert_weights [T, k]`` (the
@@ -47,9 +63,9 @@ class TopKRouter(nn.Module):
 
     Buffers: ``expert_load [E]`` (int64, not saved) counts the slots each expert received in training-mode
     forwards since the last :func:`~lightning_d9d.modules.moe.balancing.update_expert_bias`, i.e. over every
-    micro-step of an accumulation window. Activation-checkpoint recomputation counts a forward twice; that
-    scales every expert's count alike, which the sign-based bias update does not see. With
-    ``selection_bias``: ``expert_bias [E]`` (fp32, saved in checkpoints: it is training state)."""
+    micro-step of an accumulation window; activation checkpointing's recompute of a forward is not counted
+    again (:func:`count_expert_load`). With ``selection_bias``: ``expert_bias [E]`` (fp32, saved in
+    checkpoints: it is training state)."""
 
     expert_load: torch.Tensor
     expert_bias: torch.Tensor | None
@@ -100,8 +116,7 @@ class TopKRouter(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         tokens_per_expert = count_tokens_per_expert(indices, self.num_experts)
         if self.training and self.count_load:
-            with torch.no_grad():
-                self.expert_load.add_(tokens_per_expert)
+            count_expert_load(self.expert_load, tokens_per_expert)
         return Routing(
             expert_indices=indices,
             expert_weights=weights.to(logits.dtype),

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
+from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.moe import TopKRouter, routers_in, update_expert_bias
+from lightning_d9d.plans.checkpointing import CheckpointingKind, apply_activation_checkpointing
 
 HIDDEN, EXPERTS, TOP_K, RATE, STEPS = 6, 5, 2, 0.05, 4
 
@@ -70,6 +73,30 @@ def test_load_of_micro_steps_equals_one_pass_over_their_tokens() -> None:
         accumulated(micro)
     whole(step_tokens)
     assert torch.equal(accumulated.expert_load, whole.expert_load)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["full", "selective"])
+def test_a_checkpointed_forward_is_counted_once(kind: CheckpointingKind, compiled: bool) -> None:
+    """Activation checkpointing runs the blocks' forward again inside backward; that recompute must not add to
+    the load (it doubled every count: the logged loads read twice the tokens routed)."""
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig.tiny()
+    plain, checkpointed = Qwen3MoeForCausalLM(config), Qwen3MoeForCausalLM(config)
+    checkpointed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(checkpointed.model.layers, kind=kind)
+    if (
+        compiled
+    ):  # dynamo + AOTAutograd, as compile=True traces the blocks (without Inductor's code generation)
+        for layer in checkpointed.model.layers.values():
+            layer.compile(backend="aot_eager")
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    for model in (plain, checkpointed):
+        model.train()
+        model(ids).float().mean().backward()
+    loads = [[router.expert_load.clone() for router in routers_in(model)] for model in (plain, checkpointed)]
+    assert [int(load.sum()) for load in loads[0]] == [2 * 16 * config.num_experts_per_tok] * 2
+    assert all(torch.equal(a, b) for a, b in zip(*loads, strict=True))
 
 
 def test_two_ranks_equal_one_process_on_all_tokens() -> None:
