@@ -51,6 +51,21 @@ def checkpointing_kind(value: bool | str) -> CheckpointingKind | None:
     )
 
 
+def check_checkpointing_layout(value: bool | str, *, pp: int, ep: int) -> None:
+    """Refuse selective recompute of pipeline stages whose experts are FSDP units of their own (``pp > 1``
+    with ``ep > 1``), before any process group exists. There the experts' parameters are gathered in the
+    recompute where the forward found them already gathered (or the reverse, as the schedule interleaves
+    micro-batches), and the replay, which matches a block's ops by call count, fails in the first backward
+    ("aten._to_copy.default invocation index 12 encountered during backward but not found in storage"; eager
+    and compiled, torch 2.13). Torch's fix is to run FSDP's gathers outside that count (pytorch PR 196862)."""
+    if checkpointing_kind(value) == "selective" and pp > 1 and ep > 1:
+        raise ValueError(
+            f"activation_checkpointing='selective' with pp={pp} and ep={ep}: torch's selective recompute "
+            "cannot replay pipeline stages whose experts are FSDP units of their own; use "
+            "activation_checkpointing=True (full recompute of each block), or selective with pp=1 or ep=1"
+        )
+
+
 def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 

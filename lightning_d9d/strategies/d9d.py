@@ -57,7 +57,7 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
-from lightning_d9d.plans.checkpointing import checkpointing_kind
+from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
@@ -157,6 +157,7 @@ class D9DStrategy(ModelParallelStrategy):
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
         checkpointing_kind(activation_checkpointing)  # refuses anything else, before any process group
+        check_checkpointing_layout(activation_checkpointing, pp=pp, ep=ep)
         self._activation_checkpointing = activation_checkpointing
         compile_mode(compile)  # refuses an unknown mode before any process group
         self._compile = compile

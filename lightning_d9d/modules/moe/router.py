@@ -22,18 +22,21 @@ from lightning_d9d.kernels import count_tokens_per_expert
 
 
 @torch.library.custom_op("lightning_d9d::count_expert_load", mutates_args=("load",))
-def count_expert_load(load: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
-    """``load += tokens_per_expert``, except while a backward pass runs: there a forward is activation
-    checkpointing's recompute of one already counted (the loads came out twice as large with it, full or
-    selective, eager or compiled). An operator of its own so that compiled blocks keep the check for run time
-    instead of tracing it away; the backward pass is told by its graph task, as ``torch.utils.checkpoint`` tells
-    it (``_current_graph_task_id`` is -1 outside the autograd engine)."""
-    if torch._C._current_graph_task_id() == -1:
+def count_expert_load(load: torch.Tensor, tokens_per_expert: torch.Tensor, count: bool) -> None:
+    """``load += tokens_per_expert`` when ``count``, except while a backward pass runs: there a forward is
+    activation checkpointing's recompute of one already counted (the loads came out twice as large with it,
+    full or selective, eager or compiled). An operator of its own so that compiled blocks keep the check for run
+    time instead of tracing it away; the backward pass is told by its graph task, as ``torch.utils.checkpoint``
+    tells it (``_current_graph_task_id`` is -1 outside the autograd engine). Called whether or not ``count``:
+    selective checkpointing replays a block's ops by call count, so a forward with counting paused (torch's
+    pipeline metadata inference) must call the same ops as any recompute of it, which would run after the
+    pause."""
+    if count and torch._C._current_graph_task_id() == -1:
         load.add_(tokens_per_expert)
 
 
 @count_expert_load.register_fake
-def _(load: torch.Tensor, tokens_per_expert: torch.Tensor) -> None:
+def _(load: torch.Tensor, tokens_per_expert: torch.Tensor, count: bool) -> None:
     return None
 
 
@@ -115,8 +118,8 @@ class TopKRouter(nn.Module):
         if self.normalize_top_k:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         tokens_per_expert = count_tokens_per_expert(indices, self.num_experts)
-        if self.training and self.count_load:
-            count_expert_load(self.expert_load, tokens_per_expert)
+        if self.training:
+            count_expert_load(self.expert_load, tokens_per_expert, self.count_load)
         return Routing(
             expert_indices=indices,
             expert_weights=weights.to(logits.dtype),
