@@ -59,7 +59,7 @@ CASES: dict[str, dict] = {
     },
     # compiled blocks that hold FSDP units of their own (the MoE block under tp, its experts under ep): they
     # compile with graph breaks around those units' hooks (fullgraph failed to trace them); one sparse layer,
-    # dynamo + AOTAutograd without Inductor's code generation (which the dense "compile" parity case runs)
+    # dynamo's trace run eagerly (the failure was dynamo's; the dense "compile" parity case runs Inductor)
     "moe_tp2_ep2_compile": {
         "devices": 4,
         "dp": 2,
@@ -67,7 +67,7 @@ CASES: dict[str, dict] = {
         "moe": {**MOE, "num_hidden_layers": 1},
         "moe_balance": BALANCE,
         "dims": {"tp": 2, "dp_shard": 2, "ep": 2, "compile": True},
-        "compile_backend": "aot_eager",
+        "compile_backend": "eager",
     },
 }
 
