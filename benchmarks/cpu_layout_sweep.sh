@@ -26,7 +26,7 @@ run() {  # run <ranks> <model> <checkpointing> <compile flag or ""> <layouts.py 
       | head -1 | cut -c1-300)"
     status=1
   fi
-  echo "$model | $* | ac=$ac | ${compile:-eager} | $(( $(date +%s) - start ))s | $line"
+  echo "$model | $* | ac=$ac | $([ -n "$compile" ] && echo compiled || echo eager) | $(( $(date +%s) - start ))s | $line"
 }
 for part in "${@:-two four}"; do
   case $part in
