@@ -43,9 +43,8 @@ class GarbageCollection(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        step = (
-            trainer.global_step
-        )  # optimizer steps: with accumulation, one collection per step, not per batch
+        # Optimizer steps: with accumulation, one collection per step, not per batch.
+        step = trainer.global_step
         if step > 0 and step % self.every_n_steps == 0 and step != self._last_collected_step:
             self._last_collected_step = step
             gc.collect(self.generation)

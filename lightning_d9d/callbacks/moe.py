@@ -5,8 +5,9 @@ Routers count the slots each expert received in every training forward (``TopKRo
 an optimizer step the counters hold the whole accumulation window (and every pipeline microbatch). This
 callback sums them over the ranks that routed different tokens through the same router replica (the d9d
 strategy's ``routing`` view: data-parallel x context-parallel x tensor-parallel ranks, since each tp rank
-routes its own positions; ep ranks included, never pp peers; the world under other strategies), moves each selection bias by ``rate * sign(mean load - load)``
-(:func:`~lightning_d9d.modules.moe.update_expert_bias`), and resets the counters. Every rank applies the same
+routes its own positions; ep ranks included, never pp peers; the world under other strategies), moves each
+selection bias by ``rate * sign(mean load - load)`` (:func:`~lightning_d9d.modules.moe.update_expert_bias`),
+and resets the counters. Every rank applies the same
 update, so the replicas stay equal.
 
 An optimizer step is recognised by ``trainer.global_step`` moving, which also covers the short last window of an

@@ -37,18 +37,17 @@ def parallelize_blocks(
     """
     kind = checkpointing_kind(options.activation_checkpointing)
     mode = compile_mode(options.compile)
+    # Inside one compiled graph, full recompute of tensor-parallel blocks fails in AOTAutograd on torch 2.13
+    # ("expected all tensors_saved_with_vc_check to be Tensors": the DTensors' DeviceMesh, now a graph input, is
+    # kept for the recompute). Checkpointing around the compiled block instead re-runs the compiled forward in
+    # backward, the same recompute.
+    compile_first = mode is not None and kind == "full" and dims.tp_enabled
     for blocks in block_lists:
-        if mode is not None and kind == "full" and dims.tp_enabled:
-            # Inside one compiled graph, full recompute of tensor-parallel blocks fails in AOTAutograd on torch
-            # 2.13 ("expected all tensors_saved_with_vc_check to be Tensors": the DTensors' DeviceMesh, now a
-            # graph input, is kept for the recompute). Checkpointing around the compiled block instead re-runs
-            # the compiled forward in backward, the same recompute.
+        if mode is not None and compile_first:
             apply_compile(blocks, mode)
-            apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
-            continue
         if kind is not None:
             apply_activation_checkpointing(blocks, preserve_rng_state=preserve_rng_state, kind=kind)
-        if mode is not None:
+        if mode is not None and not compile_first:
             apply_compile(blocks, mode)
     # Read the blocks after wrapping: the FSDP units are the checkpoint wrappers, not the modules inside.
     units = [block for blocks in block_lists for block in _blocks_of(blocks)]

@@ -87,13 +87,7 @@ def replay_ignores_profiler_ranges() -> None:
     but not found in storage", eager or compiled (torchtitan issue 3427; the torch fix, pytorch PR 185178 /
     196862, is not in torch 2.13). Torch's own ignore list is where that fix puts these ops too.
     """
-    for name in (
-        "SAC_IGNORED_OPS",
-        "_SAC_IGNORED_OPS",
-    ):  # public in torch 2.11-2.13, private in later sources
-        ignored = getattr(torch.utils.checkpoint, name, None)
-        if isinstance(ignored, set):
-            ignored.update(PROFILER_RANGE_OPS)
+    torch.utils.checkpoint.SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)  # a public set in torch 2.11-2.13
 
 
 def apply_activation_checkpointing(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.plans.fsdp import parallelize_fsdp
@@ -27,7 +28,7 @@ def parallelize_data(
     if dims.dp_replicate > 1:
         parallelize_replicate(
             module,
-            dims.mesh_for("hsdp"),
+            data_parallel_mesh(dims),
             blocks=blocks,
             mp_policy=options.mp_policy,
             reshard_after_forward=options.reshard_after_forward,
@@ -35,8 +36,19 @@ def parallelize_data(
     else:
         parallelize_fsdp(
             module,
-            dims.mesh_for("fsdp"),
+            data_parallel_mesh(dims),
             blocks=blocks,
             mp_policy=options.mp_policy,
-            reshard_after_forward=options.reshard_after_forward and dims.fsdp > 1,
+            reshard_after_forward=reshards_after_forward(dims, options),
         )
+
+
+def data_parallel_mesh(dims: ParallelDims) -> DeviceMesh:
+    """The mesh a data-parallel FSDP unit spans: the 2-D ``hsdp`` view under HSDP, else ``fsdp``."""
+    return dims.mesh_for("hsdp") if dims.dp_replicate > 1 else dims.mesh_for("fsdp")
+
+
+def reshards_after_forward(dims: ParallelDims, options: ParallelOptions) -> bool:
+    """Whether a data-parallel unit frees its gathered parameters after forward: as asked, where anything is
+    sharded (with ``fsdp == 1`` there is nothing to free)."""
+    return options.reshard_after_forward and dims.fsdp > 1

@@ -30,6 +30,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.moe import MoE
+from lightning_d9d.plans.data_parallel import data_parallel_mesh, reshards_after_forward
 from lightning_d9d.plans.options import ParallelOptions
 
 
@@ -40,14 +41,13 @@ def route_on_sequence_shards(module: nn.Module, dims: ParallelDims, options: Par
     if not dims.tp_enabled or not blocks:
         return []
     tp_group = dims.mesh_for("tp").get_group()
-    data_mesh = dims.mesh_for("hsdp") if dims.dp_replicate > 1 else dims.mesh_for("fsdp")
     for block in blocks:
         block.router_loss_share = 1.0 / dims.tp
         unit = fully_shard(
             block,
-            mesh=data_mesh,
+            mesh=data_parallel_mesh(dims),
             mp_policy=options.mp_policy or MixedPrecisionPolicy(),
-            reshard_after_forward=options.reshard_after_forward and dims.fsdp > 1,
+            reshard_after_forward=reshards_after_forward(dims, options),
         )
         unit.set_all_reduce_hook(partial(_sum_over, group=tp_group))
     return blocks

@@ -54,6 +54,22 @@ def test_rms_norm(shape: tuple[int, ...], dtype: torch.dtype) -> None:
         assert relative_error(grad, want) < BOUND[dtype]
 
 
+def test_rms_norm_backward_pipelines_only_loops_long_enough() -> None:
+    """Pipelined stages where each program loops over >= 6 tiles (the q/k-norm shape and hidden 4096 on an
+    H200's 1056 programs: 7.8 and 15.5 tiles each), one stage at hidden 1024 (3.9); an int set forces it."""
+    from lightning_d9d.kernels import rmsnorm
+
+    programs = 1056
+    assert rmsnorm._backward_stages(8192, programs) == rmsnorm.PIPELINED_STAGES > 1
+    assert rmsnorm._backward_stages(16384, programs) == rmsnorm.PIPELINED_STAGES
+    assert rmsnorm._backward_stages(4096, programs) == 1
+    rmsnorm.BACKWARD_STAGES = 2
+    try:
+        assert rmsnorm._backward_stages(4096, programs) == 2
+    finally:
+        rmsnorm.BACKWARD_STAGES = None
+
+
 @pytest.mark.parametrize(
     ("shape", "dtype"), [((3, 7), torch.float32), ((2, 2500), torch.float32), ((999,), torch.bfloat16)]
 )
