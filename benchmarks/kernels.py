@@ -23,7 +23,7 @@ import platform
 import time
 import traceback
 from collections.abc import Callable
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -67,6 +67,15 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     ms = timed(lambda: dst.copy_(src), iters=30)
     return 2 * src.numel() * src.element_size() / ms / 1e6
+
+
+@cache
+def copy_ms(moved_bytes: int) -> float:
+    """GPU milliseconds of one ``copy_`` that reads and writes ``moved_bytes`` in total: the ceiling for a
+    kernel of that size, whose launch ramp and tail weigh more than in the 1 GiB copy of ``copy_bandwidth``."""
+    src = torch.empty(max(1, moved_bytes // 4), dtype=DTYPE, device="cuda")
+    dst = torch.empty_like(src)
+    return timed(lambda: dst.copy_(src), iters=50)
 
 
 def _library(module: str, name: str) -> Callable[..., Any] | None:
@@ -215,6 +224,8 @@ def measure(
             row["bwd_GBs"] = bwd_bytes / bwd_ms / 1e6 if bwd_ms > 0 else math.nan
             row["fwd_bwd_GBs"] = (fwd_bytes + bwd_bytes) / row["fwd_bwd_ms"] / 1e6
             row["fwd_bwd_pct_copy"] = 100 * row["fwd_bwd_GBs"] / copy_gbs
+            # against one copy of the same bytes (a fwd + bwd is several launches, each with its ramp and tail)
+            row["fwd_bwd_pct_same_size_copy"] = 100 * copy_ms(fwd_bytes + bwd_bytes) / row["fwd_bwd_ms"]
         except Exception as error:  # a library that does not run here: recorded, not fatal
             row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         rows.append(row)
