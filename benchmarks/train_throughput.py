@@ -85,6 +85,7 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
+    "ours_trainer_compiled_full": 'ours_trainer_compiled with activation_checkpointing="full" (every block)',
     # compile="max-autotune-no-cudagraphs": Inductor benchmarks Triton GEMM templates against cuBLAS per shape
     "ours_trainer_compiled_autotune": 'ours_trainer_compiled with compile="max-autotune-no-cudagraphs"',
     "ours_trainer_compiled_nofsdp_autotune": "the same without FSDP on the one rank",
@@ -108,6 +109,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
+        "ours_trainer_compiled_full",
         "ours_trainer_compiled_autotune",
         "ours_trainer_compiled_nofsdp_autotune",
         "ours_trainer_compiled_nofsdp_autogc",
@@ -611,7 +613,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         if "compiled" in path
         else False,
         fsdp_on_one_rank="nofsdp" not in path,
-        activation_checkpointing="selective" if path.endswith("selective") else False,
+        activation_checkpointing=next((k for k in ("selective", "full") if path.endswith(f"_{k}")), False),
     )
     trainer = L.Trainer(
         strategy=strategy,
