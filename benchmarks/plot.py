@@ -1,5 +1,7 @@
-"""Bar charts of ``train_throughput.py`` results: tokens/s (with the ratio to the run's baseline) and peak memory
-per path, one group of bars per result file (each file is one run, so ratios are only taken inside a group).
+"""Bar charts of ``train_throughput.py`` results: tokens/s at the median step (with the ratio to the run's
+baseline) and peak memory per path, one group of bars per result file (each file is one run, so ratios are only
+taken inside a group). The median step, not the window's mean: one slow step (a collection, a late recompile)
+in a 20-step window moves the mean by several per cent.
 
     python benchmarks/plot.py --out docs/benchmarks.png \\
         "dense, run A=benchmarks/results/<dir>/dense/run2.json" "MoE=benchmarks/results/<dir>/moe/run5.json"
@@ -18,9 +20,14 @@ PEER_COLOR = "tab:orange"
 
 
 def load(spec: str) -> tuple[str, list[dict[str, Any]]]:
+    """``(title, paths)``, each path with ``median_tokens_per_s`` added."""
     title, _, path = spec.partition("=")
-    results = json.loads(Path(path).read_text())["results"]
-    return title, [r for r in results if r.get("ok") and r.get("tokens_per_s")]
+    run = json.loads(Path(path).read_text())
+    tokens_per_step = run["meta"]["tokens_per_step"]
+    results = [r for r in run["results"] if r.get("ok") and r.get("tokens_per_s")]
+    for r in results:
+        r["median_tokens_per_s"] = tokens_per_step * 1e3 / r["step_ms"]["median"]
+    return title, results
 
 
 def main() -> None:
@@ -51,10 +58,10 @@ def main() -> None:
             for r in results
         ]
         speed, memory = axes[0][column], axes[1][column]
-        bars = speed.bar(names, [r["tokens_per_s"] / 1e3 for r in results], color=colors)
+        bars = speed.bar(names, [r["median_tokens_per_s"] / 1e3 for r in results], color=colors)
         if baseline is not None:
             for bar, r in zip(bars, results, strict=True):
-                ratio = r["tokens_per_s"] / baseline["tokens_per_s"]
+                ratio = r["median_tokens_per_s"] / baseline["median_tokens_per_s"]
                 speed.annotate(
                     f"{ratio:.2f}x",
                     (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -63,7 +70,7 @@ def main() -> None:
                     fontsize=8,
                 )
         speed.set_title(title, fontsize=10)
-        speed.set_ylabel("thousand tokens/s")
+        speed.set_ylabel("thousand tokens/s (median step)")
         memory.bar(names, [r["peak_mem_gib"] for r in results], color=colors)
         memory.set_ylabel("peak memory, GiB")
         for axis in (speed, memory):
