@@ -84,7 +84,8 @@ PROGRAMS_PER_SM = 8
 # The backward's software pipelining (Triton prefetching the next tiles' rows while one is reduced): pays once
 # each program loops over enough tiles. In the session-6 sweep (tile 4096, 8 per SM) 3 stages against 1: q/k-norm
 # shape (7.8 tiles per program) 0.105 vs 0.112 ms, hidden 4096 (15.5) 0.183 vs 0.190 ms, hidden 1024 (3.9)
-# 0.060 vs 0.058 ms. None picks by that count; an int forces it (the benchmark's sweep).
+# 0.060 vs 0.058 ms; session 8 (the rule in place): 0.106 vs 0.112, 0.183 vs 0.189, 0.0589 vs 0.0590 ms. None
+# picks by that count; an int forces it (the benchmark's sweep).
 BACKWARD_STAGES: int | None = None
 PIPELINED_STAGES = 3
 PIPELINE_FROM_TILES_PER_PROGRAM = 6
