@@ -217,6 +217,36 @@ def _ms(a: Any, b: Any) -> float:
     return float(a.elapsed_time(b))
 
 
+class GpuStall:
+    """``--gpu-stall-ms``: a spin kernel of that many GPU milliseconds queued at the start of every step.
+
+    The host-bound probe: where the host runs ahead of the GPU (launches queued before the GPU needs them) a
+    step grows by the whole stall; where the GPU waits for the host, the stall fills that wait first, so the
+    step grows by less. ``stall - growth`` of the median step is the GPU's idle time per step (up to the stall).
+    """
+
+    def __init__(self, device: Any, ms: float) -> None:
+        import torch
+
+        self.cycles = 0
+        if ms <= 0 or device.type != "cuda":
+            return
+        calibration = 20_000_000
+        torch.cuda._sleep(calibration)  # first launch outside the timing
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(calibration)
+        stop.record()
+        torch.cuda.synchronize(device)
+        self.cycles = int(calibration * ms / start.elapsed_time(stop))
+
+    def __call__(self) -> None:
+        import torch
+
+        if self.cycles:
+            torch.cuda._sleep(self.cycles)
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     if not values:
         return {}
@@ -443,6 +473,7 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
     _sync(device)
     setup_s = time.perf_counter() - t_setup
     events = _Events(device)
+    stall = GpuStall(device, args.gpu_stall_ms)
     losses: list[Any] = []
 
     # torchtitan's trainer scores its model with its own compiled loss; every other path with ours.
@@ -452,6 +483,7 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
         i = len(losses)  # this step's batch
         if marks is not None:
             events.mark(marks, "start")
+        stall()
         with autocast:
             loss = loss_fn(forward(inputs[i]), labels[i])
         if marks is not None:
@@ -602,11 +634,15 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
             self.sync_probe = probe.stop()
 
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            stall()
+
         def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
             _sync(device)
             self.t_start = time.perf_counter()
             self.setup_s = self.t_start - self.t_fit
 
+    stall = GpuStall(device, args.gpu_stall_ms)
     timer = StepTimer()
     strategy = D9DStrategy(
         compile=("max-autotune-no-cudagraphs" if "autotune" in path else True)
@@ -917,6 +953,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"torch {v['torch']}, lightning {v['lightning']}, transformers {v['transformers']}, "
         f"triton {v['triton']}, CUDA {v['cuda']}, driver {v.get('driver')}, GPU {v.get('gpus')}; {meta['date']}.",
     ]
+    if meta.get("gpu_stall_ms"):
+        lines.append(f"host-bound probe: a {meta['gpu_stall_ms']:g} ms GPU spin queued at every step's start")
     if meta.get("note"):
         lines.append(f"note: {meta['note']}")
     if peak is not None:
@@ -947,6 +985,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--time-adamw", type=int, default=1, help="ours_fsdp_loop: also time isolated AdamW steps (1/0)"
     )
+    parser.add_argument(
+        "--gpu-stall-ms",
+        type=float,
+        default=0.0,
+        help="queue a GPU spin of this many ms at every step's start (host-bound probe: GpuStall)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--gpus", default="0", help="GPU indices to spread the paths over, one path per GPU")
@@ -976,6 +1020,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"--lr={args.lr}",
         f"--time-adamw={args.time_adamw}",
         f"--seed={args.seed}",
+        f"--gpu-stall-ms={args.gpu_stall_ms}",
         f"--device={args.device}",
     ]
     if args.warmup < 1 or args.steps < 1:
@@ -1016,6 +1061,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "steps": args.steps,
         "probe_steps": args.probe_steps,
+        "gpu_stall_ms": args.gpu_stall_ms,
         "peak_tflops": args.peak_tflops,
         "flops_per_token": fpt,
         "precision": "fp32 master weights + torch.autocast(bf16) in the plain loops; bf16-mixed (FSDP2 "
