@@ -83,6 +83,16 @@ def sort_key(expert_ids: torch.Tensor, num_experts: int | None) -> torch.Tensor:
     return expert_ids
 
 
+def group_by_expert(expert_ids: torch.Tensor, num_experts: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(order, inverse)`` of a stable sort of ``expert_ids [N]``: ``order`` lists the positions expert by expert
+    (in their original order within an expert), ``inverse[order[i]] == i``. ``num_experts`` (the ids are below
+    it; ``None`` if unknown) lets the sort use narrow keys (:func:`sort_key`)."""
+    order = torch.sort(sort_key(expert_ids, num_experts), stable=True).indices
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return order, inverse
+
+
 def permute_tokens(
     hidden: torch.Tensor, expert_indices: torch.Tensor, num_experts: int | None = None
 ) -> tuple[torch.Tensor, Permutation]:
@@ -95,9 +105,7 @@ def permute_tokens(
             f"{tuple(hidden.shape)} and {tuple(expert_indices.shape)}"
         )
     top_k = expert_indices.shape[1]
-    order = torch.sort(sort_key(expert_indices.reshape(-1), num_experts), stable=True).indices
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    order, inverse = group_by_expert(expert_indices.reshape(-1), num_experts)
     sources = torch.div(order, top_k, rounding_mode="floor")
     if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
         grouped = permute_rows_triton(hidden, sources, inverse, top_k)

@@ -453,7 +453,8 @@ class Qwen3MoeForCausalLM(CausalLM):
         (:func:`~lightning_d9d.plans.route_on_sequence_shards`), context parallelism over ``cp``
         (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
         positions, the load-balancing loss counted over the cp x tp ranks), then activation checkpointing,
-        per-layer ``torch.compile``, and FSDP/HSDP per decoder layer plus the root (embedding, final norm, head; FSDP over ``dp_shard * cp``)."""
+        per-layer ``torch.compile``, and FSDP/HSDP per decoder layer plus the root (embedding, final norm,
+        head; FSDP over ``dp_shard * cp``)."""
         require_degrees(
             dims,
             supported=_SUPPORTED,

@@ -41,7 +41,7 @@ def parallelize_blocks(
     # ("expected all tensors_saved_with_vc_check to be Tensors": the DTensors' DeviceMesh, now a graph input, is
     # kept for the recompute). Checkpointing around the compiled block instead re-runs the compiled forward in
     # backward, the same recompute.
-    compile_first = mode is not None and kind == "full" and dims.tp_enabled
+    compile_first = kind == "full" and dims.tp_enabled
     for blocks in block_lists:
         if mode is not None and compile_first:
             apply_compile(blocks, mode)

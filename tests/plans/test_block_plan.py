@@ -89,9 +89,8 @@ def compile_flags_rank() -> list[bool]:
     dims = ParallelDims(dp_shard=1).build_mesh("cpu")
     plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
     holding = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)))
-    fully_shard(
-        holding[1], mesh=dims.mesh_for("fsdp")
-    )  # an inner unit, as the experts under ep or the MoE block under tp
+    # an inner unit, as the experts under ep or the MoE block under tp
+    fully_shard(holding[1], mesh=dims.mesh_for("fsdp"))
     unit_itself = fully_shard(nn.Sequential(nn.Linear(4, 4)), mesh=dims.mesh_for("fsdp"))
     flags: list[bool] = []
     # Record the flag instead of compiling: what matters is that dynamo never gets fullgraph=True for a block

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens
-from lightning_d9d.kernels.permute import sort_key
+from lightning_d9d.kernels.permute import group_by_expert
 from lightning_d9d.modules.moe.dispatch import Dispatched, local_expert_count
 from lightning_d9d.modules.moe.router import Routing
 
@@ -91,9 +91,7 @@ class AllToAllDispatcher:
         arrived = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
         local_expert = torch.arange(self.num_local_experts, device=counts.device).repeat(self.ep)
         row_expert = local_expert.repeat_interleave(by_source.reshape(-1), output_size=arrived.shape[0])
-        order = torch.sort(sort_key(row_expert, self.num_local_experts), stable=True).indices
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
+        order, inverse = group_by_expert(row_expert, self.num_local_experts)
         return Dispatched(
             tokens=arrived.index_select(0, order),
             tokens_per_expert=by_source.sum(0),

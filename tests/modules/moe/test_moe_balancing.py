@@ -85,9 +85,8 @@ def test_a_checkpointed_forward_is_counted_once(kind: CheckpointingKind, compile
     plain, checkpointed = Qwen3MoeForCausalLM(config), Qwen3MoeForCausalLM(config)
     checkpointed.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(checkpointed.model.layers, kind=kind)
-    if (
-        compiled
-    ):  # dynamo + AOTAutograd, as compile=True traces the blocks (without Inductor's code generation)
+    if compiled:
+        # dynamo + AOTAutograd, as compile=True traces the blocks (without Inductor's code generation)
         for layer in checkpointed.model.layers.values():
             layer.compile(backend="aot_eager")
     ids = torch.randint(0, config.vocab_size, (2, 16))
