@@ -15,7 +15,8 @@ file written is ``manifest.json`` (``manifest.py``): every other file with its s
 Loading checks every file before it touches the model, and the ranks agree on the outcome (one rank's damaged
 view fails every rank, with that rank's reason): the manifest (sizes, then checksums, each rank a share of the
 files), ``meta.pt`` (``weights_only`` unless the caller says otherwise), ``.metadata`` (through an allow-list,
-never a plain unpickle), and every chunk it lists must lie within an existing ``.distcp`` file. A folder of
+never a plain unpickle), every chunk it lists must lie within an existing ``.distcp`` file, and every non-tensor
+entry must unpickle as a plain value (``untrusted.py``). A folder of
 checkpoints resolves to the newest complete one (``selection.py``).
 """
 
@@ -216,6 +217,14 @@ def dcp_failure_reason(error: BaseException) -> str:
     return lines[-1] if lines else type(error).__name__
 
 
+def _own_failure(error: CheckpointException) -> CheckpointError | None:
+    """The first of the ranks' failures that is one of our checkpoint errors (a refused entry), if any."""
+    for failure, _ in error.failures.values():
+        if isinstance(failure, CheckpointError):
+            return failure
+    return None
+
+
 def _check_sections(path: Path, metadata: Metadata, optimizers: int) -> None:
     held = {flat.partition(".")[0] for flat in metadata.state_dict_metadata}
     missing = [MODEL_SECTION] if MODEL_SECTION not in held else []
@@ -246,6 +255,7 @@ def _checked(path: Path, optimizers: int, weights_only: bool | None) -> dict[str
     metadata = read_dcp_metadata(path)
     _check_sections(path, metadata, optimizers)
     check_chunks(path, metadata)
+    untrusted.check_plain_entries(path, metadata)
     return meta
 
 
@@ -278,8 +288,16 @@ def load(
     state: dict[str, Any] = {MODEL_SECTION: get_model_state_dict(module)}
     state.update({optimizer_section(i): optimizer_state(module, opt) for i, opt in optimizers.items()})
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=untrusted.RestrictedFileSystemReader(path))
+        dcp.load(
+            state,
+            checkpoint_id=path,
+            storage_reader=untrusted.RestrictedFileSystemReader(path),
+            planner=untrusted.RestrictedLoadPlanner(path),
+        )
     except (Exception, CheckpointException) as error:  # DCP wraps the ranks' failures in a BaseException
+        refused = _own_failure(error) if isinstance(error, CheckpointException) else None
+        if refused is not None:  # an entry we refused: our error naming it, not DCP's dump of tracebacks
+            raise refused from None
         raise CheckpointFileError(
             f"{path}: cannot load its model and optimizer state ({dcp_failure_reason(error)}). If it is a checkpoint of this model, "
             "a .distcp file is damaged",

@@ -1,22 +1,32 @@
-"""Reading DCP's ``.metadata`` without unpickling arbitrary objects.
+"""Reading a DCP checkpoint without unpickling arbitrary objects.
 
-``torch.distributed.checkpoint.FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``: a crafted
-checkpoint could run code on load. :class:`RestrictedFileSystemReader` unpickles it with an allow-list (DCP's
-metadata classes, ``torch.Size``, dtypes, paths) and refuses anything else, naming the file and the object.
-Tensor bytes themselves DCP already reads with ``torch.load(weights_only=True)``.
+Two places in ``torch.distributed.checkpoint`` unpickle what a file holds, and a crafted checkpoint could run
+code through either:
+
+- ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``. :class:`RestrictedFileSystemReader`
+  unpickles it with an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, paths) and refuses anything
+  else, naming the file and the object.
+- ``DefaultLoadPlanner.load_bytes`` reads every non-tensor entry (the optimizer's ``param_groups`` fields: lr,
+  betas, ...) with ``torch.load(weights_only=False)``. :class:`RestrictedLoadPlanner` reads them with
+  ``weights_only=True`` (plain types: numbers, strings, None, tuples, lists, dicts, tensors) and refuses
+  anything else, naming the checkpoint and the entry.
+
+Tensor bytes DCP itself reads with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import inspect
+import io
 import pickle
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from .errors import CorruptIndexError
 from .selection import DCP_METADATA_NAME
@@ -75,3 +85,65 @@ class RestrictedFileSystemReader(FileSystemReader):
         storage_meta.load_id = self.load_id  # what FileSystemReader.read_metadata sets too
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def load_plain(value: io.BytesIO, path: Path, name: str) -> Any:
+    """The non-tensor entry ``name`` of the checkpoint ``path``, unpickled with ``weights_only=True``."""
+    try:
+        return torch.load(value, weights_only=True)
+    except pickle.UnpicklingError as error:
+        # torch's message advises weights_only=False, the opposite of what to do here: keep only its reason
+        reasons = [line for line in str(error).splitlines() if "GLOBAL" in line or "Unsupported" in line]
+        raise CorruptIndexError(
+            f"{path}: the entry {name!r} is not a plain value (number, string, tuple, list, dict or tensor): "
+            f"refusing to unpickle it ({' '.join(reasons) or type(error).__name__}). The checkpoint may be "
+            "crafted; load only checkpoints you trust",
+            path=str(path),
+        ) from None
+
+
+def check_plain_entries(path: Path, metadata: Metadata) -> None:
+    """Every non-tensor entry of the checkpoint ``path`` unpickles as a plain value: run before ``dcp.load``
+    touches the model, so a crafted entry fails with the model and optimizers unchanged."""
+    plain = {
+        name
+        for name, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata)
+    }
+    for index, info in metadata.storage_data.items():
+        if index.fqn not in plain:
+            continue
+        if info.transform_descriptors:  # DCP's writer as we call it adds none; reading them would need DCP's
+            raise CorruptIndexError(
+                f"{path}: the entry {index.fqn!r} is stored with transforms {list(info.transform_descriptors)}, "
+                "which a checkpoint of the d9d strategy never has",
+                path=str(path),
+            )
+        with open(path / info.relative_path, "rb") as file:
+            file.seek(info.offset)
+            load_plain(io.BytesIO(file.read(info.length)), path, index.fqn)
+
+
+class RestrictedLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor ("bytes") entries are unpickled with ``weights_only=True``.
+
+    :func:`check_plain_entries` has refused a crafted entry before the load starts; this keeps ``dcp.load``
+    itself from unpickling anything else should the files change in between.
+    """
+
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.path = path
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        loaded = load_plain(value, self.path, fqn)
+        # the default planner's own two cases: a flattened state dict sets the nested original in place
+        if not self.flatten_state_dict:
+            self.state_dict[fqn] = loaded
+            return
+        *parents, last = self.mappings[fqn]
+        container: Any = self.original_state_dict
+        for key in parents:  # the state dict handed to dcp.load already holds every container
+            container = container[key]
+        container[last] = loaded

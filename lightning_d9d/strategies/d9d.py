@@ -581,7 +581,8 @@ class D9DStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if path.is_file():  # a checkpoint saved without a distributed checkpoint (Lightning's own format)
-            return super().load_checkpoint(path, weights_only)
+            # weights_only unless the caller asked otherwise, as for meta.pt: a checkpoint is untrusted input
+            return super().load_checkpoint(path, weights_only is not False)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {i: opt for i, opt in enumerate(self.optimizers)}
         return training_checkpoint.load(

@@ -3,6 +3,8 @@ only one of them reads, a crafted ``.metadata``, and choosing the newest complet
 
 from __future__ import annotations
 
+import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -325,3 +327,53 @@ def test_a_save_removes_only_temporary_directories_whose_save_is_over(tmp_path: 
         running.wait()
     left = {path.name for path in tmp_path.iterdir()}
     assert left == {"ckpt", entries["running"], entries["other_host_recent"]}
+
+
+def craft_bytes_entry(checkpoint: Path, payload: object) -> str:
+    """Point one non-tensor ("bytes") entry of ``checkpoint`` at a pickle of ``payload`` appended to its shard,
+    and make ``.metadata`` and the manifest agree, as a crafted checkpoint would. Returns the entry's name."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from lightning_d9d.state.untrusted import read_metadata
+
+    metadata = read_metadata(checkpoint / DCP_METADATA_NAME)
+    name = next(
+        key
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, BytesStorageMetadata) and key.endswith(".lr")
+    )
+    index = next(index for index in metadata.storage_data if index.fqn == name)
+    info = metadata.storage_data[index]
+    shard = checkpoint / info.relative_path
+    buffer = io.BytesIO()
+    torch.save(payload, buffer)
+    offset = shard.stat().st_size
+    with open(shard, "ab") as file:
+        file.write(buffer.getvalue())
+    metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
+    (checkpoint / DCP_METADATA_NAME).write_bytes(pickle.dumps(metadata))
+    entries = manifest.read_manifest(checkpoint)
+    for file_name in (DCP_METADATA_NAME, shard.name):
+        entries[file_name] = manifest.checksum(checkpoint / file_name)
+    manifest.write_manifest(checkpoint, entries)
+    return name
+
+
+def test_a_crafted_bytes_entry_is_refused_without_running_it(tmp_path: Path) -> None:
+    """DCP's default planner unpickles non-tensor entries (the optimizer's lr, betas, ...) with
+    ``weights_only=False``: ours refuses anything but plain values, naming the entry."""
+    checkpoint = saved(tmp_path / "ckpt")
+    Payload.mark = tmp_path / "was_run"
+    name = craft_bytes_entry(checkpoint, Payload())
+    message = failed_load(checkpoint, CorruptIndexError, "refusing to unpickle")
+    assert repr(name) in message and str(checkpoint) in message
+    assert not Payload.mark.exists()
+
+
+def test_a_plain_bytes_entry_still_loads(tmp_path: Path) -> None:
+    """The planner's own path for bytes entries, checked by a value only the crafted entry holds."""
+    checkpoint = saved(tmp_path / "ckpt")
+    craft_bytes_entry(checkpoint, 0.125)
+    module, optimizer = trained(seed=1)
+    load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert [group["lr"] for group in optimizer.param_groups] == [0.125]
