@@ -74,6 +74,18 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
+def check_checkpoint_format(save_distributed_checkpoint: bool, *, pp: int) -> None:
+    """Refuse one full checkpoint file under a pipeline: Lightning's file save gathers the state of rank 0's
+    module, which under ``pp > 1`` holds only its own stages (the other layers, the final norm and the head
+    would be missing from the file, silently)."""
+    if not save_distributed_checkpoint and pp > 1:
+        raise ValueError(
+            f"D9DStrategy(pp={pp}, save_distributed_checkpoint=False) would save only rank 0's pipeline stage: "
+            "keep save_distributed_checkpoint=True (the default: every stage, atomic, with a manifest); for one "
+            "set of weight files, export with the ExportHF callback or `python -m lightning_d9d.convert dcp-to-hf`"
+        )
+
+
 class D9DStrategy(ModelParallelStrategy):
     """Composable N-D parallel training: ``Trainer(strategy="d9d")`` or ``Trainer(strategy=D9DStrategy(...))``.
 
@@ -99,7 +111,9 @@ class D9DStrategy(ModelParallelStrategy):
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
             per-block all-gather copies, but autocast's own casts; no faster than the default in the H200
             runs so far (``docs/benchmarks.md``).
-        save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0.
+        save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0
+            (Lightning's own format, without the guarantees of ``docs/reliability.md``: no atomic directory,
+            manifest or RNG states). Refused with ``pp > 1``, where rank 0 holds only its own stages.
         timeout: how long any collective may wait (a ``timedelta``; Lightning's default is 30 minutes): a rank
             whose peer hung or died fails after it instead of waiting forever (see ``docs/reliability.md``).
 
@@ -137,6 +151,7 @@ class D9DStrategy(ModelParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
+        check_checkpoint_format(save_distributed_checkpoint, pp=pp)
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -153,7 +168,7 @@ class D9DStrategy(ModelParallelStrategy):
             stage_head_weight,
         )
         self._runner: PipelineRunner | None = None
-        # Refuse degrees without plans (ep for now) before any process group exists.
+        # every degree has a plan today; this keeps a degree added to ParallelDims from training without one
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
         checkpointing_kind(activation_checkpointing)  # refuses anything else, before any process group

@@ -69,6 +69,14 @@ def test_selective_recompute_of_pipelined_expert_parallel_stages_is_refused() ->
     D9DStrategy(ep=2, activation_checkpointing="selective")
 
 
+def test_one_checkpoint_file_under_a_pipeline_is_refused() -> None:
+    """Lightning's file save would hold rank 0's stage only (the other layers, the norm and the head lost)."""
+    with pytest.raises(ValueError, match=r"pp=2, save_distributed_checkpoint=False\) would save only rank 0"):
+        D9DStrategy(pp=2, save_distributed_checkpoint=False)
+    D9DStrategy(pp=2)
+    D9DStrategy(dp_shard=2, save_distributed_checkpoint=False)  # every rank's module is the whole model
+
+
 def test_every_degree_has_a_plan() -> None:
     # ep is left to the model's plan (Qwen3-MoE splits experts; dense models and the default plan refuse it)
     assert D9DStrategy(ep=2)._requested_dims.ep == 2
