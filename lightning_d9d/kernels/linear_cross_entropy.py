@@ -175,12 +175,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         mean: bool,
         chunk_tokens: int,
+        grad_enabled: bool,
     ) -> torch.Tensor:
         tokens = hidden.shape[0]
         valid = labels != ignore_index
         # Scale of each token's gradient: 1/count for the mean (on the device: no host synchronisation).
         scale = 1.0 / valid.sum().clamp(min=1).float() if mean else hidden.new_ones((), dtype=torch.float32)
-        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        # needs_input_grad says which inputs require grad, even under no_grad / inference_mode (validation):
+        # the gradient work (softmax - one-hot, two matmuls, an fp32 [vocab, hidden] sum) only when autograd
+        # will call backward
+        need_hidden = grad_enabled and ctx.needs_input_grad[0]
+        need_weight = grad_enabled and ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_weight else None
@@ -220,7 +225,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             # saved sum stays unscaled (a retained graph may run backward again); a grad_output of 1 (or any
             # power of 2, as Lightning's accumulation divisors usually are) scales exactly.
             grad_weight = grad_weight.to(ctx.weight_dtype, copy=True).mul_(grad_output.to(ctx.weight_dtype))
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -242,7 +247,13 @@ def chunked_linear_cross_entropy(
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     chunk = chunk_tokens or default_chunk_tokens(weight.shape[0], flat_hidden.shape[0])
     loss: torch.Tensor = _ChunkedLinearCrossEntropy.apply(
-        flat_hidden, weight, labels.reshape(-1), ignore_index, reduction == "mean", chunk
+        flat_hidden,
+        weight,
+        labels.reshape(-1),
+        ignore_index,
+        reduction == "mean",
+        chunk,
+        torch.is_grad_enabled(),
     )
     return loss
 

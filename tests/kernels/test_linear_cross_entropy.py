@@ -4,6 +4,8 @@ and the strategy use for ``causal_lm_loss``."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -139,6 +141,41 @@ def test_without_gradients(kernels: str, monkeypatch: pytest.MonkeyPatch) -> Non
     with torch.no_grad():
         loss = chunked_linear_cross_entropy(h, w, y, chunk_tokens=16)
     torch.testing.assert_close(loss.double(), per_token_reference(h, w, y, "mean"), rtol=1e-5, atol=1e-5)
+
+
+class MatmulCount(TorchDispatchMode):
+    """Counts the matrix products the ops run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        # matmul itself where no autograd key decomposes it (inference_mode)
+        if func.overloadpacket in (
+            torch.ops.aten.mm,
+            torch.ops.aten.addmm,
+            torch.ops.aten.bmm,
+            torch.ops.aten.matmul,
+        ):
+            self.matmuls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "grad"])
+def test_gradient_work_runs_only_when_autograd_needs_it(mode: str) -> None:
+    """Under no_grad / inference_mode (every validation step) only the logits' matmul runs per chunk; with
+    autograd, two more (the hidden and the weight gradients)."""
+    h, w, y = _inputs()
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    chunks = -(-h.reshape(-1, h.shape[-1]).shape[0] // 16)
+    context = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}.get(
+        mode, contextlib.nullcontext
+    )
+    with context(), MatmulCount() as counted:
+        chunked_linear_cross_entropy(h, w, y, chunk_tokens=16)
+    assert counted.matmuls == (3 if mode == "grad" else 1) * chunks
 
 
 class LargestAllocation(TorchDispatchMode):
