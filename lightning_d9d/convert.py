@@ -3,7 +3,9 @@
 Every conversion streams: one group of tensors is read, mapped and queued for the current output shard at a
 time, so memory stays near a few of the largest tensors plus one shard, whatever the size of the model. Every
 check that needs no data (keys, shapes, config) runs before the first tensor is read, and the output directory
-appears complete or not at all.
+appears complete or not at all. ``dcp-to-hf`` first checks every file of the checkpoint against its
+``manifest.json`` (sizes and CRC-32s, as a resume does), and refuses a checkpoint without one unless given
+``--no-verify``.
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from lightning_d9d.state import (
     ShapeMismatchError,
     ShardedWriter,
     infer_shapes,
+    manifest,
     parse_size,
 )
-from lightning_d9d.state.errors import format_keys
+from lightning_d9d.state.errors import MissingShardError, format_keys
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
@@ -215,9 +218,30 @@ def _write(
             del result  # free this group before the next one is read
 
 
+def verify_checkpoint(checkpoint: Path) -> None:
+    """Every file of ``checkpoint`` has the size and CRC-32s its ``manifest.json`` lists (the checks of a resume),
+    before anything else of it is read; a checkpoint without a manifest is refused, since nothing says its files
+    are whole. Errors name the file and the reason (``MissingShardError``, ``CorruptShardError``,
+    ``CorruptIndexError``)."""
+    if not (checkpoint / manifest.MANIFEST_NAME).is_file():
+        if not (checkpoint / DCP_METADATA_NAME).is_file():
+            return  # no directory, or not a checkpoint at all: DCPReader, called next, says which
+        raise MissingShardError(
+            f"{checkpoint} has no {manifest.MANIFEST_NAME}, so its files cannot be verified (sizes and CRC-32s): "
+            "it was written by something other than D9DStrategy (Trainer(strategy='d9d')), or its save did not "
+            "finish. Choose another checkpoint, or pass --no-verify to convert it anyway, unverified",
+            path=str(checkpoint / manifest.MANIFEST_NAME),
+        )
+    entries = manifest.read_manifest(checkpoint)
+    manifest.check_sizes(checkpoint, entries)  # cheap, and names a truncated or missing file first
+    manifest.check_checksums(checkpoint, entries, sorted(entries))
+
+
 # ---------------------------------------------------------------------------------------------- commands
 def dcp_to_hf(args: argparse.Namespace) -> None:
     checkpoint = Path(args.checkpoint)
+    if args.verify:
+        verify_checkpoint(checkpoint)
     reader = DCPReader(checkpoint, section=MODEL_SECTION)
     side: dict[str, bytes] = {}
     if args.config is not None:
@@ -382,7 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
     dcp = commands.add_parser(
         "dcp-to-hf",
         description="Convert a training checkpoint of Trainer(strategy='d9d') (written on any mesh) to a "
-        "Hugging Face directory. Reads only the model tensors (not the optimizer state), one group at a time.",
+        "Hugging Face directory. First checks every file against the checkpoint's manifest.json (sizes and "
+        "CRC-32s), then reads only the model tensors (not the optimizer state), one group at a time.",
     )
     dcp.add_argument(
         "checkpoint", help=f"the checkpoint directory (holds {DCP_METADATA_NAME}, *.distcp, {META_NAME})"
@@ -399,6 +424,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix",
         help="where the model sits in the LightningModule's state dict, e.g. 'model.' for self.model "
         "(default: found from the keys)",
+    )
+    dcp.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip checking the checkpoint's files against its manifest.json (their sizes and CRC-32s, which "
+        "reads every file once, optimizer state included); needed to convert a checkpoint without a manifest "
+        "(written by something other than D9DStrategy, or by a save that did not finish). Without it, only "
+        "what converting itself checks is caught (keys, shapes, missing or truncated files), not flipped bytes",
     )
     _add_common(dcp)
     dcp.set_defaults(run=dcp_to_hf)

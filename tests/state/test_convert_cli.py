@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ from state_helpers import read_checkpoint
 
 from lightning_d9d.convert import build_parser, main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.state import INDEX_NAME
+from lightning_d9d.state import INDEX_NAME, manifest
+from lightning_d9d.state.training import read_dcp_metadata, save
 
 
 def test_help_lists_the_commands_and_says_why_there_is_no_hf_to_dcp() -> None:
@@ -68,16 +70,31 @@ def test_hf_to_hf_reshards_casts_and_copies_the_other_files(
     assert back.dtype == torch.bfloat16
 
 
-def _write_training_checkpoint(directory: Path, model: Qwen3ForCausalLM, prefix: str = "model.") -> None:
-    """What the strategy writes, in the small: DCP of {"state_dict": LightningModule keys, "optimizer_0": ...}
-    (both names of a tied head), without a process group."""
+def _write_training_checkpoint(
+    directory: Path,
+    model: Qwen3ForCausalLM,
+    prefix: str = "model.",
+    meta: dict[str, Any] | None = None,
+    with_manifest: bool = True,
+) -> None:
+    """What the strategy writes, in the small, without a process group: DCP of {"state_dict": LightningModule
+    keys (both names of a tied head), "optimizer_0": ...}, then ``meta.pt`` (``meta``) and ``manifest.json``
+    through the strategy's own save. ``with_manifest=False``: the DCP files alone, as a tool other than the
+    strategy writes them."""
     import torch.distributed.checkpoint as dcp
 
     state = {prefix + key: value for key, value in model.state_dict().items()}
     optimizer = {f"state.{key}.exp_avg": torch.zeros_like(value) for key, value in state.items()}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({"state_dict": state, "optimizer_0": optimizer}, checkpoint_id=str(directory), no_dist=True)
+        if with_manifest:
+            save(
+                directory, {"state_dict": state, "optimizer_states": [optimizer], "epoch": 0, **(meta or {})}
+            )
+        else:
+            dcp.save(
+                {"state_dict": state, "optimizer_0": optimizer}, checkpoint_id=str(directory), no_dist=True
+            )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -97,7 +114,7 @@ def test_dcp_to_hf(tied: bool, tmp_path: Path, capsys: pytest.CaptureFixture[str
     for key, value in written.items():
         assert torch.equal(value, hf.state_dict()[key]), key
     assert (tmp_path / "out" / "tokenizer.json").is_file()  # --config as a directory brings its tokenizer
-    ids = batch(SMALL["vocab_size"])
+    ids = batch(int(SMALL["vocab_size"]))
     torch.testing.assert_close(hf_logits(load_transformers(tmp_path / "out"), ids), hf_logits(hf, ids))
 
 
@@ -106,11 +123,8 @@ def test_dcp_to_hf_finds_the_config_recorded_by_the_callbacks(tmp_path: Path) ->
     _write_training_checkpoint(tmp_path / "ckpt", ours, prefix="net.")
     out = tmp_path / "out"
     assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out)]) == 1  # no config anywhere yet
-    recorded = {
-        "callbacks": {"LoadHFWeights{'path': 'x'}": {"hf_config": ours.config.to_hf_dict()}},
-        "epoch": 0,
-    }
-    torch.save(recorded, tmp_path / "ckpt" / "meta.pt")
+    recorded = {"callbacks": {"LoadHFWeights{'path': 'x'}": {"hf_config": ours.config.to_hf_dict()}}}
+    _write_training_checkpoint(tmp_path / "ckpt", ours, prefix="net.", meta=recorded)  # replaces it
     assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--dtype", "bfloat16"]) == 0  # prefix "net."
     written = read_checkpoint(out)
     assert torch.equal(written["model.norm.weight"], ours.model.norm.weight.detach().to(torch.bfloat16))
@@ -159,6 +173,11 @@ def test_dcp_to_hf_with_a_damaged_checkpoint(tmp_path: Path, capsys: pytest.Capt
     (data,) = (tmp_path / "ckpt").glob("*.distcp")
     content = data.read_bytes()
     data.write_bytes(content[: len(content) // 5])  # truncated inside the model tensors
+    assert main(argv) == 1  # found from the sizes in manifest.json, before anything else is read
+    error = capsys.readouterr().err
+    assert f"{data} has {len(content) // 5} bytes, but" in error and manifest.MANIFEST_NAME in error
+    # without the manifest's checks (--no-verify), the reader's own checks still name file and key:
+    argv.append("--no-verify")
     assert main(argv) == 1  # found from the sizes in .metadata, before reading
     error = capsys.readouterr().err
     assert f"{data} is truncated" in error and "'model.model." in error
@@ -175,3 +194,60 @@ def test_dcp_to_hf_with_a_damaged_checkpoint(tmp_path: Path, capsys: pytest.Capt
     assert main(argv) == 1
     assert ".metadata cannot be read" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _flip_a_bit_in_a_model_tensor(checkpoint: Path) -> Path:
+    """Flip one bit in the middle of the largest model tensor's bytes (same size: only a checksum tells); the
+    .distcp file it lies in."""
+    storage = read_dcp_metadata(checkpoint).storage_data
+    info = max(
+        (info for index, info in storage.items() if index.fqn.startswith("state_dict.")),
+        key=lambda info: info.length,
+    )
+    file = checkpoint / info.relative_path
+    content = bytearray(file.read_bytes())
+    content[info.offset + info.length // 2] ^= 0x04
+    file.write_bytes(bytes(content))
+    return file
+
+
+def test_dcp_to_hf_verifies_the_manifest_first(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    _write_training_checkpoint(tmp_path / "ckpt", ours)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(ours.config.to_hf_dict()))
+    out = tmp_path / "out"
+    argv = ["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--config", str(config)]
+    shard = _flip_a_bit_in_a_model_tensor(tmp_path / "ckpt")
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert f"error: {shard} is damaged: the CRC-32 of its bytes" in error
+    assert str(tmp_path / "ckpt" / manifest.MANIFEST_NAME) in error
+    assert not out.exists()
+    # what the check prevents: unverified, the damage converts without an error into a changed tensor
+    assert main([*argv, "--no-verify"]) == 0
+    written = read_checkpoint(out)
+    reference = {key: value for key, value in ours.state_dict().items() if key in written}
+    assert any(not torch.equal(written[key], value) for key, value in reference.items())
+
+
+def test_dcp_to_hf_refuses_a_checkpoint_without_manifest_unless_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    _write_training_checkpoint(tmp_path / "ckpt", ours, with_manifest=False)
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(ours.config.to_hf_dict()))
+    out = tmp_path / "out"
+    argv = ["dcp-to-hf", str(tmp_path / "ckpt"), str(out), "--config", str(config)]
+    assert main(argv) == 1
+    error = capsys.readouterr().err
+    assert f"{tmp_path / 'ckpt'} has no {manifest.MANIFEST_NAME}, so its files cannot be verified" in error
+    assert (
+        "something other than D9DStrategy" in error and "did not finish" in error and "--no-verify" in error
+    )
+    assert not out.exists()
+    assert main([*argv, "--no-verify"]) == 0
+    written = read_checkpoint(out)
+    for key, value in written.items():
+        assert torch.equal(value, ours.state_dict()[key]), key
