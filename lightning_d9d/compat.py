@@ -1,6 +1,8 @@
 """Every private Lightning and torch name lightning_d9d depends on, in one place, and the tested versions.
 
-Private names (a leading underscore, or a module path with one) can change in any release without notice. So:
+Private names (a leading underscore, or a module path with one; also a few undocumented internals such as
+``torch.utils.checkpoint.SAC_IGNORED_OPS`` or ``PipelineStage.perform_reduce_grad``, and public methods we rely on
+being called in a way torch does not document) can change in any release without notice. So:
 
 - :data:`PRIVATE_NAMES` lists each one: where it lives, which of our files use it, and why;
 - code imports them from here (typed aliases below) or calls the small helpers below for attribute accesses,
@@ -19,7 +21,8 @@ from __future__ import annotations
 import importlib
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Collection, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -94,7 +97,8 @@ class PrivateName:
     why: str
     # An attribute that ``__init__`` sets, so not visible on the class: tests/test_compat.py checks an instance.
     instance: bool = False
-    # Needed only by an optional feature (the schedule timeline): resolved when used, not at import.
+    # Needed only by an optional feature (the schedule timeline, selective checkpointing): resolved when used, not
+    # at import, so that a torch without it fails readably only when the feature is asked for.
     optional: bool = False
 
     @property
@@ -285,6 +289,49 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "overridden to pause MoE load counting during torch's shape-inference forward on placeholder tensors",
     ),
     PrivateName(
+        "torch.distributed.pipelining.stage",
+        "PipelineStage.perform_reduce_grad",
+        ("pipeline/runner.py",),
+        "overridden to hold FSDP gradient sync off on accumulation steps (AccumulatingStage); torch's own switches "
+        "sync on through the stage module's set_requires_gradient_sync (gradient_sync_held_off)",
+    ),
+    PrivateName(
+        "torch.distributed.fsdp",
+        "FSDPModule.set_requires_gradient_sync",
+        ("pipeline/runner.py",),
+        "shadowed on the instance while torch's perform_reduce_grad runs, which must call it through the instance "
+        "(gradient_sync_held_off)",
+    ),
+    PrivateName(
+        "torch._C",
+        "_current_graph_task_id",
+        ("modules/moe/router.py",),
+        "-1 outside the autograd engine: the expert load is counted only outside a backward pass, so activation "
+        "checkpointing's recompute does not count a forward again (in_backward_pass)",
+    ),
+    PrivateName(
+        "torch.ops",
+        "profiler._record_function_enter_new.default",
+        ("plans/checkpointing.py",),
+        "a profiler range marker that selective checkpointing must not count in its replay (profiler_range_ops)",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.ops",
+        "profiler._record_function_exit._RecordFunction",
+        ("plans/checkpointing.py",),
+        "the end of a profiler range, as profiler._record_function_enter_new.default",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.utils.checkpoint",
+        "SAC_IGNORED_OPS",
+        ("plans/checkpointing.py",),
+        "the ops selective checkpointing runs without counting them, updated in place with the profiler range "
+        "markers (ignore_in_selective_replay); undocumented",
+        optional=True,
+    ),
+    PrivateName(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
         "checkpoint_wrapper",
         ("plans/checkpointing.py",),
@@ -407,6 +454,7 @@ if TYPE_CHECKING:
     from lightning.fabric.utilities.types import _PATH as FilePath
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization as AutomaticOptimization
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.fsdp import FSDPModule  # for an annotation only
     from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
 else:
     convert_fp_tensor = import_private("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
@@ -418,6 +466,9 @@ else:
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"
     )
     PipelineSchedule = import_private("torch.distributed.pipelining.schedules", "_PipelineSchedule")
+
+# Resolved once: in_backward_pass runs in every training forward of every router.
+_current_graph_task_id = import_private("torch._C", "_current_graph_task_id")
 
 # Name components that wrappers insert into parameter names (activation checkpointing, torch.compile, FSDP1).
 WRAPPER_PREFIXES: tuple[str, ...] = (
@@ -471,6 +522,44 @@ def schedule_ops(schedule: str, pp: int, microbatches: int, stages_per_rank: int
     get_schedule_ops = import_private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
     ops: list[list[Any]] = get_schedule_ops(schedule, pp, microbatches, stages_per_rank)
     return ops
+
+
+def in_backward_pass() -> bool:
+    """True while the autograd engine runs a backward pass (as ``torch.utils.checkpoint`` tells it: the current
+    graph task id is -1 outside one)."""
+    return bool(_current_graph_task_id() != -1)
+
+
+def profiler_range_ops() -> tuple[Any, ...]:
+    """The ops ``record_function`` ranges call (enter, exit): they compute nothing."""
+    return (
+        import_private("torch.ops", "profiler._record_function_enter_new.default"),
+        import_private("torch.ops", "profiler._record_function_exit._RecordFunction"),
+    )
+
+
+def ignore_in_selective_replay(ops: Collection[Any]) -> None:
+    """Have selective checkpointing run ``ops`` without counting them in its replay (process-wide, idempotent:
+    torch's ``SAC_IGNORED_OPS``, a module-level set, is updated in place)."""
+    ignored: set[Any] = import_private("torch.utils.checkpoint", "SAC_IGNORED_OPS")
+    ignored.update(ops)
+
+
+@contextmanager
+def gradient_sync_held_off(module: FSDPModule) -> Iterator[None]:
+    """While inside, ``module.set_requires_gradient_sync(...)`` leaves gradient sync off whatever it is asked:
+    an instance attribute shadows the class's method (torch's ``PipelineStage.perform_reduce_grad`` switches sync
+    on through the instance). The class's method is ``module``'s again afterwards."""
+    switch = module.set_requires_gradient_sync
+
+    def keep_off(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        switch(False, recurse=recurse)
+
+    module.set_requires_gradient_sync = keep_off  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.set_requires_gradient_sync
 
 
 def default_store() -> torch.distributed.Store:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 
+from lightning_d9d.compat import gradient_sync_held_off
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.mesh.arrival import named_collective
 from lightning_d9d.modules.loss import CountedLoss
@@ -51,7 +52,8 @@ class AccumulatingStage(PipelineStage):
     torch reduce-scatters a stage's FSDP gradients at the end of every ``schedule.step`` (its
     ``perform_reduce_grad`` switches gradient sync on). While ``sync_gradients`` is False that switch is held
     off, so FSDP keeps accumulating unsharded gradients, as ``set_requires_gradient_sync(False)`` does without
-    pipelining; the step that syncs reduces the sum once.
+    pipelining; the step that syncs reduces the sum once. Both ``perform_reduce_grad`` and the way it calls the
+    switch are torch internals that :mod:`lightning_d9d.compat` lists (``gradient_sync_held_off``).
     """
 
     sync_gradients: bool = True
@@ -61,16 +63,8 @@ class AccumulatingStage(PipelineStage):
         if self.sync_gradients or not isinstance(module, FSDPModule):
             super().perform_reduce_grad(grad_scale_factor)
             return
-        switch = module.set_requires_gradient_sync
-
-        def keep_off(requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-            switch(False, recurse=recurse)
-
-        module.set_requires_gradient_sync = keep_off  # type: ignore[method-assign]
-        try:
+        with gradient_sync_held_off(module):
             super().perform_reduce_grad(grad_scale_factor)
-        finally:
-            del module.set_requires_gradient_sync  # the class's method again
 
     def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
         # torch infers shapes on the first step with a forward over placeholder tensors: MoE routers must not

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from lightning_d9d.compat import checkpoint_wrapper
+from lightning_d9d.compat import checkpoint_wrapper, ignore_in_selective_replay, profiler_range_ops
 
 CheckpointingKind = Literal["full", "selective"]
 #: What ``activation_checkpointing`` accepts (strategy and ParallelOptions): off, full, or selective.
@@ -70,15 +70,10 @@ def _keep_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPol
     return CheckpointPolicy.MUST_SAVE if op in SAVED_BY_SELECTIVE else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-# Profiler range markers: they compute nothing, yet selective checkpointing counts them like model ops.
-PROFILER_RANGE_OPS = (
-    torch.ops.profiler._record_function_enter_new.default,
-    torch.ops.profiler._record_function_exit._RecordFunction,
-)
-
-
 def replay_ignores_profiler_ranges() -> None:
     """Have selective checkpointing run profiler range markers without counting them (process-wide, idempotent).
+    The markers compute nothing, yet selective checkpointing counts them like model ops. Both torch names are
+    looked up here, when a selective policy is built (:mod:`lightning_d9d.compat` lists them), not at import.
 
     Selective checkpointing replays a block's ops by (op, call index) and fails when the recompute calls an op
     more often than the forward did. A block that holds an FSDP unit of its own (an MoE block's experts under
@@ -87,7 +82,7 @@ def replay_ignores_profiler_ranges() -> None:
     but not found in storage", eager or compiled (torchtitan issue 3427; the torch fix, pytorch PR 185178 /
     196862, is not in torch 2.13). Torch's own ignore list is where that fix puts these ops too.
     """
-    torch.utils.checkpoint.SAC_IGNORED_OPS.update(PROFILER_RANGE_OPS)  # a public set in torch 2.11-2.13
+    ignore_in_selective_replay(profiler_range_ops())
 
 
 def apply_activation_checkpointing(

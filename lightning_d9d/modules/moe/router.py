@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lightning_d9d.compat import in_backward_pass
 from lightning_d9d.kernels import count_tokens_per_expert
 
 
@@ -27,11 +28,11 @@ def count_expert_load(load: torch.Tensor, tokens_per_expert: torch.Tensor, count
     activation checkpointing's recompute of one already counted (the loads came out twice as large with it,
     full or selective, eager or compiled). An operator of its own so that compiled blocks keep the check for run
     time instead of tracing it away; the backward pass is told by its graph task, as ``torch.utils.checkpoint``
-    tells it (``_current_graph_task_id`` is -1 outside the autograd engine). Called whether or not ``count``:
+    tells it (:func:`lightning_d9d.compat.in_backward_pass`). Called whether or not ``count``:
     selective checkpointing replays a block's ops by call count, so a forward with counting paused (torch's
     pipeline metadata inference) must call the same ops as any recompute of it, which would run after the
     pause."""
-    if count and torch._C._current_graph_task_id() == -1:
+    if count and not in_backward_pass():
         load.add_(tokens_per_expert)
 
 
