@@ -232,9 +232,7 @@ def verify_checkpoint(checkpoint: Path) -> None:
             "finish. Choose another checkpoint, or pass --no-verify to convert it anyway, unverified",
             path=str(checkpoint / manifest.MANIFEST_NAME),
         )
-    entries = manifest.read_manifest(checkpoint)
-    manifest.check_sizes(checkpoint, entries)  # cheap, and names a truncated or missing file first
-    manifest.check_checksums(checkpoint, entries, sorted(entries))
+    manifest.verify(checkpoint)
 
 
 # ---------------------------------------------------------------------------------------------- commands

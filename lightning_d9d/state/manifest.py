@@ -149,3 +149,11 @@ def check_checksums(directory: Path, entries: Mapping[str, FileEntry], names: It
                 "checkpoint",
                 path=str(file),
             )
+
+
+def verify(directory: Path, *, rank: int = 0, world_size: int = 1) -> None:
+    """The manifest of ``directory`` is readable, every file it lists has its size, and this rank's share of
+    them (all of them on one rank) their CRC-32s: what a resume and ``convert dcp-to-hf`` check first."""
+    entries = read_manifest(directory)
+    check_sizes(directory, entries)  # cheap, and names a truncated or missing file before any checksum
+    check_checksums(directory, entries, share(list(entries), rank, world_size))

@@ -247,10 +247,8 @@ def _checked(path: Path, optimizers: int, weights_only: bool | None) -> dict[str
                 f"checkpoint is {str(previous)!r}. Rename it back to {path.name!r} to resume from it"
             )
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist; check ckpt_path")
-    entries = manifest.read_manifest(path)
-    manifest.check_sizes(path, entries)
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    manifest.check_checksums(path, entries, manifest.share(list(entries), rank, world_size))
+    manifest.verify(path, rank=rank, world_size=world_size)
     meta = read_meta(path, weights_only=weights_only)
     metadata = read_dcp_metadata(path)
     _check_sections(path, metadata, optimizers)

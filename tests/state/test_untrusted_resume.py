@@ -92,9 +92,12 @@ def test_a_crafted_meta_pt_fails_load_checkpoint_with_the_default_weights_only(c
 
 
 def test_a_crafted_checkpoint_file_fails_load_checkpoint_with_the_default_weights_only(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A checkpoint file (Lightning's own format, ``save_distributed_checkpoint=False``) is untrusted too."""
+    """A checkpoint file (Lightning's own format, ``save_distributed_checkpoint=False``) is untrusted too: the
+    strategy asks for ``weights_only=True`` itself rather than leaving it to torch's default, which this
+    environment variable turns off (so the test fails if the strategy passed ``None`` on)."""
+    monkeypatch.setenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "1")
     Payload.mark = tmp_path / "was_run"
     torch.save({"state_dict": {}, "x": Payload()}, tmp_path / "step=2.ckpt")
     trainer = _trainer(2)
