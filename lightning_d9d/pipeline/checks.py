@@ -56,3 +56,35 @@ def check_pipeline_model(owner: nn.Module, config: PipelineConfig, pp: int, layo
             "on different ranks, where they would become two copies. Untie them (for our models: "
             "tie_word_embeddings=False) or use pp=1"
         )
+
+
+def check_batches_split(loader: object, microbatches: int, limit_batches: int | float) -> None:
+    """Raise ``ValueError`` if a training batch this rank's ``loader`` will yield cannot be cut into
+    ``microbatches`` equal microbatches: its ``batch_size``, or the partial last batch of the epoch (without
+    ``drop_last``), which would otherwise fail only when reached, at the end of the first epoch.
+
+    ``limit_batches`` is the Trainer's ``limit_train_batches`` (a partial last batch it cuts off is never drawn).
+    Loaders without a ``batch_size`` and a sized sampler (custom batch samplers, iterable datasets) are checked
+    batch by batch, when each one arrives.
+    """
+    from collections.abc import Sized
+
+    from lightning_d9d.pipeline.runner import check_microbatch_split  # the runner checks every batch with it
+
+    batch_size = getattr(loader, "batch_size", None)
+    sampler = getattr(loader, "sampler", None)
+    if not isinstance(batch_size, int) or not isinstance(sampler, Sized):
+        return
+    check_microbatch_split(batch_size, microbatches)
+    samples = len(sampler)
+    last = samples % batch_size
+    if not last or getattr(loader, "drop_last", False):
+        return
+    batches = -(-samples // batch_size)
+    drawn = int(batches * limit_batches) if isinstance(limit_batches, float) else min(batches, limit_batches)
+    if drawn == batches and last % microbatches:
+        raise ValueError(
+            f"this rank's training data ends in a partial batch of {last} samples ({samples} samples per rank, "
+            f"batch size {batch_size}), which cannot be cut into {microbatches} microbatches: pass "
+            "drop_last=True to the DataLoader, or make the samples per rank a multiple of the batch size"
+        )

@@ -44,7 +44,7 @@ from lightning_d9d.pipeline import (
     check_pipeline_config,
     find_splittable,
 )
-from lightning_d9d.pipeline.checks import check_pipeline_model, has_splittable_child
+from lightning_d9d.pipeline.checks import check_batches_split, check_pipeline_model, has_splittable_child
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
@@ -69,6 +69,7 @@ from lightning_d9d.strategies.materialize import to_empty_except_metrics
 from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
+from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -185,6 +186,7 @@ class D9DStrategy(ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
+        self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
 
     @classmethod
     @override
@@ -261,6 +263,12 @@ class D9DStrategy(ModelParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The checkpoint's random states, if no ResumableDataLoader put them back at its first batch already (a
+        # loader of the user's with its own state_dict): here, once, where the resume is mid-epoch. At an epoch
+        # boundary the load's restore stands (the new iterator draws its seed from it, as uninterrupted).
+        if batch_idx > 0:
+            self._resumed_random_state.restore()
+        self._resumed_random_state.discard()
         if self.memory_plan is None:  # printed once, on rank 0, when the batch shape is first known
             self.memory_plan = report_memory_plan(self, batch)
 
@@ -399,12 +407,17 @@ class D9DStrategy(ModelParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """The training loader gets a resumable position: a checkpoint saved mid-epoch resumes at the next
         batch instead of replaying the epoch from batch 0 (see :mod:`lightning_d9d.strategies.data`)."""
-        from lightning_d9d.strategies.data import resumable
+        from lightning_d9d.strategies.data import ResumableDataLoader, resumable
 
         module = self.lightning_module
         if module is None or trainer_of(module) is None or not module.trainer.training:
             return dataloader  # validation, test and predict loaders are never resumed
-        return resumable(dataloader)
+        if self._runner is not None:  # a batch the schedule cannot split fails now, not at the epoch's end
+            check_batches_split(dataloader, self.pipeline.microbatches, module.trainer.limit_train_batches)
+        loader = resumable(dataloader)
+        if isinstance(loader, ResumableDataLoader):
+            loader.random_state = self._resumed_random_state  # put back where the uninterrupted run draws next
+        return loader
 
     # ------------------------------------------------------------------------------------- collectives
     @override
@@ -581,6 +594,7 @@ class D9DStrategy(ModelParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: FilePath, storage_options: Any | None = None
     ) -> None:
+        resume_where_fit_stopped(checkpoint)  # saved after fit returned: resume at the next batch, not epoch
         if not self._save_distributed_checkpoint:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
@@ -597,16 +611,21 @@ class D9DStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(checkpoint_path))
         if path.is_file():  # a checkpoint saved without a distributed checkpoint (Lightning's own format)
             # weights_only unless the caller asked otherwise, as for meta.pt: a checkpoint is untrusted input
-            return super().load_checkpoint(path, weights_only is not False)
+            checkpoint = super().load_checkpoint(path, weights_only is not False)
+            resume_where_fit_stopped(checkpoint)  # written by another strategy, or by Lightning itself
+            return checkpoint
         assert self.model is not None and self.lightning_module is not None
         optimizers = {i: opt for i, opt in enumerate(self.optimizers)}
-        return training_checkpoint.load(
+        meta = training_checkpoint.load(
             path,
             self.model,
             optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
         )
+        self._resumed_random_state.capture()  # the states the load put back
+        resume_where_fit_stopped(meta)
+        return meta
 
     @override
     def remove_checkpoint(self, filepath: FilePath) -> None:

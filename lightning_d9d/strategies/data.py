@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Sized
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, Sampler
+
+if TYPE_CHECKING:
+    from lightning_d9d.strategies.resume import PendingRandomState
 
 _STATE_KEY = "batches_yielded"
 _BATCH_KEY = "global_batch_size"  # per-rank batch x ranks of the run that saved the position
@@ -53,6 +56,13 @@ class ResumableDataLoader(DataLoader):
 
     ``len()`` stays the whole epoch, as Lightning expects of a resumed loader (it counts the restored batches
     itself); only the next ``iter()`` after ``load_state_dict`` is shorter.
+
+    ``random_state`` (set by the strategy): the checkpoint's random states, put back so that the training
+    step draws what the uninterrupted run drew. A pass that resumes mid-epoch puts them back once its first
+    batch is drawn (the uninterrupted run created no iterator there). One that starts at an epoch boundary
+    creates its iterator from them (the uninterrupted run drew the new epoch's base seed from these states),
+    and puts back the states of right after that once its first batch is drawn (Lightning's resume creates the
+    validation iterator in between, which the uninterrupted run did not).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -64,6 +74,8 @@ class ResumableDataLoader(DataLoader):
             )
         self._yielded = 0
         self._resume_at = 0
+        self._restored = False  # load_state_dict ran, and no batch was drawn since
+        self.random_state: PendingRandomState | None = None
 
     # A counting generator instead of torch's iterator object: nothing in Lightning's loop uses more than next().
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
@@ -72,11 +84,21 @@ class ResumableDataLoader(DataLoader):
         # BatchSampler cuts consecutive indices into batches, so n batches are n * batch_size indices.
         self.sampler.skip = start * self.batch_size
         self._yielded = start
-        return self._count(super().__iter__())
+        at_boundary = self._restored and start == 0 and self.random_state is not None
+        if at_boundary:
+            self.random_state.restore(keep=True)  # type: ignore[union-attr]
+        iterator = super().__iter__()
+        if at_boundary:
+            self.random_state.capture()  # type: ignore[union-attr]  # the states after the seed draw
+        return self._count(iterator)
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:
         for batch in batches:
             self._yielded += 1
+            if self._restored:
+                self._restored = False
+                if self.random_state is not None:
+                    self.random_state.restore()
             yield batch
 
     def _global_batch(self) -> int:
@@ -88,6 +110,7 @@ class ResumableDataLoader(DataLoader):
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         yielded = int(state[_STATE_KEY])
+        self._restored = True
         saved, current = int(state.get(_BATCH_KEY, self._global_batch())), self._global_batch()
         samples = yielded * saved
         if yielded == 0 or (saved == current and yielded >= len(self)) or samples >= len(self) * current:

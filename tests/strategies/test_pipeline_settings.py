@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 from distributed import run_distributed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from torch.utils.data import DataLoader
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
-from lightning_d9d.pipeline.checks import check_pipeline_model
+from lightning_d9d.pipeline.checks import check_batches_split, check_pipeline_model
 
 
 class LM(L.LightningModule):
@@ -99,5 +100,54 @@ def test_a_model_built_in_configure_model_fails_on_every_rank_alike() -> None:
     # carving: rank 0 would go on into a collective and wait for it. The check runs on both before that.
     messages = run_distributed(_fit_meta_model_with_a_v_schedule, 2, timeout=120)
     assert all("ties parameters (model.embed_tokens.weight = lm_head.weight)" in m for m in messages), (
+        messages
+    )
+
+
+def test_a_batch_the_schedule_cannot_split_is_named_before_training() -> None:
+    def loader(samples: int, batch: int, **options: object) -> DataLoader:
+        return DataLoader(torch.zeros(samples, 3), batch_size=batch, **options)  # type: ignore[arg-type]
+
+    with pytest.raises(
+        ValueError, match=r"per-rank batch size \(6\) must be divisible by microbatches \(4\)"
+    ):
+        check_batches_split(loader(16, 6), microbatches=4, limit_batches=1.0)
+    message = (
+        r"partial batch of 2 samples \(10 samples per rank, batch size 4\).* 4 microbatches: pass drop_last"
+    )
+    with pytest.raises(ValueError, match=message):
+        check_batches_split(loader(10, 4), microbatches=4, limit_batches=1.0)
+    check_batches_split(loader(10, 4, drop_last=True), microbatches=4, limit_batches=1.0)
+    check_batches_split(loader(10, 4), microbatches=2, limit_batches=1.0)  # 2 splits into 2
+    check_batches_split(loader(10, 4), microbatches=4, limit_batches=2)  # the partial third is never drawn
+    check_batches_split(loader(10, 4), microbatches=4, limit_batches=0.5)
+    with pytest.raises(ValueError, match="partial batch"):
+        check_batches_split(loader(10, 4), microbatches=4, limit_batches=3)
+
+
+def _fit_with_a_partial_last_batch() -> str:
+    os.environ.update(
+        GROUP_RANK="0", LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], TORCHELASTIC_RUN_ID="pipeline-batches"
+    )
+    trainer = L.Trainer(
+        strategy=D9DStrategy(pp=2, microbatches=4),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    config = Qwen3Config.tiny(tie_word_embeddings=False, num_hidden_layers=2)
+    try:  # 10 sequences in batches of 4: the third has 2, which 4 microbatches cannot split
+        trainer.fit(LM(config, eager=True), DataLoader(torch.zeros(10, 8, dtype=torch.long), batch_size=4))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_partial_last_batch_under_pp_fails_when_fit_starts_on_every_rank() -> None:
+    # LM.training_step raises if reached: the check must come before the first batch, not at the epoch's end
+    messages = run_distributed(_fit_with_a_partial_last_batch, 2, timeout=120)
+    assert all("partial batch of 2 samples (10 samples per rank, batch size 4)" in m for m in messages), (
         messages
     )
