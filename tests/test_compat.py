@@ -10,6 +10,7 @@ import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -21,6 +22,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_d9d import compat
 from lightning_d9d.strategies.pipelining import ZeroGradFirstClosure, ZeroGradFirstOptimization
@@ -360,3 +362,154 @@ def test_pyproject_bounds_are_the_tested_ranges() -> None:
     }
     assert compat.INSTALL_HINT == "pip install 'torch>=2.11,<2.14' 'lightning>=2.6.4,<2.7'"
     assert {name: compat.spell_range(bounds) for name, bounds in compat.TESTED_RANGES.items()} == dict(specs)
+
+
+# ------------------------------------------------------------------- torch internals the helpers wrap
+def test_in_backward_pass_is_true_only_while_autograd_runs_a_backward() -> None:
+    # router.py counts the expert load only outside a backward pass: a forward inside one is a recompute.
+    seen: list[tuple[str, bool]] = []
+
+    class Probe(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            seen.append(("Function.forward", compat.in_backward_pass()))
+            return x * 2
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            seen.append(("Function.backward", compat.in_backward_pass()))
+            return grad * 2
+
+    def region(x: torch.Tensor) -> torch.Tensor:
+        seen.append(("checkpointed forward", compat.in_backward_pass()))
+        return x.sin()
+
+    x = torch.randn(3, requires_grad=True)
+    y = Probe.apply(x)
+    y.register_hook(lambda grad: seen.append(("tensor hook", compat.in_backward_pass())))
+    loss = torch.utils.checkpoint.checkpoint(region, y, use_reentrant=False).sum()
+    seen.append(("before backward", compat.in_backward_pass()))
+    loss.backward()
+    seen.append(("after backward", compat.in_backward_pass()))
+    assert sorted(seen) == sorted(  # the order of the backward's nodes is autograd's business
+        [
+            ("Function.forward", False),
+            ("checkpointed forward", False),
+            ("before backward", False),
+            ("checkpointed forward", True),  # activation checkpointing's recompute
+            ("tensor hook", True),
+            ("Function.backward", True),
+            ("after backward", False),
+        ]
+    )
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[Any] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_profiler_range_ops_are_what_a_record_function_range_dispatches() -> None:
+    x = torch.randn(3)
+    with _RecordOps() as recorded, torch.profiler.record_function("a range"):
+        x.sin()
+    assert recorded.ops == [
+        compat.profiler_range_ops()[0],
+        torch.ops.aten.sin.default,
+        compat.profiler_range_ops()[1],
+    ]
+
+
+def _recompute_enters_a_profiler_range(x: torch.Tensor) -> torch.Tensor:
+    # As an FSDP unit's hooks inside a checkpointed block: the recompute opens a range the forward did not.
+    if compat.in_backward_pass():
+        with torch.profiler.record_function("recompute only"):
+            pass
+    return x.sin()
+
+
+def _selective_backward(x: torch.Tensor) -> torch.Tensor:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+        return torch.utils.checkpoint.CheckpointPolicy.PREFER_RECOMPUTE
+
+    x = x.detach().requires_grad_()
+    context_fn = partial(torch.utils.checkpoint.create_selective_checkpoint_contexts, policy)
+    out = torch.utils.checkpoint.checkpoint(
+        _recompute_enters_a_profiler_range, x, use_reentrant=False, context_fn=context_fn
+    )
+    out.sum().backward()
+    assert x.grad is not None
+    return x.grad
+
+
+def test_ignore_in_selective_replay_lets_the_replay_skip_the_ops(monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's set as it ships (other tests of this process may have added the range markers already)
+    shipped = set(torch.utils.checkpoint.SAC_IGNORED_OPS) - set(compat.profiler_range_ops())
+    ignored = set(shipped)
+    monkeypatch.setattr(torch.utils.checkpoint, "SAC_IGNORED_OPS", ignored)
+    x = torch.randn(3)
+    with pytest.raises(RuntimeError, match=r"_record_function_enter_new.*not found in storage"):
+        _selective_backward(x)
+
+    compat.ignore_in_selective_replay(compat.profiler_range_ops())
+    assert torch.utils.checkpoint.SAC_IGNORED_OPS is ignored  # updated in place: torch reads this very set
+    assert ignored == shipped | set(compat.profiler_range_ops())
+    compat.ignore_in_selective_replay(compat.profiler_range_ops())
+    assert ignored == shipped | set(compat.profiler_range_ops())  # idempotent
+    torch.testing.assert_close(_selective_backward(x), x.cos())
+
+
+class _SyncSwitch:
+    """What gradient_sync_held_off needs of an FSDPModule: its set_requires_gradient_sync."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[bool, bool]] = []
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        self.calls.append((requires_gradient_sync, recurse))
+
+
+def test_gradient_sync_held_off_keeps_sync_off_and_gives_the_method_back() -> None:
+    module = _SyncSwitch()
+    with compat.gradient_sync_held_off(module):  # type: ignore[arg-type]
+        module.set_requires_gradient_sync(True)
+        module.set_requires_gradient_sync(True, recurse=False)
+    assert module.calls == [(False, True), (False, False)]
+    assert "set_requires_gradient_sync" not in vars(module)  # the class's method again
+    module.set_requires_gradient_sync(True)
+    assert module.calls[-1] == (True, True)
+    with pytest.raises(KeyError), compat.gradient_sync_held_off(module):  # type: ignore[arg-type]
+        raise KeyError("a failed reduction")
+    assert "set_requires_gradient_sync" not in vars(module)
+
+
+def _reduce_grad_with_sync_held_off() -> tuple[bool, bool]:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage
+
+    torch.manual_seed(0)
+    module = fully_shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    stage = PipelineStage(module, 0, 1, torch.device("cpu"))
+    module.set_requires_gradient_sync(
+        False
+    )  # an accumulation micro-step, as runner.AccumulatingStage sees it
+    module(torch.randn(3, 4)).sum().backward()
+    with compat.gradient_sync_held_off(module):
+        stage.perform_reduce_grad(1)  # torch's: switches sync on through the instance, then reduces
+    held_off = all(p.grad is None for p in module.parameters())  # nothing reduce-scattered
+    stage.perform_reduce_grad(1)
+    synced_after = all(p.grad is not None for p in module.parameters())
+    return held_off, synced_after
+
+
+def test_torch_perform_reduce_grad_honours_gradient_sync_held_off() -> None:
+    from distributed import run_distributed
+
+    ((held_off, synced_after),) = run_distributed(_reduce_grad_with_sync_held_off, 1)
+    assert held_off, "torch's perform_reduce_grad reduced gradients while sync was held off"
+    assert synced_after, "after gradient_sync_held_off, perform_reduce_grad no longer reduces"

@@ -11,8 +11,9 @@ and resets the counters. Every rank applies the same
 update, so the replicas stay equal.
 
 An optimizer step is recognised by ``trainer.global_step`` moving, which also covers the short last window of an
-epoch. Under activation checkpointing recomputation counts a forward twice: the bias update (a sign) and the
-coefficient of variation do not change, ``load_min`` / ``load_max`` double.
+epoch. Activation checkpointing (full or selective) does not change the counts: a router counts nothing while a
+backward pass runs (:func:`lightning_d9d.compat.in_backward_pass`), so the recompute of a forward is not counted
+again.
 """
 
 from __future__ import annotations

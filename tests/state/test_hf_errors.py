@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import transformers  # noqa: F401 (a test dependency: a broken install must fail, not skip)
 from hf_helpers import SMALL, config_json, make_hf_checkpoint
 from safetensors.torch import load_file, save_file
@@ -57,7 +58,15 @@ def cli_error(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
 
 
 def test_the_fixture_loads(hf_dir: Path) -> None:
-    load_hf(model(), hf_dir)
+    # The errors below come from breaking this fixture: unbroken, every tensor of its shards lands in the model.
+    shards = set(json.loads((hf_dir / INDEX_NAME).read_text())["weight_map"].values())
+    expected = {key: value for shard in shards for key, value in load_file(str(hf_dir / shard)).items()}
+    loaded = model()
+    load_hf(loaded, hf_dir)
+    state = loaded.state_dict()
+    assert state.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert torch.equal(state[key], tensor), f"{key} differs from the fixture's {shard_of(hf_dir, key)}"
 
 
 def test_missing_shard_file(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

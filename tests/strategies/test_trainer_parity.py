@@ -170,12 +170,14 @@ LAUNCHES: dict[str, dict[str, dict]] = {
             "dp": 2,
             "max_steps": 3,
             "dims": {"activation_checkpointing": True},
+            "record_recompute": True,  # the aten ops the recompute ran (assert_recompute_policy)
         },
         "selective_activation_checkpointing": {
             "devices": 2,
             "dp": 2,
             "max_steps": 3,
             "dims": {"activation_checkpointing": "selective"},
+            "record_recompute": True,  # the aten ops the recompute ran (assert_recompute_policy)
         },
         # last: inductor's compile time is the largest cost here, so a 1-layer model
         "compile": {
@@ -286,6 +288,33 @@ def assert_matches_reference(actual: dict, config: dict) -> None:
         assert min(expected["grad_norms"]) > config["clip"], expected["grad_norms"]
 
 
+# Element-wise ops of every block (RMSNorm, SwiGLU, RoPE, residual adds): both kinds recompute them.
+ELEMENTWISE = {"aten.rsqrt.default", "aten.silu.default", "aten.mul.Tensor", "aten.add.Tensor"}
+# The ops whose outputs selective checkpointing keeps (and full recompute runs again).
+MATMULS_AND_ATTENTION = (
+    "aten.mm.",
+    "aten.addmm.",
+    "aten.bmm.",
+    "aten._grouped_mm.",
+    "aten._scaled_dot_product",
+)
+
+
+def assert_recompute_policy(actual: dict, config: dict) -> None:
+    """The recompute of a run with ``record_recompute`` ran the policy asked for: full recompute runs the
+    matmuls and attention again, selective only the element-wise ops (fp32 on CPU, both give the same numbers:
+    only the ops that ran tell them apart)."""
+    ops = set(actual["recomputed_ops"])
+    assert ops >= ELEMENTWISE, f"the recompute did not run {sorted(ELEMENTWISE - ops)}: {sorted(ops)}"
+    expensive = {op for op in ops if op.startswith(MATMULS_AND_ATTENTION)}
+    if config["dims"]["activation_checkpointing"] == "selective":
+        assert not expensive, f"selective checkpointing recomputed {sorted(expensive)}"
+    else:
+        assert "aten.mm.default" in expensive, (
+            f"full checkpointing did not recompute the matmuls: {sorted(ops)}"
+        )
+
+
 @pytest.mark.parametrize("case", FP32_CASES)
 def test_matches_single_process_loop(case: str, launched: Callable[[str], dict]) -> None:
     config = config_of(case)
@@ -295,6 +324,8 @@ def test_matches_single_process_loop(case: str, launched: Callable[[str], dict])
     options = config.get("dims", {})
     assert actual["compiled_modules"] == (layers if options.get("compile") else 0)
     assert actual["checkpointed_modules"] == (layers if options.get("activation_checkpointing") else 0)
+    if config.get("record_recompute"):
+        assert_recompute_policy(actual, config)
     assert actual["dtensor_params"] == options.get("fsdp_on_one_rank", True)
 
 

@@ -17,6 +17,7 @@ import signal
 import sys
 import traceback
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import noop_context_fn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -87,6 +90,43 @@ class RecordGradNorms(Callback):
         self.norms.append(sum(squares.values()) ** 0.5)
 
 
+class _RecordOps(TorchDispatchMode):
+    def __init__(self, ops: set[str]) -> None:
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.ops.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _recording_below(ops: set[str], recompute: Any) -> Iterator[None]:
+    # Entered before (below) the checkpoint's own recompute mode: selective checkpointing hands back the saved
+    # outputs of the ops it kept without calling them, so only the ops that really ran again reach the recorder.
+    with _RecordOps(ops), recompute:
+        yield
+
+
+class RecordRecompute(Callback):
+    """The aten ops that activation checkpointing's recompute ran in backward, as ``"aten.mm.default"``: each
+    checkpoint wrapper's ``context_fn`` (selective checkpointing's policy, or none under full) gains a recorder."""
+
+    def __init__(self) -> None:
+        self.ops: set[str] = set()
+
+    def _contexts(self, context_fn: Any) -> tuple[Any, Any]:
+        forward, recompute = context_fn()
+        return forward, _recording_below(self.ops, recompute)
+
+    def on_train_start(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        for module in pl_module.modules():
+            if hasattr(module, "_checkpoint_wrapped_module"):
+                fn = module.checkpoint_fn
+                context_fn = partial(self._contexts, fn.keywords.get("context_fn", noop_context_fn))
+                module.checkpoint_fn = partial(fn.func, *fn.args, **{**fn.keywords, "context_fn": context_fn})
+
+
 class ExcludeExperts(Callback):
     """Give ``experts`` a selection bias no token overcomes, after the strategy initialised the routers."""
 
@@ -121,6 +161,9 @@ def main(config: dict) -> None:
     recorder = RecordLosses()
     grad_norms = RecordGradNorms(pipelined=dims.get("pp", 1) > 1)
     callbacks: list[Callback] = [recorder, grad_norms]
+    recompute = RecordRecompute()
+    if config.get("record_recompute"):
+        callbacks.append(recompute)
     if config.get("moe_balance"):  # {"rate": bias update rate, "unchosen": experts no token may choose}
         callbacks += [
             ExcludeExperts(config["moe_balance"]["unchosen"]),
@@ -183,6 +226,7 @@ def main(config: dict) -> None:
         getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
     )
     result["checkpointed_modules"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in module.modules())
+    result["recomputed_ops"] = sorted(recompute.ops)  # rank 0's, with config["record_recompute"]
     calls = torch.tensor(FUSED_LOSS_CALLS[0], device=trainer.strategy.root_device)  # NCCL: on the GPU
     if dist.is_initialized():  # under pp only the ranks that hold the last stage compute the loss
         dist.all_reduce(calls, op=dist.ReduceOp.MAX)

@@ -5,7 +5,8 @@ Auxiliary-loss-free load balancing (DeepSeek-V3): after each optimizer step, mov
 by ``rate * sign(mean load - load)`` per expert, from the load counted over the accumulation window. The load
 must be the whole step's, so it is summed over every micro-step (each router counts into its ``expert_load``
 buffer in training forwards) and over the ranks that saw different tokens with the same router replica (one
-all-reduce over ``group``: the ``loss`` view, data-parallel x context-parallel ranks, which ``ep`` carves too).
+all-reduce over ``group``: the callback passes the strategy's ``routing`` view, the data-parallel x
+context-parallel x tensor-parallel ranks, since under tp each rank routes its own positions; ep ranks included).
 Every rank then applies the same update, so the replicas stay equal. Call it after ``optimizer.step()`` on
 every rank (``lightning_d9d.callbacks.ExpertLoadBalancing`` does, once per optimizer step).
 
