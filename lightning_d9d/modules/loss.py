@@ -3,13 +3,15 @@
 A loss that is a mean over counted items (tokens) can say so: :class:`CountedLoss` adds ``count(target)``. The
 d9d strategy then weights each microbatch and each data-parallel rank by its count, so that the loss and the
 gradients are the mean over every counted item of the global batch, as one process would compute it, even when
-padding (``ignore_index``) leaves ranks and microbatches with different numbers of tokens. A plain
-``loss_fn(output, target)`` is averaged per microbatch and per rank instead (a mean of means).
+padding (``ignore_index``) leaves ranks and microbatches with different numbers of tokens; under gradient
+accumulation each optimizer step's gradient is the mean over every counted item of all its micro-steps
+(:class:`~lightning_d9d.strategies.accumulation.StepTokens`). A plain ``loss_fn(output, target)`` is averaged per
+microbatch, per rank and per micro-step instead (a mean of means).
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +30,30 @@ class CountedLoss(Protocol):
 class InternalLosses(Protocol):
     """A model that adds losses of its own inside forward (MoE router losses) straight into the gradient. Their
     gradient must be scaled like the user's loss: the strategy calls ``set_router_loss_scale`` with the factor
-    it applies to each (micro)batch's loss (``1 / (accumulation steps x pipeline microbatches)``)."""
+    it applies to each (micro)batch's loss (``1 / (accumulation steps x pipeline microbatches)``, times the
+    micro-step's token factor under token-weighted accumulation)."""
 
     def set_router_loss_scale(self, scale: float) -> None: ...
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, value: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(factor)
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (factor,) = ctx.saved_tensors
+        return grad * factor.to(grad.dtype), None
+
+
+def scale_gradient(value: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``value`` unchanged (bit for bit), its gradient multiplied by ``factor`` (a 0-d tensor that stays on the
+    device: nothing is read back to the host). Token-weighted gradient accumulation weighs a micro-step's
+    gradient this way while the loss it logs stays the one it computed."""
+    result: torch.Tensor = _ScaleGradient.apply(value, factor.detach())
+    return result
 
 
 class CausalLMLoss:

@@ -3,7 +3,9 @@
 The loss bookkeeping lives here: torch's schedule calls the loss once per microbatch, and each call is
 scaled so that the summed gradients are those of one process on the whole batch (``scale_grads=False``; see
 ``build_schedule``). With a :class:`~lightning_d9d.modules.loss.CountedLoss` each microbatch weighs by the items
-it counts (tokens that are not padding), otherwise every microbatch weighs the same.
+it counts (tokens that are not padding), otherwise every microbatch weighs the same. Under token-weighted
+gradient accumulation the strategy also hands over the batch's gradient factor (``grad_factor``), which scales
+the gradients and not the returned loss.
 
 With ``fused_ignore_index`` the last stage computes the loss itself: it gets each microbatch's labels as
 ``labels=`` / ``ignore_index=`` keyword arguments (torch splits keyword arguments into microbatches like the
@@ -27,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage
 from lightning_d9d.compat import gradient_sync_held_off
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.mesh.arrival import named_collective
-from lightning_d9d.modules.loss import CountedLoss
+from lightning_d9d.modules.loss import CountedLoss, scale_gradient
 from lightning_d9d.modules.moe import paused_load_counting
 from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
 from lightning_d9d.pipeline.schedules import PipelineConfig, build_schedule
@@ -110,6 +112,7 @@ class PipelineRunner:
         self._schedule: Any = None
         self._user_loss: LossFn | None = None
         self._weight: Callable[[torch.Tensor], torch.Tensor | float] = lambda target: 1.0
+        self._grad_factor: torch.Tensor | None = None  # see train_step's grad_factor
         self._stage_computes_loss = False  # the last stage was handed the labels (see the module docstring)
         self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
 
@@ -133,7 +136,10 @@ class PipelineRunner:
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self._user_loss is not None
         loss = output if self._stage_computes_loss else local_loss(self._user_loss(output, target))
-        return loss * self._weight(target)
+        weighted = loss * self._weight(target)
+        if self._grad_factor is None:
+            return weighted
+        return scale_gradient(weighted, self._grad_factor)  # the same value, the gradient times the factor
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
         if self._schedule is None or loss_fn is not self._user_loss:
@@ -170,6 +176,7 @@ class PipelineRunner:
         *,
         accumulate: int,
         item_scale: torch.Tensor | None = None,
+        grad_factor: torch.Tensor | None = None,
         fused_ignore_index: int | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; returns the batch loss on every rank.
@@ -178,6 +185,10 @@ class PipelineRunner:
         microbatch then weighs ``count(microbatch) * item_scale``, which makes the summed gradients (and the
         loss, once averaged over the data-parallel ranks) the mean over every counted item of the global batch.
         Without it each microbatch weighs ``1 / microbatches``. Both are divided by ``accumulate``.
+
+        ``grad_factor``: a 0-d tensor the gradients (not the returned loss) are multiplied by, for token-weighted
+        accumulation (the batch's share of the optimizer step, ``N_m / R``: see
+        :class:`~lightning_d9d.strategies.accumulation.StepTokens`); None: 1.
 
         ``fused_ignore_index``: the last stage computes ``loss_fn`` itself (see the module docstring).
         """
@@ -194,6 +205,7 @@ class PipelineRunner:
         kwargs: dict[str, Any] = {"target": target if self.holds_last else None, "losses": []}
         kwargs.update(self._last_stage_kwargs(target, fused_ignore_index))
         self._stage_computes_loss = fused_ignore_index is not None
+        self._grad_factor = grad_factor
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
         with maybe_loss_parallel(self.loss_parallel):

@@ -35,7 +35,7 @@ from lightning_d9d.compat import (
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_causal_lm_loss, fused_loss_ignore_index
 from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
-from lightning_d9d.modules.loss import CountedLoss, InternalLosses
+from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
     PipelineRunner,
@@ -472,6 +472,10 @@ class D9DStrategy(ModelParallelStrategy):
         For a :class:`~lightning_d9d.modules.loss.CountedLoss` (``causal_lm_loss`` is one) each rank's loss
         weighs by its share of the items (tokens) of the global batch, so that averaging over the data-parallel
         ranks (FSDP's gradient reduction, ``sync_dist``) gives the mean over all items, as one process would.
+        Under ``accumulate_grad_batches > 1`` (automatic optimization) the micro-steps weigh by their items
+        too: the optimizer step's gradient is the mean over every counted item of all its micro-steps (see
+        :class:`~lightning_d9d.strategies.accumulation.StepTokens`); the value returned, and logged, is still
+        the micro-step's own token mean.
 
         With cp > 1 each cp rank keeps its load-balanced part of the sequence of ``target`` and of the inputs
         shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
@@ -480,8 +484,19 @@ class D9DStrategy(ModelParallelStrategy):
         split = self._context_split()
         if split is not None:
             inputs, target = split_batch(split, inputs, target)
-        self._scale_internal_losses(model)
-        item_scale = self._item_scale(loss_fn, target)
+        accumulating = self._token_weighted_micro_step(loss_fn)
+        count = self._global_count(loss_fn, target, needed=accumulating)
+        item_scale = self._item_scale(count)
+        # this micro-step's share of the step's gradient (under pp handed to the schedule)
+        grad_factor: torch.Tensor | None = None
+        router_factor = 1.0
+        if accumulating and count is not None:
+            grad_factor, is_reference = self.precision_plugin.step_tokens.add(count)
+            if not is_reference and isinstance(model, InternalLosses):
+                router_factor = float(grad_factor)  # the router losses' scale is a float: one host read
+            if self._runner is not None:  # the schedule runs backward inside this call
+                grad_factor = self.precision_plugin.step_tokens.commit()
+        self._scale_internal_losses(model, router_factor)
         tp = self._dims is not None and self._dims.tp_enabled
         if self._runner is None:
             fused = fused_causal_lm_loss(model, inputs, target, loss_fn, tensor_parallel=tp)
@@ -504,6 +519,7 @@ class D9DStrategy(ModelParallelStrategy):
                 loss_fn,
                 accumulate=accumulate,
                 item_scale=item_scale,
+                grad_factor=grad_factor,
                 fused_ignore_index=fused_index,
             )
         loss = self._runner.eval_step(inputs, target, loss_fn, fused_ignore_index=fused_index)
@@ -521,27 +537,64 @@ class D9DStrategy(ModelParallelStrategy):
         on the shards through torch's ``loss_parallel``, never gathering ``[tokens, vocab]``."""
         return maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled)
 
-    def _scale_internal_losses(self, model: nn.Module) -> None:
+    def _scale_internal_losses(self, model: nn.Module, share: float = 1.0) -> None:
         """Losses a model adds inside forward (MoE router losses) count once per optimizer step, as the user's
-        loss does: scale them by ``1 / (accumulation steps x microbatches)``."""
+        loss does: scale them by ``share / (accumulation steps x microbatches)``. ``share`` is 1, or, under
+        token-weighted accumulation, the micro-step's gradient factor ``N_m / R`` (see
+        :class:`~lightning_d9d.strategies.accumulation.StepTokens`): after the step's rescale by ``A R / N`` the
+        router losses of micro-step ``m`` weigh ``N_m / N`` of ``1 / microbatches``, like its loss, and the
+        step's router losses still weigh ``1 / microbatches`` in all (``1 / (A x microbatches)`` each when the
+        micro-steps count the same tokens)."""
         if not isinstance(model, InternalLosses) or self.lightning_module is None:
             return
         trainer = trainer_of(self.lightning_module)
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         microbatches = self.pipeline.microbatches if self._runner is not None else 1
-        model.set_router_loss_scale(1.0 / (accumulate * microbatches))
+        model.set_router_loss_scale(share / (accumulate * microbatches))
 
-    def _item_scale(self, loss_fn: LossFn, target: torch.Tensor) -> torch.Tensor | None:
-        """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss;
-        None where every rank and microbatch weighs the same (a plain loss, or one process without pp)."""
+    def _token_weighted_micro_step(self, loss_fn: LossFn) -> bool:
+        """True in a training micro-step whose counted loss weighs by its share of the optimizer step's items:
+        a counted loss with gradients, automatic optimization and ``accumulate_grad_batches > 1``. Tells
+        :class:`~lightning_d9d.strategies.accumulation.StepTokens` which micro-step this is, and whether it opens
+        an accumulation window (where Lightning zeroes the gradients: ``batch_idx % accumulate == 0``)."""
+        module = self.lightning_module
+        if not isinstance(loss_fn, CountedLoss) or module is None or not torch.is_grad_enabled():
+            return False
+        trainer = trainer_of(module)
+        if trainer is None or not trainer.training or not module.automatic_optimization:
+            return False
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate == 1:
+            return False
+        loop = trainer.fit_loop.epoch_loop
+        opens = loop.batch_idx % accumulate == 0
+        self.precision_plugin.step_tokens.micro_step(
+            loop.total_batch_idx, opens_window=opens, accumulate=accumulate
+        )
+        return True
+
+    def _global_count(self, loss_fn: LossFn, target: torch.Tensor, *, needed: bool) -> torch.Tensor | None:
+        """The items a counted loss counts in the global batch, over the ranks whose losses are averaged (on the
+        device); None for a plain loss, or where nobody needs it (one process without pp or accumulation)."""
         if not isinstance(loss_fn, CountedLoss):
             return None
         mesh = self.parallel_dims.mesh_for("loss")
-        if mesh.size() == 1 and self._runner is None:
+        if mesh.size() == 1 and self._runner is None and not needed:
             return None
         count = loss_fn.count(target).to(torch.int64)
         if mesh.size() > 1:
             dist.all_reduce(count, group=mesh.get_group())  # no host sync: it stays on the device
+        return count
+
+    def _item_scale(self, count: torch.Tensor | None) -> torch.Tensor | None:
+        """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss
+        (``count``: :meth:`_global_count`); None where every rank and microbatch weighs the same (a plain loss,
+        or one process without pp)."""
+        if count is None:
+            return None
+        mesh = self.parallel_dims.mesh_for("loss")
+        if mesh.size() == 1 and self._runner is None:
+            return None
         return (mesh.size() / count.clamp(min=1)).float()
 
     @override
@@ -549,6 +602,11 @@ class D9DStrategy(ModelParallelStrategy):
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self._runner is None:
+            # token-weighted accumulation: this micro-step's gradient weighs N_m / R, its value stays (see
+            # StepTokens); None outside it
+            factor = self.precision_plugin.step_tokens.commit()
+            if factor is not None:
+                closure_loss = scale_gradient(closure_loss, factor)
             with self._loss_parallel():  # the vocabulary-sharded cross-entropy's backward needs it too
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward; only the hooks are left (on_before/after_backward).

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
@@ -17,7 +18,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_d9d.compat import DtypeContextManager, convert_fp_tensor
+from lightning_d9d.strategies.accumulation import StepTokens
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
@@ -51,6 +56,8 @@ class D9DPrecision(Precision):
         self.norm_reduce_groups: Sequence[dist.ProcessGroup | None] = ()
         # Set by the strategy for a bf16-mixed model that no FSDP unit casts: forward runs under autocast.
         self.autocast_device: str | None = None
+        # Token-weighted gradient accumulation (the strategy counts, optimizer_step rescales).
+        self.step_tokens = StepTokens()
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -95,6 +102,25 @@ class D9DPrecision(Precision):
                 data, function=convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
             )
         return data
+
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Steppable,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Lightning's: the closure (the step's last forward and backward), then ``on_before_optimizer_step``
+        and clipping, then the step; with the gradients rescaled to the step's token mean (see
+        :class:`StepTokens`) right after the closure."""
+
+        def closure_then_rescale() -> Any:
+            result = closure()
+            self.step_tokens.rescale(self.main_params(cast(Optimizer, optimizer)))
+            return result
+
+        return super().optimizer_step(optimizer, model, closure_then_rescale, **kwargs)
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

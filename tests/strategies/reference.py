@@ -67,6 +67,18 @@ def _microbatches(config: dict) -> int:
     return int(dims.get("microbatches", 1)) if dims.get("pp", 1) > 1 else 1
 
 
+def _micro_step_weights(config: dict, window: list[dict], accumulate: int) -> list[torch.Tensor]:
+    """What each micro-step's (mean) loss is multiplied by before backward. A counted loss: the micro-step's
+    share of the tokens of the whole optimizer step, so that the step's gradient is the token mean of all its
+    batches; ``uncounted_loss``: ``1 / accumulate`` each (Lightning's own division, also in a window cut
+    short)."""
+    if config.get("uncounted_loss"):
+        return [torch.tensor(1.0 / accumulate)] * len(window)
+    counts = [(batch["labels"] != -100).sum() for batch in window]
+    total = torch.stack(counts).sum()
+    return [count / total for count in counts]
+
+
 def reference_run(config: dict) -> dict:
     """Train like the Trainer should: same init seed, same global batches, same optimizer and schedule."""
     seed, accumulate = config["seed"], config.get("accumulate", 1)
@@ -111,55 +123,63 @@ def reference_run(config: dict) -> dict:
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=seed)
     losses: list[float] = []
     grad_norms: list[float] = []
-    micro_steps = config["max_steps"] * accumulate
-    epoch = 0
-    while len(losses) < micro_steps:
+    steps, epoch = 0, 0
+    while steps < config["max_steps"]:
         sampler.set_epoch(epoch)
-        for batch in DataLoader(train, batch_size=global_batch, sampler=sampler):
-            if compute_model is not module.model:
-                with torch.no_grad():
+        batches = list(DataLoader(train, batch_size=global_batch, sampler=sampler))
+        # Lightning's accumulation windows: `accumulate` batches, the last one of an epoch cut short
+        for start in range(0, len(batches), accumulate):
+            window = batches[start : start + accumulate]
+            for batch, weight in zip(window, _micro_step_weights(config, window, accumulate), strict=True):
+                if compute_model is not module.model:
+                    with torch.no_grad():
+                        for low, master in zip(
+                            compute_model.parameters(), module.model.parameters(), strict=True
+                        ):
+                            low.copy_(master)
+                if config.get("moe") is not None:  # rank r's batch is rows r, r + dp, ... of the global batch
+                    dp, ids, labels = config["dp"], batch["input_ids"], batch["labels"]
+                    chunks = _microbatches(config)
+                    # the router losses weigh the micro-step as its loss does, split over the forwards
+                    assert isinstance(compute_model, Qwen3MoeForCausalLM)
+                    compute_model.set_router_loss_scale(float(weight) / (dp * chunks))
+                    with forward_context():
+                        parts = [
+                            causal_lm_loss(compute_model(rows), row_labels)
+                            for r in range(dp)
+                            for rows, row_labels in zip(
+                                ids[r::dp].tensor_split(chunks),
+                                labels[r::dp].tensor_split(chunks),
+                                strict=True,
+                            )
+                        ]
+                    loss = torch.stack(parts).mean()  # unpadded: the global token mean
+                else:
+                    with forward_context():
+                        loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
+                losses.append(loss.item())
+                (loss * weight).backward()
+                if compute_model is not module.model:
                     for low, master in zip(
                         compute_model.parameters(), module.model.parameters(), strict=True
                     ):
-                        low.copy_(master)
-            if config.get("moe") is not None:  # rank r's batch is rows r, r + dp, ... of the global batch
-                dp, ids, labels = config["dp"], batch["input_ids"], batch["labels"]
-                chunks = _microbatches(config)
-                with forward_context():
-                    parts = [
-                        causal_lm_loss(compute_model(rows), row_labels)
-                        for r in range(dp)
-                        for rows, row_labels in zip(
-                            ids[r::dp].tensor_split(chunks), labels[r::dp].tensor_split(chunks), strict=True
-                        )
-                    ]
-                loss = torch.stack(parts).mean()  # unpadded: the global token mean
+                        assert low.grad is not None
+                        grad = low.grad.float()
+                        master.grad = grad if master.grad is None else master.grad + grad
+                        low.grad = None
+            params = list(module.parameters())
+            if config.get("clip"):
+                norm = torch.nn.utils.clip_grad_norm_(params, config["clip"])
             else:
-                with forward_context():
-                    loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
-            losses.append(loss.item())
-            (loss / accumulate).backward()
-            if compute_model is not module.model:
-                for low, master in zip(compute_model.parameters(), module.model.parameters(), strict=True):
-                    assert low.grad is not None
-                    grad = low.grad.float()
-                    master.grad = grad if master.grad is None else master.grad + grad
-                    low.grad = None
-            if len(losses) % accumulate == 0:
-                params = list(module.parameters())
-                if config.get("clip"):
-                    norm = torch.nn.utils.clip_grad_norm_(params, config["clip"])
-                else:
-                    norm = torch.nn.utils.get_total_norm(
-                        [p.grad.float() for p in params if p.grad is not None]
-                    )
-                grad_norms.append(float(norm))  # before clipping
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-                if config.get("moe_balance"):  # every rank's load of the whole step, summed
-                    update_expert_bias(routers_in(module.model), config["moe_balance"]["rate"])
-            if len(losses) == micro_steps:
+                norm = torch.nn.utils.get_total_norm([p.grad.float() for p in params if p.grad is not None])
+            grad_norms.append(float(norm))  # before clipping
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if config.get("moe_balance"):  # every rank's load of the whole step, summed
+                update_expert_bias(routers_in(module.model), config["moe_balance"]["rate"])
+            steps += 1
+            if steps == config["max_steps"]:
                 break
         epoch += 1
     result: dict = {
