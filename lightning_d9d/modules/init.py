@@ -61,9 +61,16 @@ def init_param_(param: torch.Tensor, name: str, seed: int, fill: Fill) -> None:
     generator.manual_seed(param_seed(seed, name))
     full = torch.empty(tuple(param.shape), dtype=torch.float32, device="cpu")
     fill(full, generator)
-    full = full.to(param.dtype)
-    if isinstance(param, DTensor):
-        shard = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(shard)
+    assign_full_(param, full)
+
+
+@torch.no_grad()
+def assign_full_(tensor: torch.Tensor, full: torch.Tensor) -> None:
+    """Overwrite ``tensor`` (plain or ``DTensor``) in place with the full-size ``full``, cast to its dtype: a
+    ``DTensor`` keeps this rank's piece of it, cut locally (every rank holds ``full``; no collective)."""
+    full = full.to(tensor.dtype)
+    if isinstance(tensor, DTensor):
+        shard = distribute_tensor(full, tensor.device_mesh, tensor.placements, src_data_rank=None).to_local()
+        tensor.to_local().copy_(shard)
     else:
-        param.copy_(full)
+        tensor.copy_(full)

@@ -17,6 +17,10 @@ class Parallelizable(Protocol):
 
 @runtime_checkable
 class SeededInit(Protocol):
-    """A module that initialises all its parameters and buffers from a seed, identically on any sharding."""
+    """A module that initialises all its parameters and buffers from a seed, identically on any sharding.
+
+    A transformers ``PreTrainedModel`` has an ``init_weights()`` too, without a seed: the strategy takes it for
+    what it is and runs its own rules instead (:mod:`lightning_d9d.modules.hf_init`).
+    """
 
     def init_weights(self, seed: int | None = None) -> None: ...

@@ -65,7 +65,7 @@ from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
-from lightning_d9d.strategies.materialize import to_empty_except_metrics
+from lightning_d9d.strategies.materialize import initialise_transformers_model, to_empty_except_metrics
 from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
@@ -383,6 +383,9 @@ class D9DStrategy(ModelParallelStrategy):
         uninitialised: set[str] = set()
 
         def initialise(current: nn.Module) -> None:
+            # before SeededInit: a transformers PreTrainedModel has an init_weights() of another signature
+            if initialise_transformers_model(current, seed):
+                return
             if isinstance(current, SeededInit):
                 current.init_weights(seed)
                 return

@@ -64,3 +64,13 @@ def test_a_metric_of_a_meta_built_module_computes_from_what_it_was_fed() -> None
     metrics = trainer.validate(module, DataLoader(torch.randn(1, 4), batch_size=1), verbose=False)[0]
     assert module.perplexity._defaults["loss_sum"].item() == 0.0  # reset() restores zeros, not garbage
     assert metrics["val/ppl"] == pytest.approx(math.exp(metrics["val/loss"]), rel=1e-5)
+
+
+def test_a_parameter_shared_by_two_modules_stays_one() -> None:
+    # nn.Module.to_empty gives each module its own copy of a tied weight (an embedding and its LM head)
+    with torch.device("meta"):
+        holder = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5, bias=False))
+    holder[1].weight = holder[0].weight
+    to_empty_except_metrics(holder, torch.device("cpu"))
+    assert holder[1].weight is holder[0].weight and not holder[0].weight.is_meta
+    assert len(list(holder.parameters())) == 1
