@@ -7,7 +7,9 @@ is complete: it is renamed aside to ``.{name}.old-XXXXXXXX``, the new one rename
 next save of the same target cleans up after a crashed one: it deletes ``.tmp-`` directories whose save is over
 (its process is gone on this host, or, from another host, untouched for a day), and an ``.old-`` one is put back
 if the crash came between the two renames (the destination is missing), else deleted. A save of another job to
-the same path that is still running keeps its temporary directory (the last rename wins).
+the same path that is still running keeps its temporary directory (the last rename wins). ``put_back_interrupted``
+puts such copies back in a whole folder without saving (the strategy runs it on the ``ModelCheckpoint`` folders
+before a run starts, so ``ckpt_path="last"`` finds the ``last`` that a crash left aside).
 
 Distributed (``distributed=True``): every rank calls ``open``, ``gather`` and ``commit`` in that order. Rank 0
 creates, finishes and moves the directory; every step ends in an exchange of each rank's failure, so when one
@@ -19,6 +21,7 @@ is removed. The destination must be on a file system all ranks see.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -93,6 +96,38 @@ def interrupted_replacement(final: Path) -> Path | None:
         return None
     aside = [entry for entry in final.parent.iterdir() if entry.name.startswith(aside_prefix(final))]
     return max(aside, key=lambda path: path.stat().st_mtime, default=None)
+
+
+def put_back(final: Path) -> bool:
+    """Rename the copy of ``final`` that an interrupted replacement left aside (``interrupted_replacement``)
+    back to ``final``; whether this call did. Safe to run in several processes at once (every rank before a
+    resume): one rename wins, and the others find the copy gone or ``final`` back and leave it be."""
+    try:
+        previous = interrupted_replacement(final)
+        if previous is None:
+            return False
+        os.rename(previous, final)
+    except OSError as error:
+        # Another process won: it renamed this copy between our look and our rename (it is gone), or put back
+        # another one first (the rename found ``final`` there, not empty).
+        if isinstance(error, FileNotFoundError) or final.exists():
+            return False
+        raise
+    fsync(final.parent)
+    return True
+
+
+_ASIDE = re.compile(r"^\.(?P<name>.+)\.old-[0-9a-f]{8}$")  # aside_prefix(final) + secrets.token_hex(4)
+
+
+def put_back_interrupted(folder: str | os.PathLike[str]) -> list[Path]:
+    """``put_back`` every entry of ``folder`` whose replacement was interrupted between its two renames (the
+    entry is missing, its previous copy aside): the paths this call put back."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    names = sorted({match["name"] for entry in folder.iterdir() if (match := _ASIDE.match(entry.name))})
+    return [folder / name for name in names if put_back(folder / name)]
 
 
 def gather_outcomes(step: str, mine: Any) -> list[Any]:
@@ -278,10 +313,8 @@ class AtomicDirectory:
         for stale in self._siblings(temporary_prefix(self.final)):
             if not save_in_progress(stale, temporary_prefix(self.final)):
                 _remove(stale)
-        previous = interrupted_replacement(self.final)
-        if previous is not None:
-            # A crash between the two renames: the old checkpoint is the last complete one, so it comes back.
-            os.rename(previous, self.final)
+        # A crash between the two renames: the old checkpoint is the last complete one, so it comes back.
+        put_back(self.final)
         for old in self._siblings(aside_prefix(self.final)):  # a crash after the new one was in place
             _remove(old)
         self._check_destination()

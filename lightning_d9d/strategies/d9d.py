@@ -227,6 +227,11 @@ class D9DStrategy(ModelParallelStrategy):
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
             check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))
+        # A launcher always (a direct one where Lightning starts no processes), whose launch first puts back the
+        # checkpoints a crash left aside: Lightning resolves ckpt_path="last" inside it, before any other hook.
+        from lightning_d9d.strategies.put_back import put_back_before_launch
+
+        self._launcher = put_back_before_launch(self._launcher)
 
     @override
     def setup_environment(self) -> None:

@@ -28,8 +28,8 @@ from torch import nn
 
 from lightning_d9d.state import training  # imported before the forks: each rank would import it again
 
-STEPS = 6  # train to step 6; checkpoints after steps 2 and 4
-SAVE_AT = (2, 4)
+STEPS = 6  # train to step 6; checkpoints after steps 2, 4 and 6 (a resumed run's save after the kill)
+SAVE_AT = (2, 4, 6)
 KILLED_SAVE = 4  # the saves of step 4 are where ranks die
 WORLD = 2
 
@@ -85,6 +85,7 @@ def _install(point: str) -> None:
     elif point == "after_the_manifest":
         _wrap(manifest, "write_manifest", before=False)
     elif point == "between_the_renames":  # replacing "last": the old one is aside, the new one not yet in
+        # (the second rename: its destination is "last"; the first one's is ".last.old-XXXXXXXX")
         _wrap(atomic.os, "rename", before=True, when=lambda src, dst: Path(dst).name == "last")
     elif point == "after_the_rename":  # the directory is in place; the other rank has not heard yet
         _wrap(
