@@ -424,7 +424,7 @@ class D9DStrategy(ModelParallelStrategy):
             check_batches_split(dataloader, self.pipeline.microbatches, module.trainer.limit_train_batches)
         loader = resumable(dataloader)
         if isinstance(loader, ResumableDataLoader):
-            loader.random_state = self._resumed_random_state  # put back where the uninterrupted run draws next
+            loader.random_state = self._resumed_random_state  # restored where the uninterrupted run drew
         return loader
 
     # ------------------------------------------------------------------------------------- collectives

@@ -47,6 +47,13 @@ def train_corpus(config: dict, vocab_size: int) -> Dataset:
     return PaddedCorpus(corpus) if config.get("pad") else corpus
 
 
+def val_corpus(config: dict, vocab_size: int) -> Dataset:
+    """The validation data of a run (two global batches, other samples than training's): ``config["pad"]``
+    pads it too, so that a validation loss averaged over ranks instead of weighed by their tokens differs."""
+    corpus = SyntheticCorpus(vocab_size, config["seq_len"], config["global_batch"] * 2, first_sample=10_000)
+    return PaddedCorpus(corpus) if config.get("pad") else corpus
+
+
 def uncounted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """``causal_lm_loss`` as a plain function: the strategy cannot count its tokens and weighs microbatches and
     ranks equally (which equals the token mean when nothing is padded)."""
@@ -188,9 +195,7 @@ def reference_run(config: dict) -> dict:
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},
     }
     if config.get("validate"):
-        val = SyntheticCorpus(
-            model_config.vocab_size, config["seq_len"], global_batch * 2, first_sample=10_000
-        )
+        val = val_corpus(config, model_config.vocab_size)
         with torch.no_grad():
             val_losses = [
                 causal_lm_loss(module.model(b["input_ids"]), b["labels"]).item()

@@ -148,7 +148,7 @@ LAUNCHES: dict[str, dict[str, dict]] = {
         # padded labels: ranks hold different token counts, and the loss is still the global token mean. lr
         # 3e-4: embedding rows seen only before padding get near-zero gradients, whose summation-order noise
         # AdamW scales up to ~lr (2e-5 at lr 1e-3, while losses agree to 5e-7 and gradient norms to 7e-8).
-        "fsdp2_padded": {"devices": 2, "dp": 2, "max_steps": 5, "pad": True, "lr": 3e-4},
+        "fsdp2_padded": {"devices": 2, "dp": 2, "max_steps": 5, "pad": True, "lr": 3e-4, "validate": True},
         # Qwen3-MoE (2 sparse layers around a dense one, 8 experts, top-2, load-balancing + z loss): experts
         # sharded by FSDP, each rank's router losses in its gradient once
         "moe_fsdp2": {"devices": 2, "dp": 2, "max_steps": 5, "moe": {"router_z_loss_coef": 1e-3}},

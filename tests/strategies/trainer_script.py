@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared launch helpers
 from distributed import free_port, set_torchrun_environment
 from plain_module import build_plain_model
-from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
-from reference import exclude_experts, train_corpus, uncounted_loss
+from pretrain_qwen3 import Qwen3Pretraining
+from reference import exclude_experts, train_corpus, uncounted_loss, val_corpus
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
@@ -157,7 +157,7 @@ def main(config: dict) -> None:
     dims = config.get("dims", {})
     dp = config["dp"]
     train = train_corpus(config, model_config.vocab_size)
-    val = SyntheticCorpus(model_config.vocab_size, config["seq_len"], global_batch * 2, first_sample=10_000)
+    val = val_corpus(config, model_config.vocab_size)  # padded with config["pad"], as training is
     recorder = RecordLosses()
     grad_norms = RecordGradNorms(pipelined=dims.get("pp", 1) > 1)
     callbacks: list[Callback] = [recorder, grad_norms]
