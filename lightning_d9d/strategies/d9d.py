@@ -34,6 +34,7 @@ from lightning_d9d.compat import (
 )
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_causal_lm_loss, fused_loss_ignore_index
+from lightning_d9d.models.hf import hf_plan_for
 from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
@@ -364,6 +365,8 @@ class D9DStrategy(ModelParallelStrategy):
                 continue
             if isinstance(child, Parallelizable):
                 child.parallelize(dims, options)
+            elif (plan := hf_plan_for(child)) is not None:  # a transformers model: the plans its config ships
+                plan(dims, options)
             else:
                 parallelize_default(child, dims, options)
 

@@ -1,0 +1,18 @@
+"""The adapter for ``transformers`` models: plans read from the model's own config (today: tensor + sequence +
+loss parallelism from ``base_model_tp_plan`` and the head's ``_tp_plan``, then FSDP per decoder layer).
+
+Nothing here imports ``transformers``: a model is recognised only if the user's code imported it already.
+"""
+
+from lightning_d9d.models.hf.plan import check_hf_model, hf_plan_for, is_transformers_model, parallelize_hf
+from lightning_d9d.models.hf.tensor import config_tp_plan, expand_plan, hf_tensor_plan
+
+__all__ = [
+    "check_hf_model",
+    "config_tp_plan",
+    "expand_plan",
+    "hf_plan_for",
+    "hf_tensor_plan",
+    "is_transformers_model",
+    "parallelize_hf",
+]

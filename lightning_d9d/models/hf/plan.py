@@ -1,0 +1,125 @@
+"""The plan of a ``transformers`` model: tensor + sequence + loss parallelism from its own tp plan, then the
+block tail every plan ends with (activation checkpointing, compile, FSDP per decoder layer plus the root).
+
+The strategy asks :func:`hf_plan_for` which plan a module has; it knows no model family.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from torch import nn
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.tensor import (
+    ISSUE,
+    check_tensor_parallel_model,
+    config_tp_plan,
+    expand_plan,
+    hf_tensor_plan,
+    localize_head_counts,
+)
+from lightning_d9d.plans import (
+    DATA_PARALLEL,
+    ParallelOptions,
+    parallelize_blocks,
+    parallelize_tensor,
+    repeated_blocks,
+    require_degrees,
+)
+
+Plan = Callable[[ParallelDims, ParallelOptions], None]
+NOT_YET = (
+    f"wait for {ISSUE} (pp, cp and ep for transformers models come next; tp and the data degrees work now)"
+)
+
+
+def is_transformers_model(module: nn.Module) -> bool:
+    """Whether ``module`` is a ``transformers`` ``PreTrainedModel``. Never imports ``transformers``: a module
+    can only be one if the user's code imported it already."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None:
+        return False
+    try:
+        base = transformers.PreTrainedModel
+    except (AttributeError, ImportError):
+        return False
+    return isinstance(module, base)
+
+
+def hf_plan_for(module: nn.Module) -> Plan | None:
+    """The adapter's plan for ``module`` if it is a ``transformers`` model (``plan(dims, options)``), else
+    ``None`` (the strategy then takes the module's own ``parallelize`` or the default plan)."""
+    if not is_transformers_model(module):
+        return None
+    return partial(parallelize_hf, module)
+
+
+def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
+    """Everything the adapter refuses, from the degrees and the model's config alone (no process group is
+    needed, so it runs before any collective): pp / cp / ep (not yet), and for tp a missing plan, a style not
+    translated yet, or a size tp does not divide."""
+    name = type(model).__name__
+    require_degrees(
+        dims,
+        supported=(*DATA_PARALLEL, "tp"),
+        owner=f"the transformers adapter for {name}",
+        alternatives=dict.fromkeys(("pp", "cp", "ep"), NOT_YET),
+    )
+    if dims.tp_enabled:
+        check_tensor_parallel_model(model, dims.tp)
+
+
+def parallelize_hf(
+    model: nn.Module,
+    dims: ParallelDims,
+    options: ParallelOptions,
+    *,
+    sequence_parallel: bool | None = None,
+) -> None:
+    """Parallelize a ``transformers`` model in place, in torchtitan's order.
+
+    1. Refuse what the adapter cannot do (:func:`check_hf_model`), before any collective.
+    2. tp > 1: the model's own tp plan translated onto torch's styles (:func:`~.tensor.hf_tensor_plan`:
+       sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
+       parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
+    3. In training no KV cache (:func:`train_without_cache`).
+    4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
+       (2-D with tp: FSDP shards the tp shards over ``fsdp``), as the default plan does.
+
+    ``sequence_parallel``: ``None`` where the model allows it, ``False`` keeps the residual stream replicated
+    (as ``transformers``' own tp runs).
+    """
+    check_hf_model(model, dims)
+    if dims.tp_enabled:
+        plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
+        parallelize_tensor(model, dims.mesh_for("tp"), plan)
+        localize_head_counts(model, expand_plan(model, config_tp_plan(model)), dims.tp)
+    train_without_cache(model)
+    # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
+    parallelize_blocks(model, repeated_blocks(model), dims, options)
+
+
+def train_without_cache(model: nn.Module) -> None:
+    """In training, call ``model`` with ``use_cache=False`` unless the caller says otherwise.
+
+    The configs default to ``use_cache=True``, and a causal LM then builds a KV cache in every forward, training
+    too: it keeps every layer's keys and values alive until the step ends, and each layer appends to it again when
+    activation checkpointing recomputes the layer, so the recompute attends over twice the positions (selective
+    recompute fails: "aten.slice.Tensor invocation index 4 encountered during backward but not found in
+    storage"). ``transformers`` itself turns the cache off only under its own gradient checkpointing.
+    """
+    parameters = inspect.signature(model.forward).parameters
+    if "use_cache" not in parameters:
+        return
+
+    def no_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+        if module.training and "use_cache" not in kwargs:
+            kwargs = {**kwargs, "use_cache": False}
+        return args, kwargs
+
+    model.register_forward_pre_hook(no_cache, with_kwargs=True)

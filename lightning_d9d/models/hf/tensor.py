@@ -1,0 +1,360 @@
+"""Tensor + sequence + loss parallelism for a ``transformers`` model, read from its own tensor-parallel plan.
+
+``transformers`` ships the plan in every model: ``config.base_model_tp_plan`` maps module-name patterns of the
+base model (``"layers.*.self_attn.q_proj"``) to style names (``"colwise"``, ``"rowwise"``, ...), and the model
+class's ``_tp_plan`` adds the head (``{"lm_head": "colwise_gather_output"}``). We translate those names onto
+torch's ``ParallelStyle``s (:mod:`lightning_d9d.plans.tensor`) and add what ``transformers`` leaves out:
+
+- sequence parallelism, where the decoder layers allow it (every part of a layer outside the split regions is
+  a norm): the residual stream between the layers holds ``T / tp`` positions per rank; each region (attention,
+  MLP: a parent of column/row-parallel projections) all-gathers the sequence at its input, its row-parallel
+  output reduce-scatters it back, and the norms run on the sequence shards. The embedding output stays whole
+  (the decoder builds its causal mask and positions from it) and the first layer cuts it into shards, a slice.
+  Elsewhere the plan runs as ``transformers`` runs it: the residual stream replicated, row-parallel outputs
+  all-reduced;
+- the embedding split over the vocabulary (also when the plan does not name it), so a tied head stays tied;
+- loss parallelism: whatever the plan says for the head, it leaves its logits sharded on the vocabulary dim for
+  torch's ``loss_parallel``: no rank holds ``[tokens, vocab]``.
+
+A style this slice does not translate yet (``packed_colwise``, ``moe_tp_experts``, ``mla_kv_a_proj``, ...) is
+refused, naming the model class, the module and the style. ``transformers`` is never imported here: the model
+is read through its attributes.
+"""
+
+from __future__ import annotations
+
+import re
+import types
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from lightning_d9d.plans.tensor import (
+    SEQUENCE_DIM,
+    check_sequence_length,
+    check_tensor_parallel_sizes,
+    column_parallel,
+    per_head_norm,
+    row_parallel_to_sequence,
+    sequence_parallel_norm,
+    vocab_parallel_head,
+)
+
+ISSUE = "issue 24"
+# Plan style names (of every transformers version we support) that this adapter translates.
+COLUMN = ("colwise",)
+ROW = ("rowwise",)
+GATHERED_COLUMN = ("colwise_gather_output", "colwise_rep")  # for the LM head only
+PER_HEAD_NORM = ("replicated_with_grad_allreduce",)
+EMBEDDING = ("embedding_rowwise",)
+KNOWN = (*COLUMN, *ROW, *GATHERED_COLUMN, *PER_HEAD_NORM, *EMBEDDING)
+# Attention attributes some families read their view shapes from: per rank after the heads are split.
+HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
+
+
+# ------------------------------------------------------------------------------------------- the plan text
+def config_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's tensor-parallel plan as ``transformers`` assembles it, keyed by patterns relative to
+    ``model``: the config's ``base_model_tp_plan`` under the base model's prefix, then the class's ``_tp_plan``
+    (the head). Empty when the config has none."""
+    config = model.config
+    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+    if not base_plan:
+        return {}
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else None
+    at = f"{prefix}." if isinstance(base, nn.Module) else ""
+    plan = {f"{at}{pattern}": style for pattern, style in base_plan.items()}
+    plan.update(dict(getattr(type(model), "_tp_plan", None) or {}))
+    return plan
+
+
+def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
+    """``plan``'s patterns (``*`` stands for a layer number, as in ``transformers``) matched against the
+    module names of ``module``: module name -> style name. Patterns that match nothing are left out."""
+    names = [name for name, _ in module.named_modules() if name]
+    expanded: dict[str, str] = {}
+    for pattern, style in plan.items():
+        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
+        for name in names:
+            if regex.fullmatch(name):
+                expanded[name] = style
+    return expanded
+
+
+def _module_from(model: nn.Module, method: str) -> nn.Module | None:
+    getter = getattr(model, method, None)
+    found = getter() if callable(getter) else None
+    return found if isinstance(found, nn.Module) else None
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's token embedding (``get_input_embeddings()``), if it has one."""
+    return _module_from(model, "get_input_embeddings")
+
+
+def output_embedding(model: nn.Module) -> nn.Module | None:
+    """The model's LM head (``get_output_embeddings()``), if it has one."""
+    return _module_from(model, "get_output_embeddings")
+
+
+# ---------------------------------------------------------------------------------------------- checks
+def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
+    """Refuse, before any collective, a model that tp cannot split: no tp plan in its config, a style this
+    adapter does not translate yet, or a size (heads, KV heads, MLP width, vocabulary) tp does not divide."""
+    name = type(model).__name__
+    config = model.config
+    plan = config_tp_plan(model)
+    if not plan:
+        raise ValueError(
+            f"{name}: tp={tp} needs a tensor-parallel plan, but its config ({type(config).__name__}) has no "
+            "base_model_tp_plan; use tp=1, or give the config a base_model_tp_plan (module-name patterns -> "
+            '"colwise" / "rowwise") or the model a parallelize(dims, options) method'
+        )
+    modules = dict(model.named_modules())
+    ends = (output_embedding(model), input_embedding(model))
+    for module_name, style in expand_plan(model, plan).items():
+        translated = KNOWN if modules[module_name] in ends else (*COLUMN, *ROW, *PER_HEAD_NORM)
+        if style not in translated:
+            raise NotImplementedError(
+                f"{name}: tp={tp}: the tp plan's style {style!r} (for {module_name}) is not translated yet "
+                f"({ISSUE}); translated: {', '.join(translated)}. Use tp=1"
+            )
+    embedding = ends[1]
+    if isinstance(embedding, nn.Embedding) and type(embedding).forward is not nn.Embedding.forward:
+        raise NotImplementedError(
+            f"{name}: tp={tp}: the input embedding {type(embedding).__name__} has a forward of its own, which the "
+            f"vocabulary-parallel lookup would replace; not translated yet ({ISSUE}). Use tp=1"
+        )
+    sizes = {
+        field: getattr(config, field)
+        for field in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size")
+        if isinstance(getattr(config, field, None), int)
+    }
+    check_tensor_parallel_sizes(tp, name, sizes)
+    # what the config does not say: every split module's own width
+    for module_name, style in expand_plan(model, plan).items():
+        module = modules[module_name]
+        if isinstance(module, nn.Linear) and style in (*COLUMN, *ROW, *GATHERED_COLUMN):
+            field, size = (
+                ("in_features", module.in_features) if style in ROW else ("out_features", module.out_features)
+            )
+            check_tensor_parallel_sizes(tp, name, {f"{module_name}.{field}": size})
+    _check_regions_covered(model, expand_plan(model, plan), tp)
+
+
+def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) -> None:
+    """Inside a module whose projections are split (attention, MLP), a module with parameters the plan does not
+    name would see this rank's heads or columns only while its weights stay whole: its gradient would hold only
+    this rank's part, silently (older plans lack Qwen3's q/k norms, for one). Refuse it by name."""
+    modules = dict(model.named_modules())
+    regions = {
+        module_name.rpartition(".")[0] for module_name, style in split.items() if style in (*COLUMN, *ROW)
+    }
+    for region in sorted(regions):
+        for inner_name, inner in modules[region].named_modules(prefix=region):
+            if inner_name in split or not any(True for _ in inner.parameters(recurse=False)):
+                continue
+            raise NotImplementedError(
+                f"{type(model).__name__}: tp={tp}: {inner_name} ({type(inner).__name__}) sits among split "
+                "projections but the config's tp plan does not name it, so its gradient would cover this rank's "
+                "part only; add it to base_model_tp_plan (a norm over each head: "
+                f'"replicated_with_grad_allreduce"), or use tp=1 ({ISSUE})'
+            )
+
+
+# -------------------------------------------------------------------------------------------- styles
+class HiddenStatesLayout(ParallelStyle):
+    """Redistribute a module's hidden states (its first positional argument, or ``hidden_states=``, as
+    ``transformers`` layers are called either way) from ``input_layout`` to ``desired_layout`` on the tp mesh,
+    handing the module a plain tensor. ``check_length``: refuse a sequence tp does not divide, by name."""
+
+    def __init__(
+        self, input_layout: Placement, desired_layout: Placement, *, check_length: bool = False
+    ) -> None:
+        super().__init__()
+        self.input_layout, self.desired_layout, self.check_length = input_layout, desired_layout, check_length
+
+    def _convert(self, tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        if self.check_length:
+            check_sequence_length(tensor.shape[SEQUENCE_DIM], mesh.size())
+        if not isinstance(tensor, DTensor):
+            tensor = DTensor.from_local(tensor, mesh, [self.input_layout], run_check=False)
+        return tensor.redistribute(mesh, [self.desired_layout]).to_local()
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
+            if args:
+                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, {**kwargs, "hidden_states": self._convert(kwargs["hidden_states"], device_mesh)}
+            raise TypeError(f"{type(module).__name__} was called without hidden states to redistribute")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+class VocabParallelWholeEmbedding(ParallelStyle):
+    """Embedding rows (the vocabulary) split over tp, token ids whole, the output whole on every tp rank (an
+    all-reduce of the rows' partial sums): the decoder builds its mask and positions from it.
+
+    Like :class:`~lightning_d9d.plans.VocabParallelEmbedding` the lookup runs on the local rows, so backward
+    makes only this rank's ``[vocab / tp, hidden]`` gradient. The weight is a ``Shard(0)`` DTensor, as a
+    column-parallel head's: a tied head stays tied.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding):
+            raise TypeError(
+                f"VocabParallelWholeEmbedding applies to nn.Embedding, not {type(module).__name__}"
+            )
+        weight = distribute_tensor(module.weight.detach(), device_mesh, [Shard(0)])
+        module.weight = nn.Parameter(weight, requires_grad=module.weight.requires_grad)
+        module.forward = types.MethodType(_whole_lookup, module)  # type: ignore[method-assign]
+        return module
+
+
+def _whole_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = self.weight
+    assert isinstance(weight, DTensor)
+    mesh = weight.device_mesh
+    local = weight.to_local()
+    first = mesh.get_local_rank() * local.shape[0]
+    shifted = ids - first
+    outside = (shifted < 0) | (shifted >= local.shape[0])
+    rows = F.embedding(shifted.masked_fill(outside, 0), local)
+    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+    partial = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
+    return partial.redistribute(mesh, [Replicate()]).to_local()
+
+
+# ------------------------------------------------------------------------------------------- structure
+def _is_norm(module: nn.Module, hidden_size: int) -> bool:
+    """A module whose parameters are all ``[hidden]`` vectors (an RMSNorm / LayerNorm over the hidden dim)."""
+    params = list(module.parameters())
+    return bool(params) and all(p.ndim == 1 and p.shape[0] == hidden_size for p in params)
+
+
+class SequenceLayout(NamedTuple):
+    """Where a decoder's residual stream is sequence-sharded (modules by name)."""
+
+    layers: nn.ModuleList
+    regions: list[str]  # children of a layer holding split projections: all-gather in, reduce-scatter out
+    layer_norms: list[str]  # children of a layer that are norms: on the sequence shards
+    final_norms: list[str]  # the decoder's own norms (after the layers): on the shards, a plain shard out
+
+
+def sequence_parallel_layout(model: nn.Module, split: Mapping[str, str]) -> SequenceLayout | None:
+    """Where the residual stream may be sequence-sharded, or ``None`` when some part of the decoder is neither
+    a region nor a norm (SP then stays off).
+
+    A region is a direct child of a decoder layer that holds split projections (attention, MLP); a norm is a
+    module whose parameters are ``[hidden]`` vectors. The decoder (the base model) may hold only the input
+    embedding, the layers, norms after them and parameter-free modules (the rotary embedding).
+    """
+    prefix = getattr(model, "base_model_prefix", "")
+    base = getattr(model, prefix, None) if prefix else model
+    hidden = getattr(model.config, "hidden_size", None)
+    if not isinstance(base, nn.Module) or not isinstance(hidden, int):
+        return None
+    at = f"{prefix}." if base is not model else ""
+    embedding = input_embedding(model)
+    layers: nn.ModuleList | None = None
+    regions: list[str] = []
+    layer_norms: list[str] = []
+    final_norms: list[str] = []
+    for child_name, child in base.named_children():
+        if child is embedding or not any(True for _ in child.parameters()):
+            continue
+        if _is_norm(child, hidden):
+            if layers is None:
+                return None  # a norm before the layers (on the embedding) would see the whole sequence
+            final_norms.append(f"{at}{child_name}")
+            continue
+        if not isinstance(child, nn.ModuleList) or layers is not None:
+            return None
+        layers = child
+        for index, layer in enumerate(child):
+            for part_name, part in layer.named_children():
+                name = f"{at}{child_name}.{index}.{part_name}"
+                if not any(True for _ in part.parameters()):
+                    continue
+                if _is_norm(part, hidden):
+                    layer_norms.append(name)
+                elif any(key.startswith(f"{name}.") and style in ROW for key, style in split.items()):
+                    regions.append(name)
+                else:
+                    return None
+    if layers is None or not regions:
+        return None
+    return SequenceLayout(layers, regions, layer_norms, final_norms)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -> dict[str, ParallelStyle]:
+    """The torch styles for ``model``'s own tp plan: module name -> style. ``sequence_parallel``: ``None`` where
+    the model allows it (:func:`sequence_parallel_layout`), ``False`` never. Call
+    :func:`check_tensor_parallel_model` first."""
+    name = type(model).__name__
+    split = expand_plan(model, config_tp_plan(model))
+    head, embedding = output_embedding(model), input_embedding(model)
+    modules = dict(model.named_modules())
+    names = {id(module): module_name for module_name, module in modules.items()}
+    layout = sequence_parallel_layout(model, split) if sequence_parallel is not False else None
+    sp = layout is not None
+    plan: dict[str, ParallelStyle] = {}
+    for module_name, style in split.items():
+        module = modules[module_name]
+        if module is head or module is embedding:
+            continue  # below, whatever the plan says
+        if style in COLUMN:
+            plan[module_name] = column_parallel()
+        elif style in ROW:
+            plan[module_name] = row_parallel_to_sequence() if sp else RowwiseParallel()
+        elif style in PER_HEAD_NORM:
+            plan[module_name] = per_head_norm()
+        else:  # refused by check_tensor_parallel_model
+            raise NotImplementedError(f"{name}: the tp plan's style {style!r} for {module_name} ({ISSUE})")
+    if isinstance(embedding, nn.Embedding) and id(embedding) in names:
+        plan[names[id(embedding)]] = VocabParallelWholeEmbedding()
+    if isinstance(head, nn.Linear) and id(head) in names:
+        plan[names[id(head)]] = (
+            vocab_parallel_head() if sp else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        )
+    if layout is None:
+        return plan
+    for norm in layout.layer_norms:
+        plan[norm] = sequence_parallel_norm()
+    for norm in layout.final_norms:
+        # a plain shard for the head (the model slices it by logits_to_keep first; a DTensor would gather)
+        plan[norm] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
+    for region in layout.regions:
+        plan[region] = HiddenStatesLayout(Shard(SEQUENCE_DIM), Replicate())
+    plan[names[id(layout.layers[0])]] = HiddenStatesLayout(
+        Replicate(), Shard(SEQUENCE_DIM), check_length=True
+    )
+    return plan
+
+
+def localize_head_counts(model: nn.Module, split: Mapping[str, str], tp: int) -> None:
+    """Attention modules whose q/k/v are split: the head counts some families keep as attributes (and read
+    their view shapes from) become this rank's. Qwen3 and Llama view with ``-1`` heads and need none."""
+    modules = dict(model.named_modules())
+    parents = {name.rpartition(".")[0] for name, style in split.items() if style in COLUMN}
+    for parent in parents:
+        module = modules.get(parent)
+        for attribute in HEAD_COUNTS:
+            value = getattr(module, attribute, None)
+            if isinstance(value, int) and not isinstance(value, bool):
+                setattr(module, attribute, value // tp)

@@ -1,0 +1,177 @@
+"""A transformers causal LM under tensor + sequence + loss parallelism from its own config's tp plan, against
+one process running the unmodified model: losses, pre-step gradient norms and parameters after several AdamW
+steps, on gloo ranks (CPU, fp32)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+from distributed import run_distributed
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf import parallelize_hf
+from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
+
+VOCAB, HIDDEN, SEQ, ROWS, STEPS = 128, 64, 8, 4, 6
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+}
+
+
+def tiny_model(family: str, tied: bool) -> nn.Module:
+    config_class, model_class = FAMILIES[family]
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        initializer_range=0.1,  # larger than the default, so that the heads' gradients are far from zero
+    )
+    torch.manual_seed(0)
+    model = model_class(config)
+    model.train()
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    labels[:, -2:] = -100  # as many ignored per row: the mean over data ranks is the token mean
+    return ids, labels
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def train(model: nn.Module, rows: slice, *, tensor_parallel: bool) -> dict[str, Any]:
+    """AdamW on fixed batches; per step the loss (averaged over the world: tp peers hold the same) and the
+    gradient norm before the step."""
+    # eps well above the gradients' rounding noise (~1e-8 here: sums over other orders of ranks and shards):
+    # Adam steps an entry by about lr * g / (|g| + eps), which with the default eps=1e-8 turns a difference in the
+    # last bits of a near-zero g into one of up to lr in the parameter; with 1e-4 at most lr * 1e-8 / eps per step
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-4)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, labels = batch(step)
+        with maybe_loss_parallel(tensor_parallel):
+            logits = model(input_ids=ids[rows]).logits
+            loss = local_loss(causal_lm_loss(logits, labels[rows]))
+            loss.backward()
+        norms.append(math.sqrt(sum(float(full(p.grad).pow(2).sum()) for p in model.parameters())))
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(float(value))
+    return {
+        "losses": losses,
+        "norms": norms,
+        "logits_local": tuple(getattr(logits, "_local_tensor", logits).shape),
+    }
+
+
+def parallel_body(
+    family: str, tied: bool, tp: int, sequence_parallel: bool | None, recompute: bool | str
+) -> dict[str, Any] | None:
+    model = tiny_model(family, tied)
+    dims = ParallelDims(tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
+    options = ParallelOptions(activation_checkpointing=recompute)
+    parallelize_hf(model, dims, options, sequence_parallel=sequence_parallel)
+    seen: list[tuple[int, ...]] = []
+    layers = model.model.layers
+    layers[1].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
+    dp_rank, dp = dims.mesh_for("dp").get_local_rank(), dims.dp
+    rows = slice(dp_rank * ROWS // dp, (dp_rank + 1) * ROWS // dp)
+    result = train(model, rows, tensor_parallel=dims.tp_enabled)
+    result["between_layers"] = seen[0]
+    result["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+    result["q_proj_local"] = tuple(layers[0].self_attn.q_proj.weight.to_local().shape)
+    params = {
+        name.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    if dist.get_rank() != 0:
+        return None
+    return {**result, "params": params}
+
+
+def compare(
+    family: str,
+    tied: bool,
+    world: int,
+    tp: int,
+    sequence_parallel: bool | None,
+    recompute: bool | str = False,
+) -> dict[str, Any]:
+    ranks = run_distributed(parallel_body, world, family, tied, tp, sequence_parallel, recompute)
+    got = ranks[0]
+    reference = tiny_model(family, tied)
+    expected = train(reference, slice(None), tensor_parallel=False)
+    expected_params = dict(reference.named_parameters())
+    got["loss_error"] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
+    got["norm_error"] = max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True))
+    assert set(got["params"]) == set(expected_params)
+    got["param_error"] = max(
+        float((p - expected_params[n].detach()).abs().max()) for n, p in got["params"].items()
+    )
+    start = tiny_model(family, tied).state_dict()
+    got["moved"] = max(float((p.detach() - start[n]).abs().max()) for n, p in expected_params.items())
+    return got
+
+
+@pytest.mark.parametrize(
+    ("family", "tied", "world", "tp"),
+    [("qwen3", False, 2, 2), ("qwen3", True, 2, 2), ("llama", False, 2, 2), ("llama", True, 4, 2)],
+)
+def test_tp_sequence_parallel_matches_one_process(family: str, tied: bool, world: int, tp: int) -> None:
+    got = compare(family, tied, world, tp, sequence_parallel=None)
+    assert got["tied"] == tied
+    assert got["q_proj_local"] == (4 * 16 // world, HIDDEN)  # heads split over tp, then rows over fsdp
+    assert got["logits_local"] == (ROWS * tp // world, SEQ, VOCAB // tp)  # loss parallel: vocabulary-sharded
+    assert got["between_layers"] == (ROWS * tp // world, SEQ // tp, HIDDEN)  # sequence parallel
+    assert got["moved"] > 1e-3  # the steps changed the parameters
+    assert got["loss_error"] <= 1e-5
+    assert got["norm_error"] <= 1e-5
+    assert got["param_error"] <= 1e-5
+
+
+def test_tp_without_sequence_parallel_matches_one_process() -> None:
+    got = compare("qwen3", False, 2, 2, sequence_parallel=False)
+    assert got["between_layers"] == (
+        ROWS,
+        SEQ,
+        HIDDEN,
+    )  # the residual stream replicated, as transformers runs
+    assert got["logits_local"] == (ROWS, SEQ, VOCAB // 2)
+    assert got["loss_error"] <= 1e-5
+    assert got["norm_error"] <= 1e-5
+    assert got["param_error"] <= 1e-5
+
+
+@pytest.mark.parametrize(("tp", "recompute"), [(2, True), (2, "selective"), (1, "selective")])
+def test_activation_checkpointing_matches_one_process(tp: int, recompute: bool | str) -> None:
+    """Recompute replays each layer: without the adapter's use_cache=False the layer appends to the KV cache
+    again and attends over twice the positions (selective recompute then fails, also without tp)."""
+    got = compare("qwen3", True, 2, tp, sequence_parallel=None, recompute=recompute)
+    assert got["between_layers"] == (ROWS * tp // 2, SEQ // tp, HIDDEN)
+    assert got["loss_error"] <= 1e-5
+    assert got["norm_error"] <= 1e-5
+    assert got["param_error"] <= 1e-5
