@@ -10,10 +10,12 @@ crash is simulated by the rename it left undone.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import secrets
 import subprocess
 import sys
+import traceback
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,6 +103,37 @@ def _trainer(root: Path, how: str, steps: int, devices: int = 1) -> tuple[L.Trai
 def test_fit_last_resumes_from_the_last_that_a_crash_left_aside(
     tmp_path: Path, how: str, started_by: str
 ) -> None:
+    _in_a_fork(_fit_last_after_the_crash, tmp_path, how, started_by)
+
+
+def _in_a_fork(fn: Any, *args: Any) -> None:
+    """``fn(*args)`` in a process forked from this one, its failure raised here. A resume inside the test process
+    leaves it unable to fork working gloo ranks later in the session (the ranks of test_save_faults.py died in
+    libc's pthread_join): the fits run in a child, so the test process stays as it was."""
+    context = mp.get_context("fork")
+    failures = context.SimpleQueue()
+
+    def child() -> None:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:
+            failures.put(traceback.format_exc())
+            code = 1
+        finally:
+            os._exit(code)
+
+    process = context.Process(target=child)
+    process.start()
+    process.join(300)
+    if process.is_alive():
+        process.kill()
+        raise AssertionError(f"{fn.__name__} timed out")
+    if process.exitcode != 0:
+        raise AssertionError(failures.get() if not failures.empty() else f"exit code {process.exitcode}")
+
+
+def _fit_last_after_the_crash(tmp_path: Path, how: str, started_by: str) -> None:
     if started_by == "torchrun":  # the conftest restores the environment afterwards
         set_torchrun_environment(0, 1, free_port(), "interrupted-last")
     launcher = {"lightning": _SubprocessScriptLauncher, "torchrun": DirectLauncher}[started_by]
@@ -155,11 +188,14 @@ def test_put_back_tolerates_another_process_winning(tmp_path: Path, monkeypatch:
     assert atomic.put_back_interrupted(tmp_path) == []  # nothing left to put back
 
 
-def test_lightnings_launcher_puts_back_before_it_starts_the_other_processes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_lightnings_launcher_puts_back_before_it_starts_the_other_processes(tmp_path: Path) -> None:
     """With 2 devices Lightning's launcher starts the other process: the put-back comes first, so the children
     (which run the script again) find ``last.ckpt`` in place and no two processes race for it."""
+    _in_a_fork(_launch_stopped_where_children_start, tmp_path)
+
+
+def _launch_stopped_where_children_start(tmp_path: Path) -> None:
+    monkeypatch = pytest.MonkeyPatch()
     seen: list[bool] = []
 
     def started(self: object) -> None:
