@@ -182,6 +182,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "overridden to reject a mesh that does not tile the world before any process is launched",
     ),
     PrivateName(
+        "lightning.pytorch.strategies.strategy",
+        "Strategy._launcher",
+        _STRATEGY,
+        "always set (strategies/put_back.py): its launch puts back interrupted checkpoints before Lightning "
+        "resolves ckpt_path='last'; Lightning passes trainer= to launch (trainer/call.py)",
+        instance=True,
+    ),
+    PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._device_mesh",
         _STRATEGY,
