@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The one-GPU measurements docs/benchmarks.md reports, in the order a short device lease should run them
 # (each part writes under $OUT/<part>; run a part by name: `benchmarks/h200_runs.sh dense moe`).
-#   dense    the 0.6B shape: baseline, torchtitan (when its wheels are on PYTHONPATH), ours and its levers
-#            (the last path: without the GarbageCollection callback)
-#   moe      the MoE shape: baseline, ours with and without FSDP on the one rank
+#   dense    the 0.6B shape: baseline, torchtitan (when its wheels are on PYTHONPATH), ours, transformers' model
+#            under the Trainer (hf_trainer_compiled), and ours' levers (the last path: without the
+#            GarbageCollection callback)
+#   moe      the MoE shape: baseline, ours, transformers' model under the Trainer, ours without FSDP on the one
+#            rank
 #   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours, with and without FSDP on the one rank
 #   kernels  benchmarks/kernels.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
 #            installed: benchmarks/README.md)
@@ -23,9 +25,9 @@ for part in "${@:-dense moe}"; do
     mkdir -p "$OUT/$name"  # (the throughput parts create their own folders too)
     case $name in
       dense) bench --seq-len 4096 --batch-size 4 --out "$OUT/dense" --paths \
-          "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_selective,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_autogc" ;;
+          "hf_fsdp_compiled,${titan}ours_trainer_compiled,hf_trainer_compiled,ours_trainer_compiled_selective,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_autogc" ;;
       moe) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --steps 40 \
-          --out "$OUT/moe" --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp ;;
+          --out "$OUT/moe" --paths hf_fsdp_compiled,ours_trainer_compiled,hf_trainer_compiled,ours_trainer_compiled_nofsdp ;;
       long) for seq in 16384 32768; do
           bench --seq-len $seq --batch-size 1 --out "$OUT/long$seq" \
             --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp \

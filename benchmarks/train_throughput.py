@@ -14,13 +14,24 @@ inductor/triton cache directory unless ``--shared-compile-cache``):
     ours_trainer           Trainer(strategy="d9d", precision="bf16-mixed") on examples/pretrain_qwen3.py's
                            Qwen3Pretraining (the product path, unchanged module)
     ours_trainer_compiled  the same with D9DStrategy(compile=True)
+    hf_trainer_compiled    transformers.Qwen3ForCausalLM (sdpa) as a user brings it: a LightningModule that builds
+                           it on meta in configure_model, under Trainer(strategy=D9DStrategy(compile=True),
+                           precision="bf16-mixed"); the strategy applies the transformers adapter's plan
+                           (lightning_d9d.models.hf: compile and FSDP2 per decoder layer) and initialises it by
+                           transformers' own rules; the loss through lightning_d9d.model_loss(..., causal_lm_loss);
+                           fused AdamW, the loss logged without ``prog_bar`` (--model moe: Qwen3MoeForCausalLM)
 
 Diagnostic paths (not in the default list; name them in ``--paths``):
 
     ours_fsdp_compiled          ours_fsdp_loop with the plan's per-block compile (ParallelOptions(compile=True))
     ours_trainer_lean           ours_trainer with a subclass of the example's module: fused AdamW, and the loss
-                                logged without ``prog_bar`` (Lightning ``.item()``s progress-bar metrics each step)
+                                logged without ``prog_bar`` (Lightning ``.item()``s progress-bar metrics each step);
+                                its loss is ``causal_lm_loss`` on the logits outside ``model_loss`` (no fused LM
+                                head + loss: the example itself has fused AdamW and no ``prog_bar`` by now)
     ours_trainer_compiled_lean  the same with D9DStrategy(compile=True)
+    hf_trainer                  hf_trainer_compiled without compile
+    hf_trainer_compiled_lean    hf_trainer_compiled with the loss on ``output.logits`` outside ``model_loss``, as
+                                the lean module scores ours (always the logits path: no fused LM head + loss)
 
 Precision recipe (the same for every plain loop): fp32 master weights, ``torch.autocast(bfloat16)`` around
 forward + loss, fused AdamW (``fused=True`` on CUDA). The strategy's ``bf16-mixed`` instead casts the fp32
@@ -80,6 +91,10 @@ PATHS: dict[str, str] = {
     # Diagnostics: the example's module with fused AdamW and its loss logged without prog_bar (no .item()).
     "ours_trainer_lean": "ours_trainer, module with fused AdamW and self.log(..., prog_bar=False)",
     "ours_trainer_compiled_lean": "ours_trainer_compiled, the same lean module",
+    # transformers' model under the Trainer (issue 24): the strategy picks the transformers adapter's plan.
+    "hf_trainer": "HF Qwen3ForCausalLM built on meta, Trainer(strategy=D9DStrategy(), bf16-mixed), fused AdamW",
+    "hf_trainer_compiled": "hf_trainer with D9DStrategy(compile=True) (the adapter compiles per decoder layer)",
+    "hf_trainer_compiled_lean": "hf_trainer_compiled, the loss on output.logits outside model_loss (as *_lean)",
     # The strategy's levers on one GPU (docs/benchmarks.md): no FSDP on the one-rank mesh (bf16 autocast),
     # selective activation checkpointing (matmul and attention outputs kept, element-wise ops recomputed).
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
@@ -105,6 +120,8 @@ DEFAULT_PATHS = [
         "ours_fsdp_compiled",
         "ours_trainer_lean",
         "ours_trainer_compiled_lean",
+        "hf_trainer",
+        "hf_trainer_compiled_lean",
         "hf_fsdp_compiled",
         "ours_trainer_compiled_nofsdp",
         "ours_trainer_compiled_selective",
@@ -117,7 +134,7 @@ DEFAULT_PATHS = [
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
-MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled"]
+MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled", "hf_trainer_compiled"]
 BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled", "titan_compiled")
 
 
@@ -320,19 +337,7 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
     config = _config(args)
     torch.manual_seed(args.seed)
     if path.startswith("hf"):
-        import transformers
-
-        hf_config = config.to_hf_config()
-        with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="sdpa")
-        model = model.to(device=device, dtype=torch.float32)
-        model.config.use_cache = False
-        attn = getattr(model.config, "_attn_implementation", None)
-        if attn != "sdpa":
-            raise RuntimeError(f"HF model uses attn_implementation={attn!r}, expected 'sdpa'")
-        if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
-            raise RuntimeError("HF model did not tie lm_head to embed_tokens")
-        model.train()
+        model = _hf_model(config, device)
         if path == "hf_fsdp_compiled":
             return model, _hf_fsdp_compiled(model, device)
         runner = torch.compile(model) if path == "hf_compiled" else model
@@ -375,6 +380,51 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
     if path == "ours_compiled_model":
         return model, torch.compile(model)
     return model, model
+
+
+def _hf_model(config: Any, device: Any) -> Any:
+    """transformers' causal LM of ``config``'s shape (``Qwen3ForCausalLM``, or ``Qwen3MoeForCausalLM`` for the MoE
+    shape): sdpa attention, fp32 parameters, no KV cache, the head tied where the config ties it; on ``device``
+    (``meta`` for the Trainer paths: the strategy materialises it and initialises it by transformers' rules)."""
+    import torch
+    import transformers
+
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config.to_hf_config(), attn_implementation="sdpa"
+        )
+    model = model.to(device=device, dtype=torch.float32)
+    model.config.use_cache = False
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn != "sdpa":
+        raise RuntimeError(f"HF model uses attn_implementation={attn!r}, expected 'sdpa'")
+    if config.tie_word_embeddings and model.lm_head.weight is not model.model.embed_tokens.weight:
+        raise RuntimeError("HF model did not tie lm_head to embed_tokens")
+    model.train()
+    return model
+
+
+class LogitsLoss:
+    """``causal_lm_loss`` on a transformers output's ``.logits``, counting the same tokens (a ``CountedLoss``).
+
+    ``hf_trainer*`` pass ``causal_lm_loss`` itself to ``model_loss`` where that takes a transformers output (the
+    strategy then computes the fused LM head + cross-entropy from the hidden states, as for our models: issue
+    24); until it does (``causal_lm_loss`` reads ``.shape`` of its first argument: AttributeError on a
+    ``CausalLMOutputWithPast``), this wrapper runs instead, on the logits.
+    """
+
+    def __call__(self, output: Any, labels: Any) -> Any:
+        from lightning_d9d.modules.loss import causal_lm_loss
+
+        return causal_lm_loss(output.logits, labels)
+
+    def count(self, labels: Any) -> Any:
+        from lightning_d9d.modules.loss import causal_lm_loss
+
+        return causal_lm_loss.count(labels)
+
+    def __repr__(self) -> str:
+        return "LogitsLoss(causal_lm_loss on output.logits)"
 
 
 def _titan_model(args: argparse.Namespace, config: Any, device: Any) -> tuple[Any, Any]:
@@ -686,10 +736,56 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 group["foreach"], group["fused"] = False, device.type == "cuda"
             return out
 
-    module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
-    # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
-    # compares runs that took the same optimizer steps; the schedule costs nothing measurable either way.
-    module = module_cls(config, lr=args.lr, warmup_steps=0, max_steps=10**9)
+    class HFPretraining(L.LightningModule):
+        """transformers' causal LM in a LightningModule as a user writes one: built on ``meta`` in
+        ``configure_model`` (the strategy shards it with the transformers adapter's plan, then initialises it by
+        transformers' ``_init_weights`` rules), the loss through ``lightning_d9d.model_loss`` with
+        ``causal_lm_loss``, the plain loops' fused AdamW at a constant learning rate, the loss logged without
+        ``prog_bar``. ``lean`` (``hf_trainer_compiled_lean``): the loss on ``output.logits`` outside
+        ``model_loss``, as :class:`LeanPretraining` scores ours."""
+
+        def __init__(self, lean: bool) -> None:
+            super().__init__()
+            self.lean = lean
+            self.model: Any = None
+            # causal_lm_loss, or LogitsLoss until causal_lm_loss takes a transformers output: tried at step 0
+            self.loss_fn: Any = None
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = _hf_model(config, "meta")
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            ids, target = batch["input_ids"], batch["labels"]
+            loss = None
+            if self.lean:
+                loss = causal_lm_loss(self.model(input_ids=ids).logits, target)
+            elif self.loss_fn is None:  # step 0: does causal_lm_loss take the transformers output yet?
+                try:  # (then the strategy computes the fused LM head + loss from the hidden states: issue 24)
+                    loss = lightning_d9d.model_loss(self, self.model, (ids,), target, causal_lm_loss)
+                    self.loss_fn = causal_lm_loss
+                except AttributeError as error:  # not yet: it wants logits (LogitsLoss's docstring)
+                    print(f"causal_lm_loss refused the transformers output ({error}): LogitsLoss", flush=True)
+                    self.loss_fn = LogitsLoss()
+            if loss is None:  # (a retry runs here, outside the except block: the failed graph is freed)
+                loss = lightning_d9d.model_loss(self, self.model, (ids,), target, self.loss_fn)
+            self.log("train/loss", loss, sync_dist=True)
+            return loss
+
+        def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            fused = {"fused": True} if device.type == "cuda" else {}
+            return torch.optim.AdamW(
+                self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused
+            )
+
+    module: L.LightningModule
+    if path.startswith("hf_trainer"):
+        module = HFPretraining(lean=path.endswith("_lean"))
+    else:
+        module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
+        # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
+        # compares runs that took the same optimizer steps; the schedule costs nothing measurable either way.
+        module = module_cls(config, lr=args.lr, warmup_steps=0, max_steps=10**9)
     trainer.fit(module, DataLoader(FixedBatches(), batch_size=args.batch_size, num_workers=0))
     assert module.model is not None
     result: dict[str, Any] = {
@@ -703,6 +799,15 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": repr(trainer.optimizers[0]).replace("\n", " "),
         "sync_probe": getattr(timer, "sync_probe", None),
     }
+    # Whether model_loss took the fused LM head + cross-entropy (no [tokens, vocab] logits): the strategy
+    # announces it once per process (a private set: None where this version has none).
+    announced = getattr(sys.modules.get("lightning_d9d.models.causal_lm"), "_ANNOUNCED", None)
+    result["fused_loss"] = None if announced is None else "fused" in announced
+    if path.startswith("hf_trainer"):  # which loss ran: causal_lm_loss itself, or the logits wrapper
+        lean = path.endswith("_lean")
+        result["loss_fn"] = (
+            "causal_lm_loss on output.logits" if lean else repr(getattr(module, "loss_fn", None))
+        )
     if len(timer.ends) > 1:
         result["step_ms"] = _summary([_ms(a, b) for a, b in itertools.pairwise(timer.ends)])
     return result
@@ -743,7 +848,7 @@ def worker(path: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         if path == "matmul_peak":
             result.update(run_matmul_peak(args))
-        elif path.startswith("ours_trainer"):
+        elif path.startswith(("ours_trainer", "hf_trainer")):
             result.update(run_trainer(path, args))
         else:
             result.update(run_plain_loop(path, args))
@@ -1068,7 +1173,8 @@ def main(argv: list[str] | None = None) -> None:
         "MixedPrecisionPolicy) in ours_fsdp_loop and the Trainer paths",
         "optimizer": "AdamW(betas=(0.9, 0.95), weight_decay=0.1), fused on CUDA, constant lr, in the plain "
         "loops; the example's configure_optimizers (the same AdamW, fused on CUDA; its LambdaLR made constant: "
-        "no warm-up, cosine over 10^9 steps) in the Trainer paths",
+        "no warm-up, cosine over 10^9 steps) in the ours_trainer paths; the plain loops' AdamW in the hf_trainer "
+        "paths",
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "note": args.note,
         "gpus_used": gpus,
