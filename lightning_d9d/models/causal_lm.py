@@ -19,6 +19,7 @@ from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 from typing_extensions import Self
 
 from lightning_d9d.kernels.linear_cross_entropy import linear_cross_entropy
+from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.modules.loss import CausalLMLoss
 
 FUSED_LOSS_ENV = "LIGHTNING_D9D_FUSED_LOSS"
@@ -129,9 +130,16 @@ def fused_loss_ignore_index(
     None where the caller must run the logits path.
 
     Under tensor parallelism the head's logits stay vocabulary-sharded and torch's loss parallel computes the
-    cross-entropy on the shards: that path is kept (logged once).
+    cross-entropy on the shards: that path is kept (logged once). The pipeline schedule asks this for its last
+    stage; a ``transformers`` model (not a :class:`CausalLM`, no stage of ours) gets None here.
     """
-    if type(loss_fn) is not CausalLMLoss or not isinstance(model, CausalLM):
+    if not isinstance(model, CausalLM):
+        return None
+    return _fused_ignore_index(model, loss_fn, tensor_parallel)
+
+
+def _fused_ignore_index(model: nn.Module, loss_fn: object, tensor_parallel: bool) -> int | None:
+    if type(loss_fn) is not CausalLMLoss:
         return None
     if not _fusing(model, next(model.parameters()).device):  # under pp, a rank without the head decides alike
         return None
@@ -154,7 +162,13 @@ def fused_causal_lm_loss(
 ) -> torch.Tensor | None:
     """``loss_fn(model(*inputs), labels)`` through :meth:`CausalLM.forward_loss` when that is the same loss
     (:func:`fused_loss_ignore_index`, and ``model`` holds its head); None where the caller must run the logits
-    path."""
+    path.
+
+    A ``transformers`` causal LM is fused alike where its head is a plain linear layer on the base model's last
+    hidden states (:mod:`lightning_d9d.models.hf.loss`), under the same conditions and switches
+    (``model.fuse_head_loss`` if set, ``$LIGHTNING_D9D_FUSED_LOSS``, CUDA by default, not under tp)."""
+    if is_transformers_model(model):
+        return _fused_transformers_loss(model, inputs, labels, loss_fn, tensor_parallel)
     if not isinstance(model, CausalLM) or model.lm_head is None or not 1 <= len(inputs) <= 2:
         return None
     ignore_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tensor_parallel)
@@ -168,9 +182,30 @@ def fused_causal_lm_loss(
     return model.forward_loss(inputs[0], labels, position_ids, ignore_index=ignore_index)
 
 
-def _fusing(model: CausalLM, device: torch.device) -> bool:
-    if model.fuse_head_loss is not None:
-        return model.fuse_head_loss
+def _fused_transformers_loss(
+    model: nn.Module,
+    inputs: tuple[torch.Tensor, ...],
+    labels: torch.Tensor,
+    loss_fn: object,
+    tensor_parallel: bool,
+) -> torch.Tensor | None:
+    from lightning_d9d.models.hf import loss as hf_loss  # the adapter's package imports the plans
+
+    if type(loss_fn) is not CausalLMLoss:
+        return None
+    arguments = hf_loss.decoder_inputs(model, inputs)
+    if arguments is None:
+        return None
+    ignore_index = _fused_ignore_index(model, loss_fn, tensor_parallel)
+    if ignore_index is None:
+        return None
+    return hf_loss.forward_loss(model, labels, ignore_index, arguments)
+
+
+def _fusing(model: nn.Module, device: torch.device) -> bool:
+    chosen = getattr(model, "fuse_head_loss", None)  # a transformers model may be given one too
+    if chosen is not None:
+        return bool(chosen)
     setting = os.environ.get(FUSED_LOSS_ENV)
     if setting not in (None, "", "0", "1"):
         raise ValueError(

@@ -72,11 +72,18 @@ class CausalLMLoss:
         """The number of scored tokens (on the labels' device: reading it would synchronise the host)."""
         return (labels != self.ignore_index).sum()
 
-    def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int | None = None
-    ) -> torch.Tensor:
-        """The mean loss; ``ignore_index`` overrides the instance's for this call only."""
+    def __call__(self, logits: Any, labels: torch.Tensor, ignore_index: int | None = None) -> torch.Tensor:
+        """The mean loss; ``ignore_index`` overrides the instance's for this call only. ``logits`` is a tensor,
+        or a model output that holds one as ``.logits`` (a ``transformers`` causal LM's)."""
         skip = self.ignore_index if ignore_index is None else ignore_index
+        if not isinstance(logits, torch.Tensor):
+            held = getattr(logits, "logits", None)
+            if not isinstance(held, torch.Tensor):
+                raise TypeError(
+                    f"causal LM loss: expected the logits (a tensor) or a model output with .logits, got "
+                    f"{type(logits).__name__}"
+                )
+            logits = held
         if logits.shape[:-1] != labels.shape:
             raise ValueError(
                 f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on [B, T]"

@@ -7,7 +7,6 @@ The strategy asks :func:`hf_plan_for` which plan a module has; it knows no model
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.tensor import (
     ISSUE,
     check_tensor_parallel_model,
@@ -23,6 +23,7 @@ from lightning_d9d.models.hf.tensor import (
     hf_tensor_plan,
     localize_head_counts,
 )
+from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
@@ -34,21 +35,8 @@ from lightning_d9d.plans import (
 
 Plan = Callable[[ParallelDims, ParallelOptions], None]
 NOT_YET = (
-    f"wait for {ISSUE} (pp, cp and ep for transformers models come next; tp and the data degrees work now)"
+    f"wait for {ISSUE} (pp and ep for transformers models come next; tp, cp and the data degrees work now)"
 )
-
-
-def is_transformers_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a ``transformers`` ``PreTrainedModel``. Never imports ``transformers``: a module
-    can only be one if the user's code imported it already."""
-    transformers = sys.modules.get("transformers")
-    if transformers is None:
-        return False
-    try:
-        base = transformers.PreTrainedModel
-    except (AttributeError, ImportError):
-        return False
-    return isinstance(module, base)
 
 
 def hf_plan_for(module: nn.Module) -> Plan | None:
@@ -61,17 +49,19 @@ def hf_plan_for(module: nn.Module) -> Plan | None:
 
 def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
     """Everything the adapter refuses, from the degrees and the model's config alone (no process group is
-    needed, so it runs before any collective): pp / cp / ep (not yet), and for tp a missing plan, a style not
-    translated yet, or a size tp does not divide."""
+    needed, so it runs before any collective): pp / ep (not yet), for tp a missing plan, a style not translated
+    yet, or a size tp does not divide, for cp what :func:`~.context.check_hf_context_model` refuses."""
     name = type(model).__name__
     require_degrees(
         dims,
-        supported=(*DATA_PARALLEL, "tp"),
+        supported=(*DATA_PARALLEL, "tp", "cp"),
         owner=f"the transformers adapter for {name}",
-        alternatives=dict.fromkeys(("pp", "cp", "ep"), NOT_YET),
+        alternatives=dict.fromkeys(("pp", "ep"), NOT_YET),
     )
     if dims.tp_enabled:
         check_tensor_parallel_model(model, dims.tp)
+    if dims.cp_enabled:
+        check_hf_context_model(model, dims.cp)
 
 
 def parallelize_hf(
@@ -87,6 +77,8 @@ def parallelize_hf(
     2. tp > 1: the model's own tp plan translated onto torch's styles (:func:`~.tensor.hf_tensor_plan`:
        sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
+    2b. cp > 1: our load-balanced context-parallel attention through ``transformers``' attention interface and
+       ``position_ids`` by global position (:func:`~.context.parallelize_hf_context`).
     3. In training no KV cache (:func:`train_without_cache`).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
        (2-D with tp: FSDP shards the tp shards over ``fsdp``), as the default plan does.
@@ -99,6 +91,8 @@ def parallelize_hf(
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
         localize_head_counts(model, expand_plan(model, config_tp_plan(model)), dims.tp)
+    if dims.cp_enabled:
+        parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
     train_without_cache(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
     parallelize_blocks(model, repeated_blocks(model), dims, options)

@@ -68,7 +68,7 @@ def test_sizes_tp_does_not_divide_are_refused(
         check_hf_model(tiny(family, **overrides), ParallelDims(tp=tp))
 
 
-@pytest.mark.parametrize("degree", ["pp", "cp", "ep"])
+@pytest.mark.parametrize("degree", ["pp", "ep"])  # cp: test_hf_context_parallel.py
 def test_other_degrees_are_not_yet(degree: str) -> None:
     with pytest.raises(
         NotImplementedError,
@@ -137,6 +137,7 @@ def test_the_adapter_imports_no_transformers(monkeypatch: pytest.MonkeyPatch) ->
     }
     assert "transformers" not in imported
     model = tiny()
-    monkeypatch.delitem(sys.modules, "transformers")
+    for name in ("transformers", "transformers.modeling_utils"):  # what the check looks up
+        monkeypatch.delitem(sys.modules, name)
     assert hf_plan_for(model) is None
     assert "transformers" not in sys.modules

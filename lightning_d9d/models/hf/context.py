@@ -1,0 +1,255 @@
+"""Context parallelism for a ``transformers`` causal LM: our load-balanced sequence split and exact attention,
+plugged in through ``transformers``' attention interface, without touching the model's code.
+
+Under cp each rank holds chunks ``r`` and ``2cp - 1 - r`` of every sequence (the strategy's ``model_loss`` cuts
+the batch, :func:`~lightning_d9d.plans.split_batch`). Everything in a decoder but attention is position-wise, so
+the model runs on the local tokens unchanged, except for three things :func:`parallelize_hf_context` changes:
+
+- attention: ``transformers.AttentionInterface.register(CONTEXT_ATTENTION_NAME, fn)`` and every config of the
+  model set to ``_attn_implementation = CONTEXT_ATTENTION_NAME``. The model's attention modules call
+  :func:`context_attention_forward` with this rank's rotated ``q``/``k``/``v`` (``[B, heads, T / cp, head_dim]``);
+  it runs the path :func:`~lightning_d9d.modules.context_attention.context_attention` chose (all-gather K/V with
+  the load-balanced global causal mask, or torch's ring kernels on CUDA), each attention module holding it.
+- the causal mask: our name has no mask function in ``transformers``' mask interface, so the model builds no
+  (local, wrong) causal mask and hands the attention ``None``; the attention applies the global causal mask itself.
+- positions: a forward pre-hook on the base model (the decoder) gives it ``position_ids`` of this rank's chunks by
+  global position when the caller passes none (RoPE, ``rotary_emb(x, position_ids)``, then rotates by the global position).
+
+A 2-D ``attention_mask`` (``[B, T / cp]``, padding: 1 keep, 0 pad; the strategy cuts it like the inputs) is
+all-gathered over cp by the same pre-hook into the whole sequence's key mask, handed on as ``[B, 1, 1, T]``
+(``transformers`` passes a 4-D mask through unchanged) and combined with the causal mask; a padded query that
+would see no key at all sees itself (its output reaches no unpadded token and no counted label). Only the
+all-gather path takes it (torch's ring kernels know only the causal mask).
+
+Labels must be shifted by the caller (``model_loss(..., loss_fn)`` with ``labels[:, t]`` the token after ``t``):
+the model's own ``labels=`` loss shifts inside the local chunks, which under cp are not contiguous.
+
+Nothing here imports ``transformers``: the interface is taken from the already loaded ``transformers.modeling_utils``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_d9d.models.hf.tensor import ISSUE
+from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit, context_attention
+
+#: The name our context-parallel attention is registered under in ``transformers``' attention interface.
+CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
+#: The attribute each attention module of a cp-parallelized model holds its context-parallel attention in.
+_ATTEND = "_d9d_context_attention"
+
+
+def check_hf_context_model(model: nn.Module, cp: int) -> None:
+    """Refuse, from the model's config alone (before any collective), what our context-parallel attention cannot
+    run exactly: a model without a causal mask, layers that are not full attention (sliding window, linear),
+    attention dropout, a forward without ``position_ids``."""
+    name, config = type(model).__name__, getattr(model, "config", None)
+    prefix = f"{name}: cp={cp}"
+    if config is None:
+        raise NotImplementedError(f"{prefix} needs the model's config (a transformers PreTrainedModel)")
+    if not getattr(config, "is_causal", True):
+        raise NotImplementedError(
+            f"{prefix}: its config ({type(config).__name__}) has is_causal=False; context parallelism "
+            "implements causal attention only"
+        )
+    other = sorted({t for t in (getattr(config, "layer_types", None) or ()) if t != "full_attention"})
+    if other:
+        raise NotImplementedError(
+            f"{prefix}: its config ({type(config).__name__}) has layer_types {other}; context parallelism "
+            f"implements full causal attention only (not yet the others: {ISSUE})"
+        )
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0:
+        raise NotImplementedError(
+            f"{prefix}: its config ({type(config).__name__}) has attention_dropout={dropout}; context-parallel "
+            "attention has no dropout: set attention_dropout=0.0, or use cp=1"
+        )
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        raise NotImplementedError(
+            f"{prefix}: {name}.forward takes no position_ids, so its positions cannot be the global ones"
+        )
+
+
+def parallelize_hf_context(
+    model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto"
+) -> LoadBalancedSplit:
+    """Context parallelism over the 1-D ``cp_mesh`` for a ``transformers`` model, in place (see the module's
+    docstring); ``attention`` names the path (``"auto"``, ``"all_gather"``, ``"torch_ring"``). Returns the split."""
+    if cp_mesh.ndim != 1:
+        raise ValueError(
+            f"parallelize_hf_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
+        )
+    check_hf_context_model(model, cp_mesh.size())
+    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+    attend = context_attention(split, cp_mesh, attention)
+    attentions = [module for module in model.modules() if _is_attention(module)]
+    if not attentions:
+        raise ValueError(
+            f"parallelize_hf_context: found no attention module in {type(model).__name__} (a module with a "
+            "config and is_causal, as transformers' attention classes have); use cp=1"
+        )
+    for module in attentions:
+        setattr(module, _ATTEND, attend)
+    register_context_attention()
+    configs: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if _is_config(config):
+            configs[id(config)] = config
+    for config in configs.values():
+        config._attn_implementation = CONTEXT_ATTENTION_NAME
+    # On the base model (the decoder), which builds the positions and the mask: the causal LM's forward calls it,
+    # and so does the fused head + loss (models/hf/loss.py), which runs the base model without the head.
+    base = getattr(model, "base_model", None)
+    base = base if isinstance(base, nn.Module) else model
+    base.register_forward_pre_hook(_GlobalPositions(base, split, cp_mesh.get_group()), with_kwargs=True)
+    return split
+
+
+def register_context_attention() -> None:
+    """Register :func:`context_attention_forward` in ``transformers``' attention interface (idempotent)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    interface = getattr(modeling, "AttentionInterface", None)
+    if interface is None:
+        raise ImportError(
+            "context parallelism for a transformers model needs transformers.AttentionInterface"
+        )
+    interface.register(CONTEXT_ATTENTION_NAME, context_attention_forward)
+
+
+def context_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function ``transformers`` calls (``[B, heads, T / cp, head_dim]`` in, ``[B, T / cp, heads,
+    head_dim]`` out, no weights): this rank's queries against the whole sequence, by global position."""
+    attend = getattr(module, _ATTEND, None)
+    if attend is None:
+        raise RuntimeError(
+            f"{type(module).__name__} runs attention {CONTEXT_ATTENTION_NAME!r} but was not parallelized for "
+            "context parallelism (parallelize_hf_context)"
+        )
+    if dropout:
+        raise NotImplementedError(f"context-parallel attention has no dropout (got dropout={dropout})")
+    if sliding_window is not None or kwargs.get("softcap") is not None:
+        raise NotImplementedError("context-parallel attention implements full causal attention only")
+    head_dim = query.shape[-1]
+    if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-12):
+        query = query * (scaling * math.sqrt(head_dim))  # our kernels scale by 1 / sqrt(head_dim)
+    if attention_mask is None:
+        out = attend(query, key, value)
+    elif isinstance(attend, AllGatherAttention):
+        out = _padded_attention(attend, query, key, value, attention_mask)
+    else:
+        raise NotImplementedError(
+            f"an attention_mask under {attend!r}: torch's ring kernels know only the causal mask; pass no "
+            "attention_mask (pad with labels = -100), or D9DStrategy(context_attention='all_gather')"
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _padded_attention(
+    attend: AllGatherAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
+) -> torch.Tensor:
+    """All-gather attention with the global causal mask and the key padding mask ``keys`` (``[B, 1, 1, T]``)."""
+    local_len = q.shape[2]
+    seq_len = local_len * attend.split.cp
+    if keys.dim() != 4 or keys.shape[1:3] != (1, 1) or keys.shape[-1] != seq_len:
+        raise NotImplementedError(
+            f"context-parallel attention takes a 2-D padding attention_mask ([batch, sequence]), not a prepared "
+            f"{keys.dim()}-D mask {tuple(keys.shape)}"
+        )
+    k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
+    causal = attend.causal_mask(local_len, q.device)  # [T / cp, T]
+    query_positions = attend.split.local_positions(local_len, device=q.device)
+    itself = query_positions[:, None] == torch.arange(seq_len, device=q.device)[None, :]
+    mask = causal & (keys.to(torch.bool) | itself)  # [B, 1, T / cp, T]
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+
+
+class _GlobalPositions:
+    """The model's forward pre-hook: ``position_ids`` of this rank's chunks (global positions) when the caller
+    passes none, and a 2-D padding ``attention_mask`` gathered over cp into the whole sequence's key mask."""
+
+    def __init__(self, model: nn.Module, split: LoadBalancedSplit, group: dist.ProcessGroup) -> None:
+        self.split = split
+        self.group = group
+        names = [
+            p.name
+            for p in inspect.signature(model.forward).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        self.index = {name: i for i, name in enumerate(names)}
+
+    def _get(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        i = self.index.get(name)
+        if i is not None and i < len(args):
+            return args[i]
+        return kwargs.get(name)
+
+    def _set(
+        self, name: str, value: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        i = self.index.get(name)
+        if i is not None and i < len(args):
+            return (*args[:i], value, *args[i + 1 :]), kwargs
+        return args, {**kwargs, name: value}
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        tokens = self._get("input_ids", args, kwargs)
+        if tokens is None:
+            tokens = self._get("inputs_embeds", args, kwargs)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            raise ValueError(
+                f"{type(module).__name__} under cp: pass input_ids ([batch, sequence / cp]) or inputs_embeds"
+            )
+        if self._get("position_ids", args, kwargs) is None:
+            positions = self.split.local_positions(tokens.shape[1], device=tokens.device).unsqueeze(0)
+            args, kwargs = self._set("position_ids", positions, args, kwargs)
+        mask = self._get("attention_mask", args, kwargs)
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            args, kwargs = self._set("attention_mask", self.gather_keys(mask), args, kwargs)
+        return args, kwargs
+
+    def gather_keys(self, mask: torch.Tensor) -> torch.Tensor:
+        """This rank's ``[B, T / cp]`` padding mask -> the whole sequence's ``[B, 1, 1, T]`` (bool, in order)."""
+        local = mask.to(torch.int64).contiguous()
+        parts = local.new_empty((self.split.cp * local.shape[0], local.shape[1]))
+        dist.all_gather_into_tensor(parts, local, group=self.group)
+        whole = torch.cat(parts.view(self.split.cp, *local.shape).unbind(0), dim=1)
+        whole = whole.index_select(1, self.split.gather_order(whole.shape[1], device=whole.device))
+        return whole.to(torch.bool)[:, None, None, :]
+
+
+def _is_config(value: object) -> bool:
+    return value is not None and hasattr(type(value), "_attn_implementation")
+
+
+def _is_attention(module: nn.Module) -> bool:
+    """A ``transformers`` attention module: it holds the config and calls the attention interface
+    (``is_causal``, ``head_dim`` / ``num_key_value_groups``, as every decoder family's attention class)."""
+    return (
+        _is_config(getattr(module, "config", None))
+        and hasattr(module, "is_causal")
+        and (hasattr(module, "num_key_value_groups") or hasattr(module, "head_dim"))
+    )

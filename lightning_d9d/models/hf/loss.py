@@ -1,0 +1,303 @@
+"""The LM head fused with its loss for a ``transformers`` causal LM, as our own models have it.
+
+``model_loss(model, inputs, labels, causal_lm_loss)`` on a ``transformers`` causal LM (``Qwen3ForCausalLM``,
+``LlamaForCausalLM``, ...) computes the mean cross-entropy from the base model's last hidden states and the head's
+weight chunk by chunk (:func:`~lightning_d9d.kernels.linear_cross_entropy`): no ``[tokens, vocab]`` logits, the
+same loss as ``causal_lm_loss(model(*inputs), labels)``. Where it runs and where the logits path runs instead (the
+loss, ``$LIGHTNING_D9D_FUSED_LOSS``, tensor parallelism) is decided as for our models, in
+:func:`~lightning_d9d.models.causal_lm.fused_causal_lm_loss`; this module says whether a ``transformers`` model's
+head *can* be fused, and runs it.
+
+Fused only where that is the model's own loss on its own logits (:func:`decoder_inputs` answers ``None``
+otherwise, and the logits path runs):
+
+- the head (``get_output_embeddings()``) is a plain bias-free ``nn.Linear``;
+- the causal LM's ``forward`` computes its logits once, as ``self.lm_head(hidden_states)`` on the base model's
+  last hidden states (sliced by ``logits_to_keep`` at most), and never changes them. This is read from the
+  ``forward``'s own syntax tree, so a family that soft-caps (Gemma 2: ``final_logit_softcapping``), scales
+  (Granite's ``logits_scaling``, Cohere's ``logit_scale``) or shifts the logits or the hidden states before the
+  head keeps the logits path; a config field known to change the logits (:data:`LOGIT_FIELDS`) refuses too;
+- the decoder (``get_decoder()``) is the base model (``base_model``), so that running it is what ``forward``
+  runs before the head (a vision-language model's decoder is not: it keeps the logits path);
+- ``inputs`` bind to parameters of the causal LM's ``forward`` that the base model takes too
+  (``input_ids``, ``attention_mask``, ``position_ids``, ``inputs_embeds``, ...; a ``None`` counts as not given):
+  ``labels``, ``logits_to_keep`` or a cache keep the logits path.
+
+The base model runs with ``use_cache=False``. Under FSDP the head belongs to the root's unit, whose parameters
+FSDP gathers only around its ``forward`` and the methods registered with ``register_fsdp_forward_method``: the
+fused loss runs as such a method, set on the model instance (:data:`FORWARD_LOSS`).
+
+Nothing here imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import inspect
+import textwrap
+import types
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
+from lightning_d9d.kernels.linear_cross_entropy import linear_cross_entropy
+
+# Config fields with which a family changes its logits after the head (not None: the logits path runs).
+LOGIT_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling")
+# Arguments of the causal LM's forward that the fused path does not take (the logits path runs).
+NOT_FUSED = ("labels", "logits_to_keep", "num_logits_to_keep", "use_cache", "cache", "past_key_values")
+# The instance method the fused loss runs as (registered with FSDP on an FSDP root).
+FORWARD_LOSS = "d9d_forward_loss"
+_REGISTERED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def plain_head(model: nn.Module) -> nn.Linear | None:
+    """The head of ``model`` if its logits are ``head(last hidden states)`` and nothing else (see the module
+    docstring), else ``None``."""
+    head = _call(model, "get_output_embeddings")
+    if (
+        not isinstance(head, nn.Linear)
+        or type(head).forward is not nn.Linear.forward
+        or head.bias is not None
+    ):
+        return None
+    base = getattr(model, "base_model", None)
+    decoder = _call(model, "get_decoder")
+    if not isinstance(base, nn.Module) or base is model or decoder is not base:
+        return None
+    config = model.config
+    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    if any(getattr(c, field, None) is not None for c in (config, text_config) for field in LOGIT_FIELDS):
+        return None
+    prefix = getattr(model, "base_model_prefix", "")
+    model_class: Any = type(model)  # cached per class
+    attribute = _head_attribute(model_class, prefix)
+    if attribute is None or getattr(model, attribute, None) is not head:
+        return None
+    return head
+
+
+def decoder_inputs(model: nn.Module, inputs: Sequence[Any]) -> dict[str, Any] | None:
+    """The keyword arguments that hand the base model what ``model(*inputs)`` hands it, when ``model``'s head
+    can be fused (:func:`plain_head`); else ``None``."""
+    if plain_head(model) is None:
+        return None
+    model_class: Any = type(model)
+    signature = _signature(model_class)
+    if signature is None:
+        return None
+    try:
+        bound = signature.bind(model, *inputs)
+    except TypeError:
+        return None
+    first = next(iter(signature.parameters))  # self
+    # None is every one of these arguments' default: "not given"
+    arguments = {
+        name: value for name, value in bound.arguments.items() if name != first and value is not None
+    }
+    keep = signature.parameters.get("logits_to_keep", signature.parameters.get("num_logits_to_keep"))
+    if keep is not None and keep.default not in (0, None):
+        return None  # by default only the last positions' logits: not the loss over all
+    base_class: Any = type(getattr(model, "base_model"))  # noqa: B009
+    base_signature = _signature(base_class)
+    if base_signature is None:
+        return None
+    base_parameters = base_signature.parameters
+    if any(name in NOT_FUSED or name not in base_parameters for name in arguments):
+        return None
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    if any(signature.parameters[name].kind in variadic for name in arguments):
+        return None
+    if "use_cache" in base_parameters:
+        arguments["use_cache"] = False
+    return arguments
+
+
+def forward_loss(
+    model: nn.Module, labels: torch.Tensor, ignore_index: int, arguments: dict[str, Any]
+) -> torch.Tensor:
+    """``causal_lm_loss(model(**arguments), labels)`` without the logits (``arguments`` from
+    :func:`decoder_inputs`); under FSDP as a registered forward method, so that the head is gathered."""
+    if isinstance(model, FSDPModule):
+        if model not in _REGISTERED:
+            setattr(model, FORWARD_LOSS, types.MethodType(_forward_loss, model))
+            register_fsdp_forward_method(model, FORWARD_LOSS)
+            _REGISTERED.add(model)
+        loss: torch.Tensor = getattr(model, FORWARD_LOSS)(labels, ignore_index, **arguments)
+        return loss
+    return _forward_loss(model, labels, ignore_index, **arguments)
+
+
+def _forward_loss(
+    model: nn.Module, labels: torch.Tensor, ignore_index: int, **arguments: Any
+) -> torch.Tensor:
+    base: Any = getattr(model, "base_model")  # noqa: B009 (a property of transformers' models)
+    output = base(**arguments)
+    hidden = output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0]
+    head: nn.Linear = _call(model, "get_output_embeddings")
+    return linear_cross_entropy(hidden, head.weight, labels, ignore_index=ignore_index)
+
+
+def _call(model: nn.Module, method: str) -> Any:
+    """``model.<method>()``, or None where it has no such method."""
+    found = getattr(model, method, None)
+    return found() if callable(found) else None
+
+
+# ---------------------------------------------------------------------------------- reading the forward
+@functools.cache
+def _signature(module_class: Any) -> inspect.Signature | None:
+    """The signature of ``module_class.forward`` (with ``self``), under its decorators."""
+    try:
+        return inspect.signature(inspect.unwrap(module_class.forward))
+    except (TypeError, ValueError):
+        return None
+
+
+@functools.cache
+def _head_attribute(model_class: Any, base_prefix: str) -> str | None:
+    """The attribute name of the head in ``model_class.forward`` if that forward computes its logits as
+    ``self.<head>(h)`` once, ``h`` being the base model's last hidden states, optionally sliced, and never
+    changes them; else ``None`` (also where the source cannot be read)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(model_class.forward)))
+        tree = ast.parse(source)
+    except (OSError, TypeError, SyntaxError):
+        return None
+    function = tree.body[0] if tree.body else None
+    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+        return None
+    values = _assigned_values(function)
+    logits = values.get("logits", [])
+    if len(logits) != 1:
+        return None
+    call = logits[0]
+    if not (
+        isinstance(call, ast.Call)
+        and isinstance(call.func, ast.Attribute)
+        and _is_self(call.func.value)
+        and len(call.args) == 1
+        and not call.keywords
+    ):
+        return None
+    hidden = _sliced_name(call.args[0])
+    if hidden is None or not values.get(hidden):
+        return None
+    if not all(_selects_hidden(value, hidden, base_prefix, values) for value in values[hidden]):
+        return None
+    if _changes_in_place(function, {"logits", hidden}):
+        return None
+    return call.func.attr
+
+
+def _assigned_values(function: ast.AST) -> dict[str, list[ast.AST | None]]:
+    """Every value assigned to each plain name in ``function`` (``None`` for an augmented assignment, a
+    for-loop target or a ``with ... as``: values that cannot be read)."""
+    values: dict[str, list[ast.AST | None]] = {}
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                for name in _names(target):
+                    values.setdefault(name, []).append(node.value if isinstance(target, ast.Name) else None)
+        elif isinstance(node, ast.AnnAssign | ast.NamedExpr) and isinstance(node.target, ast.Name):
+            values.setdefault(node.target.id, []).append(node.value)
+        elif isinstance(node, ast.AugAssign | ast.For | ast.comprehension):
+            for name in _names(node.target):
+                values.setdefault(name, []).append(None)
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            for name in _names(node.optional_vars):
+                values.setdefault(name, []).append(None)
+    return values
+
+
+def _names(target: ast.AST) -> list[str]:
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, ast.Tuple | ast.List | ast.Starred):
+        elements = target.elts if isinstance(target, ast.Tuple | ast.List) else [target.value]
+        return [name for element in elements for name in _names(element)]
+    return []
+
+
+def _is_self(node: ast.AST) -> bool:
+    return isinstance(node, ast.Name) and node.id == "self"
+
+
+def _sliced_name(node: ast.AST) -> str | None:
+    """``h`` for ``h`` or ``h[...]``."""
+    if isinstance(node, ast.Subscript):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _selects_hidden(value: ast.AST | None, hidden: str, base_prefix: str, values: dict) -> bool:
+    """Whether ``value`` (assigned to ``hidden``) is the base model's output's last hidden states
+    (``outputs.last_hidden_state`` / ``outputs[0]`` with ``outputs = self.<base>(...)``) or a slice of
+    ``hidden`` (``hidden[:, s, :]``, ``slice_logits_to_keep(hidden, n)``)."""
+    if value is None:
+        return False
+    if isinstance(value, ast.Subscript) and _sliced_name(value) == hidden:
+        return True
+    if (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Name)
+        and value.func.id == "slice_logits_to_keep"
+        and value.args
+        and _sliced_name(value.args[0]) == hidden
+    ):
+        return True
+    if (isinstance(value, ast.Attribute) and value.attr == "last_hidden_state") or (
+        isinstance(value, ast.Subscript) and isinstance(value.slice, ast.Constant) and value.slice.value == 0
+    ):
+        source = value.value
+    else:
+        return False
+    if isinstance(source, ast.Name):  # outputs = self.model(...)
+        assigned = values.get(source.id, [])
+        return len(assigned) == 1 and _calls_base(assigned[0], base_prefix)
+    return _calls_base(source, base_prefix)
+
+
+def _calls_base(node: ast.AST | None, base_prefix: str) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and _is_self(node.func.value)
+        and node.func.attr == base_prefix
+    )
+
+
+def _changes_in_place(function: ast.AST, names: set[str]) -> bool:
+    """Whether ``function`` writes into one of ``names`` in place (``x[...] = ``, ``x.mul_(...)``)."""
+    for node in ast.walk(function):
+        targets: list[ast.AST] = []
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        if any(
+            isinstance(t, ast.Subscript | ast.Attribute) and _sliced_name(_root(t)) in names for t in targets
+        ):
+            return True
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr.endswith("_")
+            and not node.func.attr.startswith("_")
+            and _sliced_name(node.func.value) in names
+        ):
+            return True
+    return False
+
+
+def _root(node: ast.AST) -> ast.AST:
+    while isinstance(node, ast.Subscript | ast.Attribute) and isinstance(
+        node.value, ast.Subscript | ast.Attribute
+    ):
+        node = node.value
+    return node.value if isinstance(node, ast.Subscript | ast.Attribute) else node

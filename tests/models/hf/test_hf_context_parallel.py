@@ -1,0 +1,204 @@
+"""A transformers causal LM under context parallelism (our load-balanced split and attention, registered through
+transformers' attention interface; positions by global index), against one process running the unmodified model
+on padded data: losses, pre-step gradient norms and parameters after several AdamW steps, on gloo ranks (CPU,
+fp32). Also what cp refuses, and ``Trainer(strategy=D9DStrategy(cp=2))`` (``hf_context_trainer_run.py``)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from test_hf_refusals import tiny
+from test_hf_tensor_parallel import STEPS, VOCAB, full, tiny_model
+from test_hf_tensor_parallel import train as train_unpadded
+from torch import nn
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf import check_hf_model, parallelize_hf
+from lightning_d9d.models.hf.context import CONTEXT_ATTENTION_NAME
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
+from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
+
+SEQ, ROWS, PAD = 16, 4, 0
+# per row: (left, right) padding; unequal, so that the cp ranks and rows count different tokens
+PADDING = [(0, 3), (5, 0), (0, 0), (0, 9)]
+SCRIPT = Path(__file__).with_name("hf_context_trainer_run.py")
+
+
+def padded_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token ids, attention mask (1 keep, 0 pad) and already shifted labels (-100 on padding)."""
+    generator = torch.Generator().manual_seed(200 + step)
+    ids = torch.randint(1, VOCAB, (ROWS, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    mask = torch.ones(ROWS, SEQ, dtype=torch.int64)
+    for row, (left, right) in enumerate(PADDING):
+        for cut in (slice(0, left), slice(SEQ - right, SEQ)):
+            ids[row, cut], mask[row, cut], labels[row, cut] = PAD, 0, -100
+    return ids, mask, labels
+
+
+def train(
+    model: nn.Module, *, with_mask: bool, split: LoadBalancedSplit | None = None, tp: bool = False
+) -> dict:
+    """AdamW on fixed padded batches; under cp (``split``) each rank feeds its chunks of every row and weighs its
+    loss by its share of the counted tokens (as the strategy does), so that FSDP's mean over the cp ranks is the
+    token mean. Per step the global token-mean loss and the gradient norm before the step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-4)
+    losses, norms = [], []
+    for step in range(STEPS):
+        ids, mask, labels = padded_batch(step)
+        if split is not None:
+            ids, mask, labels = (split.split(t, dim=1) for t in (ids, mask, labels))
+        with maybe_loss_parallel(tp):
+            logits = model(input_ids=ids, attention_mask=mask if with_mask else None).logits
+            loss = local_loss(causal_lm_loss(logits, labels))
+            if split is not None:
+                count = causal_lm_loss.count(labels).to(torch.int64)
+                total = count.clone()
+                dist.all_reduce(total)
+                total = total // (dist.get_world_size() // split.cp)  # tp peers count the same tokens
+                loss = loss * (count * split.cp / total)
+            loss.backward()
+        norms.append(math.sqrt(sum(float(full(p.grad).pow(2).sum()) for p in model.parameters())))
+        optimizer.step()
+        optimizer.zero_grad()
+        value = loss.detach().clone()
+        if split is not None:
+            # the cp ranks' shares sum to cp x the mean; tp peers hold the same
+            dist.all_reduce(value)
+            value /= dist.get_world_size()
+        losses.append(float(value))
+    return {"losses": losses, "norms": norms}
+
+
+def parallel_body(
+    family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str
+) -> dict[str, Any] | None:
+    model = tiny_model(family, tied=False)
+    dims = ParallelDims(cp=cp, tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
+    options = ParallelOptions(context_attention="all_gather", activation_checkpointing=recompute)
+    parallelize_hf(model, dims, options)
+    seen: dict[str, Any] = {}
+
+    def positions(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("positions", kwargs.get("position_ids", args[1] if len(args) > 1 else None).clone())
+
+    def mask(_: nn.Module, args: tuple, kwargs: dict) -> None:
+        seen.setdefault("layer_mask", kwargs.get("attention_mask"))
+
+    model.model.rotary_emb.register_forward_pre_hook(positions, with_kwargs=True)
+    model.model.layers[0].register_forward_pre_hook(mask, with_kwargs=True)
+    split = LoadBalancedSplit(cp, dims.mesh_for("cp").get_local_rank())
+    result = train(model, with_mask=with_mask, split=split, tp=dims.tp_enabled)
+    params = {
+        name.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+    layer_mask = seen["layer_mask"]
+    result.update(
+        positions=seen["positions"].tolist(),
+        expected_positions=split.positions(SEQ).tolist(),
+        layer_mask=None if layer_mask is None else tuple(layer_mask.shape),
+        implementation=model.config._attn_implementation,
+    )
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    if dist.get_rank() != 0:
+        return None
+    return {"ranks": gathered, "params": params}
+
+
+def compare(family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str = False) -> dict[str, Any]:
+    got = run_distributed(parallel_body, cp * tp, family, cp, tp, with_mask, recompute)[0]
+    reference = tiny_model(family, tied=False)
+    expected = train(reference, with_mask=with_mask)
+    expected_params = dict(reference.named_parameters())
+    first = got["ranks"][0]
+    assert set(got["params"]) == set(expected_params)
+    start = tiny_model(family, tied=False).state_dict()
+    return {
+        "ranks": got["ranks"],
+        "loss_error": max(abs(a - b) for a, b in zip(first["losses"], expected["losses"], strict=True)),
+        "norm_error": max(abs(a - b) for a, b in zip(first["norms"], expected["norms"], strict=True)),
+        "param_error": max(
+            float((p - expected_params[n].detach()).abs().max()) for n, p in got["params"].items()
+        ),
+        "moved": max(float((p.detach() - start[n]).abs().max()) for n, p in expected_params.items()),
+    }
+
+
+@pytest.mark.parametrize(
+    ("family", "cp", "tp", "with_mask", "recompute"),
+    [
+        ("qwen3", 2, 1, True, False),
+        ("qwen3", 2, 1, False, "selective"),  # recompute replays the all-gather attention
+        ("llama", 2, 1, True, False),
+        ("llama", 2, 2, True, True),  # composes with tp + sequence parallelism
+    ],
+)
+def test_cp_matches_one_process(
+    family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str
+) -> None:
+    got = compare(family, cp, tp, with_mask, recompute)
+    for rank in got["ranks"]:
+        assert rank["implementation"] == CONTEXT_ATTENTION_NAME
+        assert rank["positions"] == [rank["expected_positions"]]  # RoPE at this rank's global positions
+        # no local causal mask built by transformers; a padding mask goes on as the whole sequence's keys
+        assert rank["layer_mask"] == ((ROWS, 1, 1, SEQ) if with_mask else None)
+    assert got["ranks"][0]["positions"] != got["ranks"][1]["positions"] or tp > 1
+    assert got["moved"] > 1e-3  # the steps changed the parameters
+    assert got["loss_error"] <= 1e-5
+    assert got["norm_error"] <= 1e-5
+    assert got["param_error"] <= 1e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            {"layer_types": ["sliding_attention"]},
+            r"^Qwen3ForCausalLM: cp=2: its config \(Qwen3Config\) has layer_types \['sliding_attention'\]; "
+            r"context parallelism implements full causal attention only",
+        ),
+        (
+            {"attention_dropout": 0.1},
+            r"^Qwen3ForCausalLM: cp=2: its config \(Qwen3Config\) has attention_dropout=0\.1; context-parallel "
+            r"attention has no dropout",
+        ),
+    ],
+)
+def test_what_cp_cannot_run_exactly_is_refused(overrides: dict[str, object], message: str) -> None:
+    with pytest.raises(NotImplementedError, match=message):
+        check_hf_model(tiny(**overrides), ParallelDims(cp=2))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_trainer_cp_matches_one_process(tmp_path: Path, fused: bool) -> None:
+    """The strategy splits each batch in ``model_loss`` (labels with -100 at the end: the cp ranks count
+    different tokens) and the adapter's plan supplies positions and attention; ``fused``: the head + loss fused
+    from the base model's hidden states (the base model runs without the causal LM's forward)."""
+    run = {
+        "family": "qwen3",
+        "tied": True,
+        "devices": 2,
+        "dims": {"cp": 2},
+        "fused": fused,
+        "out": str(tmp_path / "out.pt"),
+    }
+    subprocess.run([sys.executable, str(SCRIPT), json.dumps(run)], check=True, timeout=240)
+    got = torch.load(run["out"])
+    reference = tiny_model("qwen3", True)
+    expected = train_unpadded(reference, slice(None), tensor_parallel=False)
+    assert got["implementation"] == CONTEXT_ATTENTION_NAME and got["tied"]
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= 1e-5
+    for name, param in reference.named_parameters():
+        assert float((got["params"][name] - param.detach()).abs().max()) <= 1e-5, name
