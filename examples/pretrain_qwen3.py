@@ -9,6 +9,11 @@ synthetic corpus in 2 CPU processes in about a minute:
     python examples/pretrain_qwen3.py --accelerator gpu --devices 8 --precision bf16-mixed --model 0.6b \
         --seq-len 2048 --batch-size 64 --max-steps 1000
 
+``--model hf-qwen3`` (``hf-qwen3-moe``) trains ``transformers``' own ``Qwen3ForCausalLM``
+(``Qwen3MoeForCausalLM``) of the same shape as ``tiny`` (``tiny-moe``) the same way, through the strategy's
+``transformers`` adapter (docs/transformers.md); ``transformers`` is imported only then. ``--tp 2`` splits it
+(or our model) with tensor + sequence parallelism instead of FSDP.
+
 The corpus is a random "bigram language": every token has a few likely successors, so the loss falls from
 ln(vocab) towards the corpus entropy, which the script prints. Swap ``SyntheticCorpus`` for any dataset that
 yields ``{"input_ids", "labels"}``.
@@ -22,6 +27,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
@@ -205,6 +211,64 @@ class PrintProgress(Callback):
 
 
 MODELS = {"tiny-moe": Qwen3MoeConfig.tiny, "tiny": Qwen3Config.tiny, "0.6b": Qwen3Config.qwen3_0_6b}
+# transformers' own model classes, each of the shape of one of our presets (the same hyperparameters)
+TRANSFORMERS_MODELS = {"hf-qwen3": "tiny", "hf-qwen3-moe": "tiny-moe"}
+
+
+class RouterAuxLoss:
+    """A ``transformers`` MoE's training loss as ``transformers`` computes it when given labels:
+    ``causal_lm_loss`` of the output's logits plus ``router_aux_loss_coef`` times its load-balancing loss
+    (``output.aux_loss``, there when the config has ``output_router_logits``); counted as ``causal_lm_loss`` counts,
+    so the strategy weighs microbatches and ranks by their tokens. The last load-balancing loss is kept in
+    ``router_loss`` for logging."""
+
+    def __init__(self, router_aux_loss_coef: float) -> None:
+        self.router_aux_loss_coef = router_aux_loss_coef
+        self.router_loss: torch.Tensor | None = None
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        aux = output.aux_loss
+        self.router_loss = aux.detach()
+        return causal_lm_loss(output.logits, labels) + self.router_aux_loss_coef * aux
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss.count(labels)
+
+
+class TransformersPretraining(Qwen3Pretraining):
+    """The same pretraining on ``transformers``' own model of ``config``'s shape (built from
+    ``config.to_hf_dict()``), on ``meta``: the strategy gives it the plans its config ships and initialises it by
+    ``transformers``' own rules. The loss is ``causal_lm_loss`` (it reads the output's ``.logits``; ``model_loss``
+    fuses the head into it where it can, as for ours), for an MoE plus its router loss in training."""
+
+    def __init__(self, config: Qwen3Config | Qwen3MoeConfig, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        moe = isinstance(config, Qwen3MoeConfig) and config.output_router_logits
+        self.router_aux_loss = RouterAuxLoss(config.router_aux_loss_coef) if moe else None
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            import transformers  # optional: only this model needs it
+
+            values = self.config.to_hf_dict()
+            hf_config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+            with torch.device("meta"):
+                self.model = transformers.AutoModelForCausalLM.from_config(hf_config)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.router_aux_loss is None:
+            return super().training_step(batch, batch_idx)
+        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.router_aux_loss)
+        self.log("train/loss", loss, sync_dist=True)  # with the router loss, as transformers' own loss
+        # the load-balancing loss before its coefficient
+        self.log("train/router_loss", self.router_aux_loss.router_loss, sync_dist=True)
+        return loss
+
+
+def build_module(model: str, config: Qwen3Config | Qwen3MoeConfig, **kwargs: Any) -> Qwen3Pretraining:
+    """The LightningModule for ``--model``: ours, or ``transformers``' model of the same shape."""
+    module_class = TransformersPretraining if model in TRANSFORMERS_MODELS else Qwen3Pretraining
+    return module_class(config, **kwargs)
 
 
 def make_logger(kind: str, output: Path) -> Logger:
@@ -219,7 +283,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", choices=sorted(MODELS), default="tiny-moe")
+    parser.add_argument(
+        "--model",
+        choices=[*sorted(MODELS), *TRANSFORMERS_MODELS],
+        default="tiny-moe",
+        help="ours (tiny-moe, tiny, 0.6b) or transformers' model of a preset's shape (hf-qwen3: tiny's, "
+        "hf-qwen3-moe: tiny-moe's)",
+    )
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
@@ -230,6 +300,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--untied", action="store_true", help="untie embedding and head (needed for pp > 1)")
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=-1)
+    parser.add_argument("--tp", type=int, default=1, help="tensor (+ sequence) parallel degree")
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=16, help="global batch size (sequences per step)")
     parser.add_argument("--max-steps", type=int, default=120)
@@ -257,9 +328,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--expert-bias-rate ({args.expert_bias_rate}) must be >= 0 (0 turns the bias off)")
     if moe and args.expert_bias_rate > 0:
         overrides["router_selection_bias"] = True
-    config = MODELS[args.model](**overrides)
+    config = MODELS[TRANSFORMERS_MODELS.get(args.model, args.model)](**overrides)
     world = args.devices * args.num_nodes
-    dp = world // (args.pp * args.dp_replicate) if args.dp_shard == -1 else args.dp_replicate * args.dp_shard
+    dp = (
+        world // (args.pp * args.dp_replicate * args.tp)
+        if args.dp_shard == -1
+        else args.dp_replicate * args.dp_shard
+    )
     if args.batch_size % (dp * args.accumulate):
         raise SystemExit(
             f"--batch-size ({args.batch_size}) must be divisible by dp*accumulate ({dp}*{args.accumulate})"
@@ -278,6 +353,7 @@ def main(argv: list[str] | None = None) -> None:
             pp=args.pp,
             dp_replicate=args.dp_replicate,
             dp_shard=args.dp_shard,
+            tp=args.tp,
             pipeline_schedule=args.pipeline_schedule,
             microbatches=args.microbatches,
         ),
@@ -299,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = Qwen3Pretraining(config, lr=args.lr, max_steps=args.max_steps)
+    module = build_module(args.model, config, lr=args.lr, max_steps=args.max_steps)
     trainer.fit(
         module,
         DataLoader(train, batch_size=per_rank_batch, num_workers=0),
@@ -309,6 +385,8 @@ def main(argv: list[str] | None = None) -> None:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
         print(f"done: {metrics}; the corpus entropy (best reachable loss) is {train.entropy():.4f}")
         print(f"mesh: {trainer.strategy.parallel_dims}")
+        model = next(c for c in type(module.model).__mro__ if "fsdp" not in c.__module__)  # FSDP's class: no
+        print(f"model: {model.__module__}.{model.__name__}")
         print(f"checkpoint: {checkpoints.last_model_path}")
         print(f"logs: {trainer.logger.log_dir}")
 
