@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -84,8 +84,10 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    weight = self.weight
+def vocab_parallel_lookup(weight: torch.Tensor, ids: torch.Tensor, output: Placement) -> torch.Tensor:
+    """The embedding rows of ``ids`` from a vocabulary-sharded (``Shard(0)``) DTensor ``weight``: each rank looks
+    up the ids that fall in its rows (zeros for the others), and the partial sums are reduced to ``output``
+    (``Shard(seq)`` under sequence parallelism, ``Replicate()`` for a whole sequence); the local tensor."""
     assert isinstance(weight, DTensor)
     mesh = weight.device_mesh
     local = weight.to_local()
@@ -95,7 +97,11 @@ def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tenso
     rows = F.embedding(shifted.masked_fill(outside, 0), local)
     rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
     partial = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
-    return partial.redistribute(mesh, [Shard(SEQUENCE_DIM)]).to_local()
+    return partial.redistribute(mesh, [output]).to_local()
+
+
+def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    return vocab_parallel_lookup(self.weight, ids, Shard(SEQUENCE_DIM))
 
 
 def vocab_parallel_embedding() -> ParallelStyle:

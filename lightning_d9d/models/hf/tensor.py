@@ -29,10 +29,9 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -49,6 +48,7 @@ from lightning_d9d.plans.tensor import (
     row_parallel_to_sequence,
     sequence_parallel_norm,
     vocab_parallel_head,
+    vocab_parallel_lookup,
 )
 
 ISSUE = "issue 24"
@@ -226,17 +226,7 @@ class VocabParallelWholeEmbedding(ParallelStyle):
 
 
 def _whole_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    weight = self.weight
-    assert isinstance(weight, DTensor)
-    mesh = weight.device_mesh
-    local = weight.to_local()
-    first = mesh.get_local_rank() * local.shape[0]
-    shifted = ids - first
-    outside = (shifted < 0) | (shifted >= local.shape[0])
-    rows = F.embedding(shifted.masked_fill(outside, 0), local)
-    rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-    partial = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
-    return partial.redistribute(mesh, [Replicate()]).to_local()
+    return vocab_parallel_lookup(self.weight, ids, Replicate())
 
 
 # ------------------------------------------------------------------------------------------- structure
