@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing as mp
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +29,7 @@ from torch.utils.data import DataLoader
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
-from distributed import free_port, set_torchrun_environment  # noqa: E402
+import hf_trainer_run  # noqa: E402
 from test_hf_tensor_parallel import ROWS, batch, tiny_model  # noqa: E402
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
@@ -125,43 +122,7 @@ def fit(run: dict[str, Any]) -> None:
         dist.barrier()
 
 
-def _rank(run: dict[str, Any], rank: int, port: int) -> None:
-    code = 0
-    try:
-        set_torchrun_environment(rank, run["devices"], port, f"hf-resume-{port}")
-        torch.set_num_threads(1)
-        fit(run)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def launch(run: dict[str, Any], timeout: float = 200) -> None:
-    context = mp.get_context("fork")
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(run, rank, port)) for rank in range(run["devices"])]
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + timeout
-    while any(p.exitcode is None for p in ranks) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in ranks):
-            break
-        time.sleep(0.2)
-    failed = [i for i, p in enumerate(ranks) if p.exitcode != 0]
-    for process in ranks:
-        if process.exitcode is None:
-            process.kill()
-        process.join()
-    if failed:
-        raise SystemExit(f"{run['out']}: ranks {failed} failed or timed out")
-
-
 if __name__ == "__main__":
+    hf_trainer_run.fit = fit  # its launcher's ranks call the module's fit: this one
     for one in json.loads(sys.argv[1]):  # in order: a resume reads the checkpoint an earlier run wrote
-        launch(one)
+        hf_trainer_run.launch(one)
