@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
+from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.tensor import (
     ISSUE,
     check_tensor_parallel_model,
@@ -74,6 +75,8 @@ def parallelize_hf(
     """Parallelize a ``transformers`` model in place, in torchtitan's order.
 
     1. Refuse what the adapter cannot do (:func:`check_hf_model`), before any collective.
+    1b. Our kernels in place of matching modules' forwards (:func:`~.kernels.swap_hf_kernels`: the RMSNorms;
+       ``$LIGHTNING_D9D_HF_KERNELS=0`` keeps ``transformers``' own).
     2. tp > 1: the model's own tp plan translated onto torch's styles (:func:`~.tensor.hf_tensor_plan`:
        sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
@@ -87,6 +90,7 @@ def parallelize_hf(
     (as ``transformers``' own tp runs).
     """
     check_hf_model(model, dims)
+    swap_hf_kernels(model)  # before any plan: only forwards change, names and shapes stay
     if dims.tp_enabled:
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
