@@ -4,6 +4,7 @@ makes the step's gradient their token mean."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,6 +46,24 @@ class StepTokens:
 
     def reset(self) -> None:
         self.reference = self.total = self.pending = None
+
+    def enter(self, module: Any, *, counted: bool) -> bool:
+        """Whether the loss being computed in ``module``'s trainer weighs by its share of the optimizer step's
+        items: a counted loss (``counted``) with gradients, in training, under automatic optimization and
+        ``accumulate_grad_batches > 1``. If so, records which micro-step this is and whether it opens an
+        accumulation window (where Lightning zeroes the gradients: ``batch_idx % accumulate == 0``)."""
+        from lightning_d9d.compat import trainer_of  # imports Lightning: not at this module's import
+
+        trainer = trainer_of(module) if module is not None else None
+        if not counted or trainer is None or not torch.is_grad_enabled():
+            return False
+        if not trainer.training or not module.automatic_optimization or trainer.accumulate_grad_batches == 1:
+            return False
+        loop, accumulate = trainer.fit_loop.epoch_loop, trainer.accumulate_grad_batches
+        self.micro_step(
+            loop.total_batch_idx, opens_window=loop.batch_idx % accumulate == 0, accumulate=accumulate
+        )
+        return True
 
     def micro_step(self, index: int, *, opens_window: bool, accumulate: int) -> None:
         """A counted loss of training micro-step ``index`` (the batch index over the fit) is computed;

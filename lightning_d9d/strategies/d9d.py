@@ -495,18 +495,19 @@ class D9DStrategy(ModelParallelStrategy):
         split = self._context_split()
         if split is not None:
             inputs, target = split_batch(split, inputs, target)
-        accumulating = self._token_weighted_micro_step(loss_fn)
+        step_tokens = self.precision_plugin.step_tokens
+        accumulating = step_tokens.enter(self.lightning_module, counted=isinstance(loss_fn, CountedLoss))
         count = self._global_count(loss_fn, target, needed=accumulating)
         item_scale = self._item_scale(count)
         # this micro-step's share of the step's gradient (under pp handed to the schedule)
         grad_factor: torch.Tensor | None = None
         router_factor = 1.0
         if accumulating and count is not None:
-            grad_factor, is_reference = self.precision_plugin.step_tokens.add(count)
+            grad_factor, is_reference = step_tokens.add(count)
             if not is_reference and isinstance(model, InternalLosses):
                 router_factor = float(grad_factor)  # the router losses' scale is a float: one host read
             if self._runner is not None:  # the schedule runs backward inside this call
-                grad_factor = self.precision_plugin.step_tokens.commit()
+                grad_factor = step_tokens.commit()
         self._scale_internal_losses(model, router_factor)
         tp = self._dims is not None and self._dims.tp_enabled
         if self._runner is None:
@@ -562,27 +563,6 @@ class D9DStrategy(ModelParallelStrategy):
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         microbatches = self.pipeline.microbatches if self._runner is not None else 1
         model.set_router_loss_scale(share / (accumulate * microbatches))
-
-    def _token_weighted_micro_step(self, loss_fn: LossFn) -> bool:
-        """True in a training micro-step whose counted loss weighs by its share of the optimizer step's items:
-        a counted loss with gradients, automatic optimization and ``accumulate_grad_batches > 1``. Tells
-        :class:`~lightning_d9d.strategies.accumulation.StepTokens` which micro-step this is, and whether it opens
-        an accumulation window (where Lightning zeroes the gradients: ``batch_idx % accumulate == 0``)."""
-        module = self.lightning_module
-        if not isinstance(loss_fn, CountedLoss) or module is None or not torch.is_grad_enabled():
-            return False
-        trainer = trainer_of(module)
-        if trainer is None or not trainer.training or not module.automatic_optimization:
-            return False
-        accumulate = trainer.accumulate_grad_batches
-        if accumulate == 1:
-            return False
-        loop = trainer.fit_loop.epoch_loop
-        opens = loop.batch_idx % accumulate == 0
-        self.precision_plugin.step_tokens.micro_step(
-            loop.total_batch_idx, opens_window=opens, accumulate=accumulate
-        )
-        return True
 
     def _global_count(self, loss_fn: LossFn, target: torch.Tensor, *, needed: bool) -> torch.Tensor | None:
         """The items a counted loss counts in the global batch, over the ranks whose losses are averaged (on the

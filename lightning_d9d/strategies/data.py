@@ -84,12 +84,12 @@ class ResumableDataLoader(DataLoader):
         # BatchSampler cuts consecutive indices into batches, so n batches are n * batch_size indices.
         self.sampler.skip = start * self.batch_size
         self._yielded = start
-        at_boundary = self._restored and start == 0 and self.random_state is not None
-        if at_boundary:
-            self.random_state.restore(keep=True)  # type: ignore[union-attr]
+        boundary_states = self.random_state if self._restored and start == 0 else None
+        if boundary_states is not None:
+            boundary_states.restore(keep=True)  # this iterator draws the uninterrupted run's seed
         iterator = super().__iter__()
-        if at_boundary:
-            self.random_state.capture()  # type: ignore[union-attr]  # the states after the seed draw
+        if boundary_states is not None:
+            boundary_states.capture()  # the states after that seed draw
         return self._count(iterator)
 
     def _count(self, batches: Iterator[Any]) -> Iterator[Any]:

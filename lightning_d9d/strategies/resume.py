@@ -12,12 +12,14 @@ end of the same batch (``on_train_batch_end``, as ``ModelCheckpoint(every_n_trai
 which Lightning resumes at the next batch: the rest of the epoch, or the next epoch after a last batch.
 
 **Random streams.** The states in the checkpoint are put back when it is loaded, before the fit loop creates
-the training iterator, which draws a base seed from torch's global generator. At an epoch boundary that is
-what the uninterrupted run does as well (it draws the seed for the new epoch from the same state), so nothing
-more is needed. Resumed mid-epoch, the uninterrupted run draws no seed there, so :class:`PendingRandomState`
-puts the states back once more, after the first batch of the resumed pass is drawn (or, for a loader that is
-not ours, at the strategy's first ``on_train_batch_start``): the training step's draws then continue the saved
-streams exactly.
+its iterators, each of which draws a base seed from torch's global generator. :class:`PendingRandomState` keeps
+them, and the resumed pass puts them back where the uninterrupted run drew next (``ResumableDataLoader``):
+mid-epoch, once its first batch is drawn (the uninterrupted run created no iterator there); at an epoch
+boundary, it creates the new epoch's iterator from them (the uninterrupted run drew that seed from these
+states) and puts back the states of right after that draw once its first batch is drawn (Lightning's resume
+creates the validation iterator in between). A loader of the user's with its own ``state_dict`` gets them back
+at the strategy's first ``on_train_batch_start`` of a mid-epoch resume. The training step's draws then continue
+the saved streams exactly.
 """
 
 from __future__ import annotations

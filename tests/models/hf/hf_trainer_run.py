@@ -10,25 +10,20 @@ that the plan was applied (a split ``q_proj``).
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import os
 import sys
-import time
-import traceback
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 import torch._dynamo
-import torch.distributed as dist
 import torch.distributed.tensor
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 HERE = Path(__file__).resolve().parent
-sys.path[:0] = [str(HERE.parents[1]), str(HERE)]
-from distributed import free_port, set_torchrun_environment  # noqa: E402
+sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[1] / "callbacks"), str(HERE)]
+import trainer_runs  # noqa: E402
 from test_hf_tensor_parallel import ROWS, STEPS, batch, tiny_model  # noqa: E402
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
@@ -112,41 +107,11 @@ def fit(run: dict[str, Any]) -> None:
         torch.save({"losses": module.losses, "params": params, "start": module.start, **plan}, run["out"])
 
 
-def _rank(run: dict[str, Any], rank: int, port: int) -> None:
-    code = 0
-    try:
-        set_torchrun_environment(rank, run["devices"], port, f"hf-trainer-{port}")
-        torch.set_num_threads(1)
-        fit(run)
-    except BaseException:
-        traceback.print_exc()
-        code = 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
 def launch(run: dict[str, Any], timeout: float = 200) -> None:
-    context = mp.get_context("fork")
-    port = free_port()
-    ranks = [context.Process(target=_rank, args=(run, rank, port)) for rank in range(run["devices"])]
-    for process in ranks:
-        process.start()
-    deadline = time.monotonic() + timeout
-    while any(p.exitcode is None for p in ranks) and time.monotonic() < deadline:
-        if any(p.exitcode not in (None, 0) for p in ranks):
-            break
-        time.sleep(0.2)
-    failed = [i for i, p in enumerate(ranks) if p.exitcode != 0]
-    for process in ranks:
-        if process.exitcode is None:
-            process.kill()
-        process.join()
-    if failed:
-        raise SystemExit(f"ranks {failed} failed or timed out")
+    """``fit(run)`` on ``run["devices"]`` forked ranks (``trainer_runs``' launcher; ``fit`` is looked up when a
+    rank starts, so a script that sets ``hf_trainer_run.fit`` runs its own)."""
+    trainer_runs.KINDS["transformers"] = lambda one: fit(one)
+    trainer_runs.launch({**run, "kind": "transformers"}, timeout=timeout)
 
 
 if __name__ == "__main__":
