@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from torch import nn
@@ -23,26 +23,47 @@ class StageLayout:
     head_weight: float = 1.0
 
 
-def find_splittable(owner: nn.Module) -> nn.Module:
-    """The one child of ``owner`` (the LightningModule) that implements ``PipelineSplittable``."""
-    candidates = [child for child in owner.children() if isinstance(child, PipelineSplittable)]
+# An adapter that cuts a module which does not implement PipelineSplittable itself (the transformers adapter's
+# ``hf_pipeline_for``): the module's splittable view, or None when it does not know the module.
+SplittableView = Callable[[nn.Module], PipelineSplittable | None]
+
+
+def splittable_view(module: nn.Module, views: Sequence[SplittableView] = ()) -> PipelineSplittable | None:
+    """``module`` itself if it implements ``PipelineSplittable``, else the first view one of ``views`` gives."""
+    if isinstance(module, PipelineSplittable):
+        return module
+    for view in views:
+        found = view(module)
+        if found is not None:
+            return found
+    return None
+
+
+def find_splittable(
+    owner: nn.Module, views: Sequence[SplittableView] = ()
+) -> tuple[nn.Module, PipelineSplittable]:
+    """The one child of ``owner`` (the LightningModule) that can be cut into pipeline stages, and what cuts it
+    (:func:`splittable_view`)."""
+    candidates = [
+        (child, view) for child in owner.children() if (view := splittable_view(child, views)) is not None
+    ]
     if len(candidates) != 1:
         raise ValueError(
             f"pp > 1 needs exactly one child module of {type(owner).__name__} that implements "
-            f"lightning_d9d.pipeline.PipelineSplittable (found {len(candidates)}); our models do"
+            f"lightning_d9d.pipeline.PipelineSplittable or is a transformers causal LM (found "
+            f"{len(candidates)}); our models do"
         )
     return candidates[0]
 
 
 def carve_stages(
-    model: nn.Module, config: PipelineConfig, dims: ParallelDims, layout: StageLayout
+    model: PipelineSplittable, config: PipelineConfig, dims: ParallelDims, layout: StageLayout
 ) -> dict[int, nn.Module]:
     """Trim ``model`` in place to this rank's layers and return one stage module per local stage.
 
-    ``model`` implements ``PipelineSplittable``; the stages share its submodules, so every parameter keeps its
-    global name and checkpoints do not depend on the split.
+    The stages share the model's submodules, so every parameter keeps its global name and checkpoints do not
+    depend on the split.
     """
-    assert isinstance(model, PipelineSplittable)
     num_stages = config.num_stages(dims.pp)
     layers = balanced_stage_layers(
         model.num_pipeline_layers,

@@ -8,12 +8,13 @@ verdict, so no rank waits in a collective for one that stopped.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from torch import nn
 
-from lightning_d9d.pipeline.carve import StageLayout, find_splittable
+from lightning_d9d.pipeline.carve import SplittableView, StageLayout, find_splittable, splittable_view
 from lightning_d9d.pipeline.schedules import PipelineConfig
 from lightning_d9d.pipeline.split import balanced_stage_layers
-from lightning_d9d.pipeline.traits import PipelineSplittable
 
 
 def tied_parameters(module: nn.Module) -> list[tuple[str, str]]:
@@ -28,21 +29,26 @@ def tied_parameters(module: nn.Module) -> list[tuple[str, str]]:
     return pairs
 
 
-def has_splittable_child(owner: nn.Module) -> bool:
+def has_splittable_child(owner: nn.Module, views: Sequence[SplittableView] = ()) -> bool:
     """Whether ``owner`` holds its pipelined model yet (not when it is built later, in ``configure_model``)."""
-    return any(isinstance(child, PipelineSplittable) for child in owner.children())
+    return any(splittable_view(child, views) is not None for child in owner.children())
 
 
-def check_pipeline_model(owner: nn.Module, config: PipelineConfig, pp: int, layout: StageLayout) -> None:
+def check_pipeline_model(
+    owner: nn.Module,
+    config: PipelineConfig,
+    pp: int,
+    layout: StageLayout,
+    views: Sequence[SplittableView] = (),
+) -> None:
     """Raise ``ValueError`` with the numbers and the fix if ``owner``'s pipelined model cannot be split into
     ``pp * stages_per_rank`` stages: fewer layers than stages, ``layers_per_stage`` that do not fit, or tied
     parameters (they would live on two ranks as two copies that drift apart)."""
     if pp <= 1:
         return
-    model = find_splittable(owner)
-    assert isinstance(model, PipelineSplittable)
+    model, splittable = find_splittable(owner, views)
     balanced_stage_layers(
-        model.num_pipeline_layers,
+        splittable.num_pipeline_layers,
         config.num_stages(pp),
         embedding_weight=layout.embedding_weight,
         head_weight=layout.head_weight,

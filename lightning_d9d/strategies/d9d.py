@@ -34,7 +34,7 @@ from lightning_d9d.compat import (
 )
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_causal_lm_loss, fused_loss_ignore_index
-from lightning_d9d.models.hf import hf_plan_for
+from lightning_d9d.models.hf import hf_pipeline_for, hf_plan_for
 from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
@@ -74,6 +74,9 @@ from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+
+# Who cuts a model that is not PipelineSplittable itself into stages: the transformers adapter.
+PIPELINE_VIEWS = (hf_pipeline_for,)
 
 
 def check_checkpoint_format(save_distributed_checkpoint: bool, *, pp: int) -> None:
@@ -300,8 +303,8 @@ class D9DStrategy(ModelParallelStrategy):
             self._broadcast_plain_tensors(model)
             runner = None
             if self.parallel_dims.pp_enabled:
-                pipelined = find_splittable(model)
-                stages = carve_stages(pipelined, self.pipeline, self.parallel_dims, self._stage_layout)
+                pipelined, splittable = find_splittable(model, PIPELINE_VIEWS)
+                stages = carve_stages(splittable, self.pipeline, self.parallel_dims, self._stage_layout)
                 self._parallelize(model, stages)
             else:
                 self._parallelize(model)
@@ -325,9 +328,9 @@ class D9DStrategy(ModelParallelStrategy):
         """Pipeline settings against the model (stages vs. layers, tied weights); ``built_only``: skip if the
         pipelined model does not exist yet (``configure_model`` builds it after the processes start)."""
         module, pp = self.lightning_module, self._requested_dims.pp
-        if module is None or pp <= 1 or (built_only and not has_splittable_child(module)):
+        if module is None or pp <= 1 or (built_only and not has_splittable_child(module, PIPELINE_VIEWS)):
             return
-        check_pipeline_model(module, self.pipeline, pp, self._stage_layout)
+        check_pipeline_model(module, self.pipeline, pp, self._stage_layout, PIPELINE_VIEWS)
 
     def parallel_options(self) -> ParallelOptions:
         return ParallelOptions(

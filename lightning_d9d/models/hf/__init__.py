@@ -1,16 +1,21 @@
-"""The adapter for ``transformers`` models: plans read from the model's own config (today: tensor + sequence +
-loss parallelism from ``base_model_tp_plan`` and the head's ``_tp_plan``, then FSDP per decoder layer).
+"""The adapter for ``transformers`` models: plans read from the model's own config (tensor + sequence + loss
+parallelism from ``base_model_tp_plan`` and the head's ``_tp_plan``, pipeline stages from ``base_model_pp_plan``,
+context parallelism through the attention interface, then FSDP per decoder layer).
 
 Nothing here imports ``transformers``: a model is recognised only if the user's code imported it already.
 """
 
+from lightning_d9d.models.hf.pipeline import TransformersPipeline, TransformersStage, hf_pipeline_for
 from lightning_d9d.models.hf.plan import check_hf_model, hf_plan_for, is_transformers_model, parallelize_hf
 from lightning_d9d.models.hf.tensor import config_tp_plan, expand_plan, hf_tensor_plan
 
 __all__ = [
+    "TransformersPipeline",
+    "TransformersStage",
     "check_hf_model",
     "config_tp_plan",
     "expand_plan",
+    "hf_pipeline_for",
     "hf_plan_for",
     "hf_tensor_plan",
     "is_transformers_model",

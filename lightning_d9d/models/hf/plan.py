@@ -36,7 +36,11 @@ from lightning_d9d.plans import (
 
 Plan = Callable[[ParallelDims, ParallelOptions], None]
 NOT_YET = (
-    f"wait for {ISSUE} (pp and ep for transformers models come next; tp, cp and the data degrees work now)"
+    f"wait for {ISSUE} (ep for transformers models comes next; tp, cp, pp and the data degrees work now)"
+)
+# parallelize_hf plans a whole model: under pp the strategy cuts it first and plans each stage.
+PIPELINE = (
+    "let D9DStrategy(pp=...) cut the model into stages (lightning_d9d.models.hf.pipeline), each planned alike"
 )
 
 
@@ -50,14 +54,14 @@ def hf_plan_for(module: nn.Module) -> Plan | None:
 
 def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
     """Everything the adapter refuses, from the degrees and the model's config alone (no process group is
-    needed, so it runs before any collective): pp / ep (not yet), for tp a missing plan, a style not translated
+    needed, so it runs before any collective): pp (the strategy cuts the model into stages first), ep (not yet), for tp a missing plan, a style not translated
     yet, or a size tp does not divide, for cp what :func:`~.context.check_hf_context_model` refuses."""
     name = type(model).__name__
     require_degrees(
         dims,
         supported=(*DATA_PARALLEL, "tp", "cp"),
         owner=f"the transformers adapter for {name}",
-        alternatives=dict.fromkeys(("pp", "ep"), NOT_YET),
+        alternatives={"pp": PIPELINE, "ep": NOT_YET},
     )
     if dims.tp_enabled:
         check_tensor_parallel_model(model, dims.tp)

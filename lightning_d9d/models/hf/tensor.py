@@ -76,8 +76,15 @@ def config_tp_plan(model: nn.Module) -> dict[str, str]:
     base = getattr(model, prefix, None) if prefix else None
     at = f"{prefix}." if isinstance(base, nn.Module) else ""
     plan = {f"{at}{pattern}": style for pattern, style in base_plan.items()}
-    plan.update(dict(getattr(type(model), "_tp_plan", None) or {}))
+    plan.update(head_tp_plan(model))
     return plan
+
+
+def head_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The head's part of the plan: the causal LM class's ``_tp_plan`` (the instance attribute of that name holds
+    the whole merged plan), or for a pipeline stage of one its ``head_tp_plan``."""
+    carried = getattr(model, "head_tp_plan", None)
+    return dict(carried if carried is not None else getattr(type(model), "_tp_plan", None) or {})
 
 
 def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:

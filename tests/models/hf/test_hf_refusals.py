@@ -14,8 +14,11 @@ from torch import nn
 
 import lightning_d9d.models.hf as hf
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.hf import check_hf_model, hf_plan_for, parallelize_hf
+from lightning_d9d.models.hf import check_hf_model, hf_pipeline_for, hf_plan_for, parallelize_hf
+from lightning_d9d.pipeline import StageLayout, check_pipeline_config
+from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions
+from lightning_d9d.strategies.d9d import PIPELINE_VIEWS
 
 
 def tiny(family: str = "qwen3", **overrides: object) -> nn.Module:
@@ -68,14 +71,67 @@ def test_sizes_tp_does_not_divide_are_refused(
         check_hf_model(tiny(family, **overrides), ParallelDims(tp=tp))
 
 
-@pytest.mark.parametrize("degree", ["pp", "ep"])  # cp: test_hf_context_parallel.py
-def test_other_degrees_are_not_yet(degree: str) -> None:
+def test_ep_is_not_yet() -> None:  # cp: test_hf_context_parallel.py
     with pytest.raises(
         NotImplementedError,
-        match=rf"^the transformers adapter for LlamaForCausalLM: {degree}=2 is not implemented yet .*; "
-        rf"use {degree}=1, or wait for issue 24",
+        match=r"^the transformers adapter for LlamaForCausalLM: ep=2 is not implemented yet .*; "
+        r"use ep=1, or wait for issue 24",
     ):
-        parallelize_hf(tiny("llama"), ParallelDims(**{degree: 2}), ParallelOptions())
+        parallelize_hf(tiny("llama"), ParallelDims(ep=2), ParallelOptions())
+
+
+def test_a_whole_model_plan_under_pp_names_the_pipeline() -> None:
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^the transformers adapter for LlamaForCausalLM: pp=2 is not implemented yet .*; use pp=1, or "
+        r"let D9DStrategy\(pp=...\) cut the model into stages",
+    ):
+        parallelize_hf(tiny("llama"), ParallelDims(pp=2), ParallelOptions())
+
+
+def test_pp_without_a_pp_plan_is_refused() -> None:
+    model = tiny()
+    model.config.base_model_pp_plan = None
+    with pytest.raises(
+        ValueError,
+        match=r"^Qwen3ForCausalLM: pp > 1 needs a pipeline plan, but base_model_pp_plan is missing "
+        r"\(Qwen3Config\); use pp=1",
+    ):
+        hf_pipeline_for(model)
+
+
+def test_pp_with_logits_the_last_stage_would_not_compute_is_refused() -> None:
+    model = tiny()
+    model.config.final_logit_softcapping = 30.0  # a soft-capping family's field (Gemma 2)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Qwen3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) alone",
+    ):
+        hf_pipeline_for(model)
+
+
+def test_pp_with_router_logits_is_refused() -> None:
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, output_router_logits=True,
+    )  # fmt: skip
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Qwen3MoeForCausalLM: pp > 1 with output_router_logits=True: the load-balancing loss needs every "
+        r"layer's router logits, which the pipeline stages do not return; set config.output_router_logits=False",
+    ):
+        hf_pipeline_for(transformers.Qwen3MoeForCausalLM(config))
+
+
+def test_pp_with_tied_embeddings_is_refused() -> None:
+    owner = nn.Module()
+    owner.model = tiny(num_hidden_layers=2, tie_word_embeddings=True)
+    config = check_pipeline_config(2, "1F1B", 2, None)
+    with pytest.raises(
+        ValueError,
+        match=r"^pp=2: Qwen3ForCausalLM ties parameters \(model\.embed_tokens\.weight = lm_head\.weight\)",
+    ):
+        check_pipeline_model(owner, config, 2, StageLayout(), PIPELINE_VIEWS)
 
 
 @pytest.mark.parametrize(

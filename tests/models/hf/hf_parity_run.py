@@ -1,0 +1,143 @@
+"""``Trainer(strategy=D9DStrategy(...))`` on a LightningModule around a tiny transformers causal LM, any degrees, on
+N ranks forked from this process (torchrun's environment: Lightning launches nothing itself).
+
+Usage: ``python hf_parity_run.py '<json list of runs>'``; a run has ``family``, ``layers``, ``devices``, ``dims``
+(the strategy's arguments), ``batches``, optionally ``accumulate``, ``clip``, ``validate``, ``model`` (config
+overrides), and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
+(gathered from every pipeline rank), the validation loss and what shows the plan was applied.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [
+    str(HERE.parents[1]),
+    str(HERE.parents[1] / "callbacks"),
+    str(HERE.parents[1] / "strategies"),
+    str(HERE),
+]
+import trainer_runs  # noqa: E402
+from tiny_hf import META_SEED, ROWS, optimizer_for, samples, tiny_causal_lm, tiny_model  # noqa: E402
+from trainer_script import RecordGradNorms, RecordLosses, full_parameters  # noqa: E402
+
+from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
+from lightning_d9d.modules.loss import causal_lm_loss  # noqa: E402
+
+
+class HFCausalLM(L.LightningModule):
+    def __init__(self, run: dict[str, Any]) -> None:
+        super().__init__()
+        self.run = run
+        if not run.get("meta"):
+            self.model = tiny_causal_lm(run["family"], layers=run["layers"], **run.get("model", {}))
+
+    def configure_model(self) -> None:
+        if self.run.get("meta") and not hasattr(self, "model"):
+            # as our docs recommend for large models: built without memory, initialised by the strategy
+            torch.manual_seed(META_SEED)  # the strategy's initialisation seed (rank 0's initial seed)
+            with torch.device("meta"):
+                self.model = tiny_model(
+                    self.run["family"], layers=self.run["layers"], **self.run.get("model", {})
+                )
+
+    def on_train_start(self) -> None:
+        self.start = gather_stages(full_parameters(self.model), self.run)
+
+    def training_step(self, data: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = model_loss(self, self.model, (data["input_ids"],), data["labels"], causal_lm_loss)
+        self.log("train/loss", loss, sync_dist=True)  # the mean over data ranks (RecordLosses reads it)
+        return loss
+
+    def validation_step(self, data: dict[str, torch.Tensor], batch_idx: int) -> None:
+        loss = model_loss(self, self.model, (data["input_ids"],), data["labels"], causal_lm_loss)
+        self.log("val/loss", loss, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return optimizer_for(self.parameters())
+
+    def _loader(self, rows: list[dict[str, torch.Tensor]]) -> DataLoader:
+        # each data rank its rows of every batch, in order (Lightning's own sampler would shuffle)
+        sampler = DistributedSampler(rows, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
+        return DataLoader(rows, batch_size=ROWS // sampler.num_replicas, sampler=sampler)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(samples(self.run["batches"]))
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(samples(2))
+
+
+def gather_stages(params: dict[str, torch.Tensor], run: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Under pp each rank holds other layers: all of them (global names, so they merge)."""
+    if run["dims"].get("pp", 1) == 1:
+        return params
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, params)
+    return {name: tensor for part in gathered for name, tensor in part.items()}
+
+
+def fit(run: dict[str, Any]) -> None:
+    module = HFCausalLM(run)
+    pipelined = run["dims"].get("pp", 1) > 1
+    grad_norms, losses = RecordGradNorms(pipelined=pipelined), RecordLosses()
+    trainer = L.Trainer(
+        strategy=D9DStrategy(**run["dims"]),
+        accelerator="cpu",
+        devices=run["devices"],
+        precision="32-true",
+        max_steps=run["batches"] // run.get("accumulate", 1),
+        accumulate_grad_batches=run.get("accumulate", 1),
+        gradient_clip_val=run.get("clip"),
+        callbacks=[grad_norms, losses],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(module)
+    params = gather_stages(full_parameters(module.model), run)
+    result: dict[str, Any] = {
+        "losses": losses.losses,
+        "norms": grad_norms.norms,
+        "params": params,
+        "start": module.start,
+    }
+    if run.get("validate"):
+        trainer.limit_val_batches = 1.0
+        result["val_loss"] = trainer.validate(module, verbose=False)[0]["val/loss"]
+    meshes = {
+        name
+        for p in module.model.parameters()
+        if isinstance(p, DTensor)
+        for name in (p.device_mesh.mesh_dim_names or ())
+    }
+    result["meshes"] = sorted(meshes)
+    result["layers_here"] = sorted(  # rank 0's decoder layers
+        {int(name.split(".")[2]) for name, _ in module.model.named_parameters() if ".layers." in name}
+    )
+    if trainer.is_global_zero:
+        torch.save(result, run["out"])
+
+
+def main(runs: list[dict[str, Any]]) -> None:
+    trainer_runs.KINDS["hf_parity"] = fit
+    for run in runs:
+        trainer_runs.launch({**run, "kind": "hf_parity", "name": Path(run["out"]).stem}, timeout=300)
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))

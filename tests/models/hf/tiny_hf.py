@@ -1,0 +1,119 @@
+"""Tiny ``transformers`` causal LMs of every family the adapter proves, a batch stream, and the single-process
+reference loop the parity tests compare against (the unmodified model, AdamW, optional accumulation and
+clipping)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from lightning_d9d.modules.hf_init import init_transformers_model_
+from lightning_d9d.modules.loss import causal_lm_loss
+
+VOCAB, HIDDEN, SEQ, ROWS = 128, 64, 8, 4
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+}
+META_SEED = 1234
+MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+
+
+def tiny_config(family: str, *, layers: int = 2, tied: bool = False, **overrides: Any) -> Any:
+    config_class, _ = FAMILIES[family]
+    fields: dict[str, Any] = {
+        "vocab_size": VOCAB,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": tied,
+        "initializer_range": 0.1,  # larger than the default, so that the heads' gradients are far from zero
+        **(MOE if family == "qwen3_moe" else {}),
+    }
+    return config_class(**{**fields, **overrides})
+
+
+def tiny_model(family: str, *, layers: int = 2, tied: bool = False, **overrides: Any) -> nn.Module:
+    """Built on the current device (``meta`` under ``torch.device("meta")``), in training mode."""
+    model = FAMILIES[family][1](tiny_config(family, layers=layers, tied=tied, **overrides))
+    model.train()
+    return model
+
+
+def tiny_causal_lm(family: str, *, layers: int = 2, tied: bool = False, **overrides: Any) -> nn.Module:
+    """The same weights on every call (seeded)."""
+    torch.manual_seed(0)
+    return tiny_model(family, layers=layers, tied=tied, **overrides)
+
+
+def meta_initialised(family: str, *, layers: int = 2, **overrides: Any) -> dict[str, torch.Tensor]:
+    """The parameters the strategy gives a model built on ``meta`` (``transformers``' own rules, seeded by
+    ``META_SEED``), on one process."""
+    with torch.device("meta"):
+        model = tiny_model(family, layers=layers, **overrides)
+    model.to_empty(device="cpu")
+    init_transformers_model_(model, META_SEED)
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step``: ``ROWS`` rows of ``SEQ`` ids and labels, the last two labels of each row ignored (as many
+    per row: a mean over rows or microbatches is the token mean)."""
+    generator = torch.Generator().manual_seed(100 + step)
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    labels[:, -2:] = -100
+    return ids, labels
+
+
+def samples(steps: int) -> list[dict[str, torch.Tensor]]:
+    """The rows of ``batch(0) .. batch(steps - 1)`` in order, for a DataLoader of batch size ``ROWS``."""
+    rows = []
+    for step in range(steps):
+        ids, labels = batch(step)
+        rows += [{"input_ids": ids[r], "labels": labels[r]} for r in range(ROWS)]
+    return rows
+
+
+def optimizer_for(parameters: Any) -> torch.optim.Optimizer:
+    # eps well above the gradients' rounding noise (~1e-8 here: sums over other orders of ranks and shards):
+    # Adam steps an entry by about lr * g / (|g| + eps), which with the default eps=1e-8 turns a difference in the
+    # last bits of a near-zero g into one of up to lr in the parameter; with 1e-4 at most lr * 1e-8 / eps per step
+    return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.1, eps=1e-4)
+
+
+def reference_run(
+    model: nn.Module, batches: int, *, accumulate: int = 1, clip: float | None = None
+) -> dict[str, Any]:
+    """One process, the unmodified model: per batch the loss, per optimizer step the gradient norm before
+    clipping; the parameters at the end, and the validation loss over the first two batches."""
+    optimizer = optimizer_for(model.parameters())
+    losses, norms = [], []
+    for index in range(batches):
+        ids, labels = batch(index)
+        loss = causal_lm_loss(model(input_ids=ids).logits, labels)
+        (loss / accumulate).backward()
+        losses.append(float(loss.detach()))
+        if (index + 1) % accumulate:
+            continue
+        norms.append(math.sqrt(sum(float(p.grad.double().square().sum()) for p in model.parameters())))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        val = [float(causal_lm_loss(model(input_ids=batch(i)[0]).logits, batch(i)[1])) for i in range(2)]
+    model.train()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "params": params, "val_loss": sum(val) / len(val)}
