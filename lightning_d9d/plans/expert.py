@@ -44,16 +44,21 @@ def parallelize_expert(
         return []
     for block in blocks:
         check_expert_split(block, dims.ep)
-    ep_mesh = dims.mesh_for("ep")
-    expert_dp_mesh = dims.mesh_for("ehsdp") if dims.dp_replicate > 1 else dims.mesh_for("efsdp")
-    averaged_over = dims.mesh_for("loss").size()
     for block in blocks:
-        distribute_module(block.experts, ep_mesh, _shard_experts)
+        split_expert_weights(block.experts, dims, options)
         block.dispatcher = expert_parallel_dispatcher(
-            ep_mesh.get_group(), block.gate.num_experts, backend=dispatch_backend
+            dims.mesh_for("ep").get_group(), block.gate.num_experts, backend=dispatch_backend
         )
-        _shard_expert_data(block.experts, expert_dp_mesh, options, averaged_over)
     return blocks
+
+
+def split_expert_weights(experts: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
+    """Every direct parameter of ``experts`` (stacked weights, the expert on dimension 0) sharded over ``ep``,
+    then ``experts`` made its own FSDP unit over the data ranks that hold the same experts, its gradients
+    divided as the module docstring says. The caller brings the tokens (a dispatcher over the ``ep`` group)."""
+    distribute_module(experts, dims.mesh_for("ep"), _shard_experts)
+    expert_dp_mesh = dims.mesh_for("ehsdp") if dims.dp_replicate > 1 else dims.mesh_for("efsdp")
+    _shard_expert_data(experts, expert_dp_mesh, options, dims.mesh_for("loss").size())
 
 
 def check_expert_split(block: MoE, ep: int) -> None:

@@ -43,6 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
+from lightning_d9d.models.hf.expert import parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.tensor import (
@@ -222,10 +223,10 @@ class TransformersStage(nn.Module):
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The adapter's plan for one stage, in torchtitan's order: our kernels, tp from the model's tp plan, cp,
-        then recompute / compile / FSDP per decoder layer with the stage as its own FSDP root."""
+        ep, then recompute / compile / FSDP per decoder layer with the stage as its own FSDP root."""
         require_degrees(
             dims,
-            supported=("pp", *DATA_PARALLEL, "tp", "cp"),
+            supported=("pp", *DATA_PARALLEL, "tp", "cp", "ep"),
             owner=f"the transformers adapter's pipeline stage of {self.model_name}",
         )
         swap_hf_kernels(self)
@@ -240,5 +241,6 @@ class TransformersStage(nn.Module):
         if dims.cp_enabled:
             check_hf_context_model(self, dims.cp)
             parallelize_hf_context(self, dims.mesh_for("cp"), options.context_attention)
+        parallelize_hf_experts(self, dims, options)
         layers = getattr(self.base_model, LAYERS)
         parallelize_blocks(self, [layers], dims, options)

@@ -15,6 +15,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
+from lightning_d9d.models.hf.expert import check_hf_expert_model, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.tensor import (
     ISSUE,
@@ -54,19 +55,22 @@ def hf_plan_for(module: nn.Module) -> Plan | None:
 
 def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
     """Everything the adapter refuses, from the degrees and the model's config alone (no process group is
-    needed, so it runs before any collective): pp (the strategy cuts the model into stages first), ep (not yet), for tp a missing plan, a style not translated
-    yet, or a size tp does not divide, for cp what :func:`~.context.check_hf_context_model` refuses."""
+    needed, so it runs before any collective): pp (the strategy cuts the model into stages first), for tp a
+    missing plan, a style not translated yet, or a size tp does not divide, for cp and ep what
+    :func:`~.context.check_hf_context_model` and :func:`~.expert.check_hf_expert_model` refuse."""
     name = type(model).__name__
     require_degrees(
         dims,
-        supported=(*DATA_PARALLEL, "tp", "cp"),
+        supported=(*DATA_PARALLEL, "tp", "cp", "ep"),
         owner=f"the transformers adapter for {name}",
-        alternatives={"pp": PIPELINE, "ep": NOT_YET},
+        alternatives={"pp": PIPELINE},
     )
     if dims.tp_enabled:
         check_tensor_parallel_model(model, dims.tp)
     if dims.cp_enabled:
         check_hf_context_model(model, dims.cp)
+    if dims.ep_enabled:
+        check_hf_expert_model(model, dims.ep)
 
 
 def parallelize_hf(
@@ -86,6 +90,8 @@ def parallelize_hf(
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
     2b. cp > 1: our load-balanced context-parallel attention through ``transformers``' attention interface and
        ``position_ids`` by global position (:func:`~.context.parallelize_hf_context`).
+    2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
+       (:func:`~.expert.parallelize_hf_experts`).
     3. In training no KV cache (:func:`train_without_cache`).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
        (2-D with tp: FSDP shards the tp shards over ``fsdp``), as the default plan does.
@@ -101,6 +107,7 @@ def parallelize_hf(
         localize_head_counts(model, expand_plan(model, config_tp_plan(model)), dims.tp)
     if dims.cp_enabled:
         parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
+    parallelize_hf_experts(model, dims, options)
     train_without_cache(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
     parallelize_blocks(model, repeated_blocks(model), dims, options)

@@ -3,13 +3,14 @@ N ranks forked from this process (torchrun's environment: Lightning launches not
 
 Usage: ``python hf_parity_run.py '<json list of runs>'``; a run has ``family``, ``layers``, ``devices``, ``dims``
 (the strategy's arguments), ``batches``, optionally ``accumulate``, ``clip``, ``validate``, ``model`` (config
-overrides), and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
+overrides), ``meta`` (built in ``configure_model`` on meta), ``exclude_experts``, and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
 (gathered from every pipeline rank), the validation loss and what shows the plan was applied.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,17 @@ sys.path[:0] = [
     str(HERE),
 ]
 import trainer_runs  # noqa: E402
-from tiny_hf import META_SEED, ROWS, optimizer_for, samples, tiny_causal_lm, tiny_model  # noqa: E402
+from tiny_hf import (  # noqa: E402
+    META_SEED,
+    ROWS,
+    exclude_experts,
+    meta_initialised,
+    optimizer_for,
+    reference_run,
+    samples,
+    tiny_causal_lm,
+    tiny_model,
+)
 from trainer_script import RecordGradNorms, RecordLosses, full_parameters  # noqa: E402
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
@@ -41,6 +52,7 @@ class HFCausalLM(L.LightningModule):
         self.run = run
         if not run.get("meta"):
             self.model = tiny_causal_lm(run["family"], layers=run["layers"], **run.get("model", {}))
+            exclude_experts(self.model, run.get("exclude_experts", []))
 
     def configure_model(self) -> None:
         if self.run.get("meta") and not hasattr(self, "model"):
@@ -131,6 +143,42 @@ def fit(run: dict[str, Any]) -> None:
     )
     if trainer.is_global_zero:
         torch.save(result, run["out"])
+
+
+BATCHES = 6  # each run's batches (the tests' runs; a run may say otherwise)
+
+
+def launch_parity_runs(runs: dict[str, dict[str, Any]], out: Path) -> dict[str, dict[str, Any]]:
+    """Every run of ``runs`` (by name) in one launch of this script; what each rank 0 saved, by name."""
+    listed = [{"batches": BATCHES, **run, "out": str(out / f"{name}.pt")} for name, run in runs.items()]
+    subprocess.run([sys.executable, __file__, json.dumps(listed)], check=True, timeout=600)
+    return {name: torch.load(out / f"{name}.pt") for name in runs}
+
+
+def assert_matches_reference(run: dict[str, Any], got: dict[str, Any]) -> None:
+    """``got`` (a run's results) against one process running the unmodified model on the same batches: the same
+    start, losses, gradient norms before clipping, parameters after the last step and validation loss (1e-5)."""
+    batches = run.get("batches", BATCHES)
+    model = tiny_causal_lm(run["family"], layers=run["layers"], **run.get("model", {}))
+    if run.get("meta"):
+        model.load_state_dict(meta_initialised(run["family"], layers=run["layers"]), strict=False)
+    exclude_experts(model, run.get("exclude_experts", []))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert set(got["start"]) == set(start)
+    assert all(torch.equal(got["start"][n], p) for n, p in start.items())  # the same model to begin with
+    expected = reference_run(model, batches, accumulate=run.get("accumulate", 1), clip=run.get("clip"))
+    if "clip" in run:  # clipping bit on some steps only
+        assert min(expected["norms"]) < run["clip"] < max(expected["norms"])
+    assert len(got["losses"]) == len(expected["losses"]) == batches
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= 1e-5
+    assert set(got["params"]) == set(expected["params"])
+    for name, param in expected["params"].items():
+        assert float((got["params"][name] - param).abs().max()) <= 1e-5, name
+        # every parameter trained (an expert no token chooses only decays)
+        assert not torch.equal(param, start[name]), name
+    if run.get("validate"):
+        assert abs(got["val_loss"] - expected["val_loss"]) <= 1e-5
 
 
 def main(runs: list[dict[str, Any]]) -> None:

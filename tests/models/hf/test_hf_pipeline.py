@@ -5,18 +5,11 @@ every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py``."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from tiny_hf import meta_initialised, reference_run, tiny_causal_lm
+from hf_parity_run import BATCHES, assert_matches_reference, launch_parity_runs
 
-SCRIPT = Path(__file__).with_name("hf_parity_run.py")
-BATCHES = 6
 MIXED_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
 
@@ -56,37 +49,14 @@ RUNS: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    out = tmp_path_factory.mktemp("hf_pipeline")
-    runs = [{**run, "out": str(out / f"{name}.pt")} for name, run in RUNS.items()]
-    subprocess.run([sys.executable, str(SCRIPT), json.dumps(runs)], check=True, timeout=600)
-    return {name: torch.load(out / f"{name}.pt") for name in RUNS}
+    return launch_parity_runs(RUNS, tmp_path_factory.mktemp("hf_pipeline"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
 def test_pipeline_matches_one_process(results: dict[str, dict[str, Any]], name: str) -> None:
     run, got = RUNS[name], results[name]
-    model = tiny_causal_lm(run["family"], layers=run["layers"], **run.get("model", {}))
-    if run.get("meta"):
-        model.load_state_dict(meta_initialised(run["family"], layers=run["layers"]), strict=False)
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    assert set(got["start"]) == set(start)
-    assert all(torch.equal(got["start"][n], p) for n, p in start.items())  # the same model to begin with
-    expected = reference_run(model, BATCHES, accumulate=run.get("accumulate", 1), clip=run.get("clip"))
-    layers = run["layers"]
     # rank 0 holds the first stage(s): half the layers, or under Interleaved1F1B stages 0 and 2
-    assert got["layers_here"] == ([0, 2] if layers == 4 else [0])
+    assert got["layers_here"] == ([0, 2] if run["layers"] == 4 else [0])
     assert ("tp" in got["meshes"]) == ("tp" in run["dims"])
-    if "clip" in run:
-        assert (
-            min(expected["norms"]) < run["clip"] < max(expected["norms"])
-        )  # clipping bit on some steps only
-    assert len(got["losses"]) == len(expected["losses"]) == BATCHES
-    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= 1e-5
-    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= 1e-5
-    assert set(got["params"]) == set(expected["params"])
-    for param_name, param in expected["params"].items():
-        assert float((got["params"][param_name] - param).abs().max()) <= 1e-5, param_name
-        assert not torch.equal(param, start[param_name]) or "experts" in param_name, param_name  # trained
-    if run.get("validate"):
-        assert abs(got["val_loss"] - expected["val_loss"]) <= 1e-5
+    assert_matches_reference(run, got)

@@ -71,13 +71,52 @@ def test_sizes_tp_does_not_divide_are_refused(
         check_hf_model(tiny(family, **overrides), ParallelDims(tp=tp))
 
 
-def test_ep_is_not_yet() -> None:  # cp: test_hf_context_parallel.py
+def tiny_moe(**overrides: object) -> nn.Module:
+    values = {
+        "vocab_size": 128, "hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32, **overrides,
+    }  # fmt: skip
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**values))
+
+
+def test_ep_on_a_dense_model_is_refused() -> None:  # cp: test_hf_context_parallel.py
+    with pytest.raises(
+        ValueError,
+        match=r"^LlamaForCausalLM: ep=2 needs an expert-parallel plan, but its config \(LlamaConfig\) has no "
+        r"base_model_ep_plan \(a dense model has no experts to split\); use ep=1",
+    ):
+        check_hf_model(tiny("llama"), ParallelDims(ep=2))
+
+
+def test_ep_that_does_not_divide_the_experts_is_refused() -> None:
+    with pytest.raises(
+        ValueError,
+        match=r"^Qwen3MoeForCausalLM: ep=3: model\.layers\.0\.mlp\.experts \(Qwen3MoeExperts\): ep \(3\) must "
+        r"divide the number of experts \(4\)",
+    ):
+        check_hf_model(tiny_moe(), ParallelDims(ep=3))
+
+
+def test_experts_in_another_layout_are_refused() -> None:
+    model = tiny_moe()
+    experts = model.model.layers[0].mlp.experts
+    experts.down_proj_bias = nn.Parameter(torch.zeros(4, 64))  # a family with expert biases
     with pytest.raises(
         NotImplementedError,
-        match=r"^the transformers adapter for LlamaForCausalLM: ep=2 is not implemented yet .*; "
-        r"use ep=1, or wait for issue 24",
+        match=r"^Qwen3MoeForCausalLM: ep=2: model\.layers\.0\.mlp\.experts \(Qwen3MoeExperts\) holds "
+        r"\['down_proj', 'down_proj_bias', 'gate_up_proj'\]; the adapter splits only transformers' stacked experts",
     ):
-        parallelize_hf(tiny("llama"), ParallelDims(ep=2), ParallelOptions())
+        check_hf_model(model, ParallelDims(ep=2))
+
+
+def test_an_ep_plan_naming_no_module_is_refused() -> None:
+    model = tiny_moe()
+    model.config.base_model_ep_plan = {"blocks.*.moe": "ep_dispatch_experts"}
+    with pytest.raises(
+        ValueError, match=r"^Qwen3MoeForCausalLM: ep=2: its config's base_model_ep_plan names no"
+    ):
+        check_hf_model(model, ParallelDims(ep=2))
 
 
 def test_a_whole_model_plan_under_pp_names_the_pipeline() -> None:

@@ -5,6 +5,7 @@ clipping)."""
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -64,6 +65,24 @@ def meta_initialised(family: str, *, layers: int = 2, **overrides: Any) -> dict[
     model.to_empty(device="cpu")
     init_transformers_model_(model, META_SEED)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def exclude_experts(model: nn.Module, experts: list[int]) -> None:
+    """No token chooses ``experts`` (uneven loads, some experts with none): every router's top-k is taken again
+    from its probabilities with theirs zeroed, otherwise as ``transformers``' top-k router computes it. The same
+    hooks go on the reference and on the parallel run's model."""
+    for module in model.modules():
+        if type(module).__name__.endswith("TopKRouter"):
+            module.register_forward_hook(partial(_top_k_without, experts=experts))
+
+
+def _top_k_without(router: nn.Module, args: Any, output: Any, *, experts: list[int]) -> Any:
+    logits = output[0]
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1).index_fill(-1, torch.tensor(experts), 0.0)
+    values, indices = torch.topk(probs, router.top_k, dim=-1)
+    if router.norm_topk_prob:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return logits, values.to(logits.dtype), indices
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,165 @@
+"""Expert parallelism for a ``transformers`` MoE model, read from its config's expert-parallel plan.
+
+``transformers`` ships the plan in every MoE config: ``config.base_model_ep_plan`` maps module-name patterns of the
+base model to style names; ``"grouped_gemm"`` marks the stacked expert weights (``layers.*.mlp.experts.gate_up_proj``,
+``...down_proj``: the expert on dimension 0) and ``"ep_dispatch_experts"`` the experts module, the point where the
+tokens go to their experts (older plans name it ``"moe_tp_experts"``). There, the model's MoE block calls
+``experts(hidden_states [T, H], top_k_index [T, k], top_k_weights [T, k])`` after its own router, so the router,
+its top-k and its load-balancing loss stay exactly as the model computes them. :func:`parallelize_hf_experts` changes,
+for each experts module:
+
+- the stacked weights become ``DTensor``s sharded over ``ep`` on the expert dimension, and the module its own FSDP
+  unit over the ranks that hold the same experts, gradients divided by the ranks whose loss is averaged
+  (:func:`~lightning_d9d.plans.expert.split_expert_weights`, as for our own MoE blocks);
+- its forward (:func:`expert_parallel_forward`): our dispatcher (all-to-all over ``ep``, DeepEP where installed
+  and asked for: :func:`~lightning_d9d.modules.moe.expert_parallel_dispatcher`) brings each rank the rows of its
+  local experts, grouped by expert; one grouped GEMM per projection runs them
+  (:func:`~lightning_d9d.kernels.grouped_mm`) in ``transformers``' weight layout (``gate_up_proj [E, 2 * ffn,
+  hidden]`` with the gate rows first, ``down_proj [E, hidden, ffn]``, the module's own ``act_fn``); the rows come
+  back and are summed per token with the router's weights.
+
+Refused before any collective (:func:`check_hf_expert_model`): a config without ``base_model_ep_plan`` (a dense
+model), a plan that names no experts module, an experts module that is not ``transformers``' stacked layout (other
+parameters, biases, another forward signature), and an ``ep`` that does not divide the number of experts.
+
+Nothing here imports ``transformers``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from lightning_d9d.kernels import grouped_mm
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.tensor import expand_plan
+from lightning_d9d.modules.moe import Routing, TokenDispatcher, expert_parallel_dispatcher
+from lightning_d9d.plans.expert import split_expert_weights
+from lightning_d9d.plans.options import ParallelOptions
+
+# Plan style names (of the transformers versions we support) this adapter reads.
+GROUPED_WEIGHTS = ("grouped_gemm",)
+DISPATCH_POINT = ("ep_dispatch_experts", "moe_tp_experts")
+# The experts module's layout: its parameters and its forward's arguments.
+WEIGHTS = ("gate_up_proj", "down_proj")
+ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
+# The instance attributes an expert-parallel experts module holds its dispatcher and its number of experts in.
+_DISPATCHER, _NUM_EXPERTS = "_d9d_dispatcher", "_d9d_num_experts"
+
+
+def config_ep_plan(model: nn.Module) -> dict[str, str]:
+    """The config's ``base_model_ep_plan`` keyed by patterns relative to ``model`` (empty when it has none)."""
+    plan = dict(getattr(model.config, "base_model_ep_plan", None) or {})
+    base = getattr(model, "base_model", None)
+    prefix = getattr(model, "base_model_prefix", "")
+    at = f"{prefix}." if isinstance(base, nn.Module) and base is not model and prefix else ""
+    return {f"{at}{pattern}": style for pattern, style in plan.items()}
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The experts modules the ep plan names (by module name): those styled as the dispatch point, else the
+    parents of the grouped weights."""
+    split = expand_plan(model, config_ep_plan(model))
+    names = [name for name, style in split.items() if style in DISPATCH_POINT]
+    if not names:
+        names = sorted({name.rpartition(".")[0] for name, style in split.items() if style in GROUPED_WEIGHTS})
+    modules = dict(model.named_modules())
+    return {name: modules[name] for name in names if name in modules}
+
+
+def check_hf_expert_model(model: nn.Module, ep: int) -> None:
+    """Refuse, from the model alone (before any collective), what :func:`parallelize_hf_experts` cannot split."""
+    name, config = type(model).__name__, getattr(model, "config")  # noqa: B009  (untyped here)
+    if not getattr(config, "base_model_ep_plan", None):
+        raise ValueError(
+            f"{name}: ep={ep} needs an expert-parallel plan, but its config ({type(config).__name__}) has no "
+            "base_model_ep_plan (a dense model has no experts to split); use ep=1"
+        )
+    found = expert_modules(model)
+    if not found:
+        raise ValueError(
+            f"{name}: ep={ep}: its config's base_model_ep_plan names no experts module of the model "
+            f"({sorted(config.base_model_ep_plan)}); use ep=1"
+        )
+    for module_name, experts in found.items():
+        _check_layout(name, module_name, experts, ep)
+
+
+def _check_layout(name: str, module_name: str, experts: nn.Module, ep: int) -> None:
+    own = dict(experts.named_parameters(recurse=False))
+    prefix = f"{name}: ep={ep}: {module_name} ({type(experts).__name__})"
+    act_fn = getattr(experts, "act_fn", None)
+    others = [child for child in experts.children() if child is not act_fn]
+    if sorted(own) != sorted(WEIGHTS) or others:
+        raise NotImplementedError(
+            f"{prefix} holds {sorted(own)}; the adapter splits only transformers' stacked experts "
+            f"({' and '.join(WEIGHTS)}, no biases); use ep=1"
+        )
+    arguments = [p for p in inspect.signature(type(experts).forward).parameters if p != "self"]
+    if tuple(arguments[: len(ARGUMENTS)]) != ARGUMENTS or not callable(act_fn):
+        raise NotImplementedError(
+            f"{prefix}: its forward takes {arguments} and it has act_fn={act_fn!r}; the "
+            f"adapter's expert-parallel forward replaces forward({', '.join(ARGUMENTS)}) with an act_fn; use ep=1"
+        )
+    experts_count, double_ffn, hidden = own["gate_up_proj"].shape
+    if own["down_proj"].shape != (experts_count, hidden, double_ffn // 2):
+        raise NotImplementedError(
+            f"{prefix}: gate_up_proj {tuple(own['gate_up_proj'].shape)} and down_proj "
+            f"{tuple(own['down_proj'].shape)} are not transformers' [E, 2 * ffn, hidden] / [E, hidden, ffn]; use ep=1"
+        )
+    if experts_count % ep:
+        raise ValueError(
+            f"{prefix}: ep ({ep}) must divide the number of experts ({experts_count}): each ep rank holds "
+            f"experts / ep of them; choose an ep among the divisors of {experts_count}"
+        )
+
+
+def parallelize_hf_experts(
+    model: nn.Module, dims: ParallelDims, options: ParallelOptions, *, dispatch_backend: str | None = None
+) -> list[nn.Module]:
+    """Split every experts module of ``model`` over ``ep`` (see the module docstring); returns them. Without ep
+    it does nothing. Call it after tp / cp and before the block plan (recompute, compile, FSDP)."""
+    if not dims.ep_enabled:
+        return []
+    check_hf_expert_model(model, dims.ep)
+    group = dims.mesh_for("ep").get_group()
+    changed = []
+    for experts in expert_modules(model).values():
+        num_experts = int(experts.get_parameter("gate_up_proj").shape[0])
+        split_expert_weights(experts, dims, options)
+        setattr(
+            experts, _DISPATCHER, expert_parallel_dispatcher(group, num_experts, backend=dispatch_backend)
+        )
+        setattr(experts, _NUM_EXPERTS, num_experts)
+        experts.forward = types.MethodType(expert_parallel_forward, experts)  # type: ignore[method-assign]
+        changed.append(experts)
+    return changed
+
+
+def expert_parallel_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """``transformers``' experts forward with the experts split over ``ep``: ``[T, H]`` rows, each token's top-k
+    experts and weights -> ``[T, H]``, the weighted sum of its experts' outputs."""
+    dispatcher: TokenDispatcher = getattr(self, _DISPATCHER)
+    gate_up_proj = _local(self.get_parameter("gate_up_proj"))
+    down_proj = _local(self.get_parameter("down_proj"))
+    counts = torch.bincount(top_k_index.reshape(-1), minlength=getattr(self, _NUM_EXPERTS))
+    empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
+    routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
+    dispatched = dispatcher.dispatch(hidden_states, routing)
+    gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), dispatched.tokens_per_expert)
+    gate, up = gate_up.chunk(2, dim=-1)
+    act_fn: Any = self.act_fn
+    output = grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), dispatched.tokens_per_expert)
+    return dispatcher.combine(output, dispatched)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts (FSDP has gathered its own dimension by now); the gradient flows back into the DTensor."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
