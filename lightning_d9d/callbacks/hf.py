@@ -1,8 +1,9 @@
 """Hugging Face weights in and out of a training run: ``LoadHFWeights`` and ``ExportHF``.
 
 Both work on any mesh and find the model inside the LightningModule: the submodule named by ``module_attr``, or
-by default the one child module whose ``config`` has ``to_hf_dict()`` (our models). Its parameter names must be
-those of the HF format's mapping (``lightning_d9d.state.hf``).
+by default the one child module whose ``config`` has ``to_hf_dict()`` (our models) or that is a ``transformers``
+model (whose own names and layout are its format: ``lightning_d9d.state.hf.transformers``). Our models' parameter
+names must be those of the HF format's mapping (``lightning_d9d.state.hf``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing_extensions import override
 
 from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
 from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
+from lightning_d9d.state.hf.transformers import is_transformers_module
 from lightning_d9d.state.training import HF_CONFIG_KEY
 
 
@@ -52,12 +54,13 @@ def find_hf_model(pl_module: pl.LightningModule, module_attr: str | None = None)
         (name, child)
         for name, child in pl_module.named_children()
         if callable(getattr(getattr(child, "config", None), "to_hf_dict", None))
+        or is_transformers_module(child)
     ]
     if len(found) != 1:
         what = "none" if not found else ", ".join(repr(name) for name, _ in found)
         raise AttributeError(
             f"{type(pl_module).__name__}: cannot tell which submodule holds the model to load or export: "
-            f"children with a config.to_hf_dict() are {what}. Build the model (e.g. self.model = "
+            f"children with a config.to_hf_dict() or that are transformers models are {what}. Build the model (e.g. self.model = "
             "Qwen3ForCausalLM(...)) in __init__ or configure_model, or pass module_attr='...'"
         )
     return found[0]

@@ -32,6 +32,7 @@ from .registry import (
     hf_format,
     read_hf_config,
 )
+from .transformers import is_transformers_module, transformers_format, transformers_hf_config
 
 # Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -39,13 +40,23 @@ _WEIGHT_INDEXES = (INDEX_NAME, "pytorch_model.bin.index.json")
 
 
 def module_hf_config(module: nn.Module) -> dict[str, Any]:
-    """The HF config of a model whose ``config`` has ``to_hf_dict()`` (our models)."""
+    """The HF config of a model whose ``config`` has ``to_hf_dict()`` (our models), or of a ``transformers``
+    model (its own config)."""
+    if is_transformers_module(module):
+        return transformers_hf_config(module)
     config = getattr(module, "config", None)
     if config is None or not callable(getattr(config, "to_hf_dict", None)):
         raise TypeError(
-            f"{type(module).__name__} has no config.to_hf_dict(): pass the Hugging Face config explicitly"
+            f"{type(module).__name__} has no config.to_hf_dict() and is no transformers model: pass the Hugging "
+            "Face config explicitly"
         )
     return hf_dict(config)
+
+
+def module_hf_format(module: nn.Module, config: HFConfig) -> HFFormat:
+    """The format between ``config``'s files and ``module``: the registered one of its family for our models,
+    the module's own for a ``transformers`` model (:func:`~.transformers.transformers_format`)."""
+    return transformers_format(module, config) if is_transformers_module(module) else hf_format(config)
 
 
 def reading_mapper(
@@ -77,11 +88,11 @@ def load_hf(
     module holds part of the model (a pipeline stage), and only its part is read.
     """
     expected = module_hf_config(module) if config is None else hf_dict(config)
-    fmt = hf_format(expected)
+    keys = CheckpointReader(directory).keys()
+    fmt = module_hf_format(module, expected)
     if check_config:
         found = read_hf_config(directory)
-        check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME))
-    keys = CheckpointReader(directory).keys()
+        check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME), fmt=fmt)
     mapper = reading_mapper(fmt, expected, keys, layout)
     load_into_module(module, directory, mapper, cast=cast, partial=partial)
 
@@ -137,7 +148,7 @@ def save_hf(
     is written by the lowest rank holding it, into the one directory.
     """
     hf = module_hf_config(module) if config is None else hf_dict(config)
-    fmt = hf_format(hf)
+    fmt = module_hf_format(module, hf)
     written_dtype = dtype if dtype is not None else _floating_dtype(module)
     files = {**(extra_files or {}), CONFIG_NAME: hf_config_json(hf, dtype=written_dtype)}
     mapper = writing_mapper(fmt, hf, dtype, layout)

@@ -162,16 +162,27 @@ def hf_config_json(config: HFConfig, *, dtype: torch.dtype | None = None) -> str
 
 
 def check_same_model(
-    found: HFConfig, expected: HFConfig, *, path: str, expected_name: str = "the module"
+    found: HFConfig,
+    expected: HFConfig,
+    *,
+    path: str,
+    expected_name: str = "the module",
+    fmt: HFFormat | None = None,
 ) -> None:
     """Raise ``ConfigMismatchError`` unless ``found`` (a checkpoint's config) describes the model ``expected``
-    describes: the same format, and the same value for every field of its signature. The message lists each
-    differing field with both values."""
-    try:
-        found_format = hf_format(found)
-    except CheckpointError:
-        found_format = None
-    expected_format = hf_format(expected)
+    describes: the same format (``fmt``, default: ``expected``'s registered one), and the same value for every
+    field of its signature. The message lists each differing field with both values."""
+    expected_format = fmt if fmt is not None else hf_format(expected)
+    if fmt is not None:
+        same = found.get("model_type") == fmt.model_type or bool(
+            set(found.get("architectures") or ()) & set(fmt.architectures)
+        )
+        found_format = expected_format if same else None
+    else:
+        try:
+            found_format = hf_format(found)
+        except CheckpointError:
+            found_format = None
     if found_format is not expected_format:
         fields = {"model_type": (found.get("model_type"), expected.get("model_type"))}
         raise ConfigMismatchError(

@@ -3,7 +3,8 @@ N ranks forked from this process (torchrun's environment: Lightning launches not
 
 Usage: ``python hf_parity_run.py '<json list of runs>'``; a run has ``family``, ``layers``, ``devices``, ``dims``
 (the strategy's arguments), ``batches``, optionally ``accumulate``, ``clip``, ``validate``, ``model`` (config
-overrides), ``meta`` (built in ``configure_model`` on meta), ``exclude_experts``, and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
+overrides), ``meta`` (built in ``configure_model`` on meta), ``exclude_experts``, ``lr``, ``load_hf`` /
+``export_hf`` (directories for ``LoadHFWeights`` / ``ExportHF``), and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
 (gathered from every pipeline rank), the validation loss and what shows the plan was applied.
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -43,6 +45,7 @@ from tiny_hf import (  # noqa: E402
 from trainer_script import RecordGradNorms, RecordLosses, full_parameters  # noqa: E402
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
+from lightning_d9d.callbacks import ExportHF, LoadHFWeights  # noqa: E402
 from lightning_d9d.modules.loss import causal_lm_loss  # noqa: E402
 
 
@@ -76,7 +79,7 @@ class HFCausalLM(L.LightningModule):
         self.log("val/loss", loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return optimizer_for(self.parameters())
+        return optimizer_for(self.parameters(), lr=self.run.get("lr", 1e-3))
 
     def _loader(self, rows: list[dict[str, torch.Tensor]]) -> DataLoader:
         # each data rank its rows of every batch, in order (Lightning's own sampler would shuffle)
@@ -103,6 +106,11 @@ def fit(run: dict[str, Any]) -> None:
     module = HFCausalLM(run)
     pipelined = run["dims"].get("pp", 1) > 1
     grad_norms, losses = RecordGradNorms(pipelined=pipelined), RecordLosses()
+    callbacks: list[Callback] = [grad_norms, losses]
+    if run.get("load_hf"):  # after the strategy's setup: streamed into the sharded parameters
+        callbacks.insert(0, LoadHFWeights(run["load_hf"]))
+    if run.get("export_hf"):  # at the end of training, as transformers' files (max_shard_size: several files)
+        callbacks.append(ExportHF(run["export_hf"], filename="final", max_shard_size=40_000))
     trainer = L.Trainer(
         strategy=D9DStrategy(**run["dims"]),
         accelerator="cpu",
@@ -111,7 +119,7 @@ def fit(run: dict[str, Any]) -> None:
         max_steps=run["batches"] // run.get("accumulate", 1),
         accumulate_grad_batches=run.get("accumulate", 1),
         gradient_clip_val=run.get("clip"),
-        callbacks=[grad_norms, losses],
+        callbacks=callbacks,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -71,6 +71,8 @@ def exclude_experts(model: nn.Module, experts: list[int]) -> None:
     """No token chooses ``experts`` (uneven loads, some experts with none): every router's top-k is taken again
     from its probabilities with theirs zeroed, otherwise as ``transformers``' top-k router computes it. The same
     hooks go on the reference and on the parallel run's model."""
+    if not experts:
+        return
     for module in model.modules():
         if type(module).__name__.endswith("TopKRouter"):
             module.register_forward_hook(partial(_top_k_without, experts=experts))
@@ -78,7 +80,9 @@ def exclude_experts(model: nn.Module, experts: list[int]) -> None:
 
 def _top_k_without(router: nn.Module, args: Any, output: Any, *, experts: list[int]) -> Any:
     logits = output[0]
-    probs = torch.softmax(logits, dtype=torch.float, dim=-1).index_fill(-1, torch.tensor(experts), 0.0)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1).index_fill(
+        -1, torch.tensor(experts, dtype=torch.int64), 0.0
+    )
     values, indices = torch.topk(probs, router.top_k, dim=-1)
     if router.norm_topk_prob:
         values = values / values.sum(dim=-1, keepdim=True)
@@ -104,11 +108,11 @@ def samples(steps: int) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def optimizer_for(parameters: Any) -> torch.optim.Optimizer:
+def optimizer_for(parameters: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
     # eps well above the gradients' rounding noise (~1e-8 here: sums over other orders of ranks and shards):
     # Adam steps an entry by about lr * g / (|g| + eps), which with the default eps=1e-8 turns a difference in the
     # last bits of a near-zero g into one of up to lr in the parameter; with 1e-4 at most lr * 1e-8 / eps per step
-    return torch.optim.AdamW(parameters, lr=1e-3, weight_decay=0.1, eps=1e-4)
+    return torch.optim.AdamW(parameters, lr=lr, weight_decay=0.1, eps=1e-4)
 
 
 def reference_run(

@@ -1,0 +1,88 @@
+"""``transformers``' own files in and out of a run on a transformers model: a multi-shard ``save_pretrained``
+checkpoint streamed by ``LoadHFWeights`` into ``tp=2 × dp_shard=2`` (and into pipeline stages), trained, written by
+``ExportHF`` as several shards, and read back by ``from_pretrained``: the original's logits when nothing trained
+(fp32, 1e-5), the one-process run's parameters when it trained. Dense (Qwen3, Llama) and Qwen3-MoE, whose
+per-expert files become its fused in-memory experts and back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hf_parity_run import BATCHES, launch_parity_runs
+from tiny_hf import FAMILIES, batch, reference_run, tiny_causal_lm
+
+from lightning_d9d.state.errors import ConfigMismatchError
+from lightning_d9d.state.hf import load_hf
+from lightning_d9d.state.reader import INDEX_NAME
+
+
+def saved_pretrained(family: str, directory: Path) -> torch.nn.Module:
+    """Another model than the runs build (seed 7, not 0), saved by ``save_pretrained`` in several files."""
+    torch.manual_seed(7)
+    model = tiny_causal_lm(family)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    model.save_pretrained(directory, max_shard_size="40KB")
+    assert len(list(directory.glob("*.safetensors"))) > 2 and (directory / INDEX_NAME).is_file()
+    return model
+
+
+RUNS: dict[str, dict[str, Any]] = {
+    # nothing trains (lr 0): what comes out is what went in
+    "qwen3_tp2_dp2_roundtrip": {"family": "qwen3", "devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "lr": 0.0},
+    "llama_tp2_dp2_roundtrip": {"family": "llama", "devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "lr": 0.0},
+    "qwen3_moe_ep2_roundtrip": {"family": "qwen3_moe", "devices": 2, "dims": {"ep": 2}, "lr": 0.0},
+    # trained in between, under pipeline stages (each rank loads and exports its stage)
+    "llama_pp2_trained": {
+        "family": "llama",
+        "devices": 2,
+        "dims": {"pp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("hf_checkpoints")
+    runs, originals = {}, {}
+    for name, run in RUNS.items():
+        originals[name] = saved_pretrained(run["family"], out / f"{name}_pretrained")
+        runs[name] = {
+            **run,
+            "layers": 2,
+            "load_hf": str(out / f"{name}_pretrained"),
+            "export_hf": str(out / name),
+        }
+    got = launch_parity_runs(runs, out)
+    return {name: (got[name], originals[name], out / name / "final") for name in RUNS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(RUNS))
+def test_hf_files_round_trip_through_a_parallel_run(results: dict[str, Any], name: str) -> None:
+    got, original, exported = results[name]
+    run = RUNS[name]
+    assert len(list(exported.glob("*.safetensors"))) > 1 and (exported / INDEX_NAME).is_file()
+    assert all(torch.equal(got["start"][n], p.detach()) for n, p in original.named_parameters())  # loaded
+    back = FAMILIES[run["family"]][1].from_pretrained(exported)
+    ids = batch(0)[0]
+    if run.get("lr") == 0.0:
+        expected = original(input_ids=ids).logits
+        assert float((back(input_ids=ids).logits - expected).abs().max()) <= 1e-5
+        return
+    expected_params = reference_run(original, BATCHES)["params"]
+    for param_name, param in back.named_parameters():
+        assert float((param.detach() - expected_params[param_name]).abs().max()) <= 1e-5, param_name
+
+
+def test_files_of_another_model_are_refused_naming_the_fields(tmp_path: Path) -> None:
+    tiny_causal_lm("llama").save_pretrained(tmp_path / "llama")
+    tiny_causal_lm("llama", intermediate_size=96).save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ConfigMismatchError, match=r"describes another model: model_type 'llama'"):
+        load_hf(tiny_causal_lm("qwen3"), tmp_path / "llama")
+    with pytest.raises(ConfigMismatchError, match=r"intermediate_size is 96 there but 128 in the module"):
+        load_hf(tiny_causal_lm("llama"), tmp_path / "narrow")
