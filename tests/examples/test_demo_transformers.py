@@ -25,7 +25,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     ],
 )
 def test_the_demo_trains_a_transformers_model(tmp_path: Path, model: str, class_path: str) -> None:
-    command = [sys.executable, str(EXAMPLE), "--model", model, "--max-steps", "20"]
+    command = [sys.executable, str(EXAMPLE), "--model", model, "--max-steps", "12"]
     command += ["--batch-size", "8", "--output", str(tmp_path / "run")]
     proc = subprocess.run(command, cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -135,6 +135,7 @@ def fit(run: dict[str, Any]) -> None:
         "norms": grad_norms.norms,
         "params": params,
         "start": module.start,
+        "export_dir": run.get("export_hf"),
     }
     if run.get("validate"):
         trainer.limit_val_batches = 1.0

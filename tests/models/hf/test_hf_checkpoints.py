@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from hf_parity_run import BATCHES, launch_parity_runs
+from hf_parity_run import BATCHES
 from tiny_hf import FAMILIES, batch, reference_run, tiny_causal_lm
 
 from lightning_d9d.state.errors import ConfigMismatchError
@@ -45,27 +45,28 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("hf_checkpoints")
-    runs, originals = {}, {}
+ORIGINALS: dict[str, torch.nn.Module] = {}
+
+
+def prepare_runs(out: Path) -> dict[str, dict[str, Any]]:
+    """The runs with their directories: each loads its own save_pretrained files (written here) and exports."""
+    runs = {}
     for name, run in RUNS.items():
-        originals[name] = saved_pretrained(run["family"], out / f"{name}_pretrained")
+        ORIGINALS[name] = saved_pretrained(run["family"], out / f"{name}_pretrained")
         runs[name] = {
             **run,
             "layers": 2,
             "load_hf": str(out / f"{name}_pretrained"),
             "export_hf": str(out / name),
         }
-    got = launch_parity_runs(runs, out)
-    return {name: (got[name], originals[name], out / name / "final") for name in RUNS}
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_hf_files_round_trip_through_a_parallel_run(results: dict[str, Any], name: str) -> None:
-    got, original, exported = results[name]
-    run = RUNS[name]
+def test_hf_files_round_trip_through_a_parallel_run(parity_results: dict[str, Any], name: str) -> None:
+    run, got, original = RUNS[name], parity_results[f"{__name__}.{name}"], ORIGINALS[name]
+    exported = Path(got["export_dir"]) / "final"
     assert len(list(exported.glob("*.safetensors"))) > 1 and (exported / INDEX_NAME).is_file()
     assert all(torch.equal(got["start"][n], p.detach()) for n, p in original.named_parameters())  # loaded
     back = FAMILIES[run["family"]][1].from_pretrained(exported)

@@ -1,14 +1,14 @@
 """A transformers Qwen3-MoE with its experts split over ``ep`` by its own config's ep plan (our dispatcher, the
 model's own router), inside Lightning's loop, alone and with FSDP, HSDP, pipelines and context parallelism, with
 an expert no token chooses, against one process running the unmodified model (losses, gradient norms before
-clipping, parameters after every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py``."""
+clipping, parameters after every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py`` (``conftest.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from hf_parity_run import assert_matches_reference, launch_parity_runs
+from hf_parity_run import assert_matches_reference
 
 
 def ep_run(devices: int, **dims: Any) -> dict[str, Any]:
@@ -27,14 +27,9 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return launch_parity_runs(RUNS, tmp_path_factory.mktemp("hf_ep"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_expert_parallel_matches_one_process(results: dict[str, dict[str, Any]], name: str) -> None:
-    run, got = RUNS[name], results[name]
+def test_expert_parallel_matches_one_process(parity_results: dict[str, dict[str, Any]], name: str) -> None:
+    run, got = RUNS[name], parity_results[f"{__name__}.{name}"]
     assert "ep" in got["meshes"]  # the experts were split over ep
     assert_matches_reference(run, got)

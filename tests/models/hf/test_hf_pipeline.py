@@ -1,14 +1,14 @@
 """A transformers causal LM cut into pipeline stages by its own config's pp plan, inside Lightning's loop: every
 family, 1F1B and Interleaved1F1B (with validation), with accumulation and clipping, composed with tp and FSDP,
 against one process running the unmodified model (losses, gradient norms before clipping, parameters after
-every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py``."""
+every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py`` (``conftest.py``)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from hf_parity_run import BATCHES, assert_matches_reference, launch_parity_runs
+from hf_parity_run import BATCHES, assert_matches_reference
 
 MIXED_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
 
@@ -47,15 +47,10 @@ RUNS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
-    return launch_parity_runs(RUNS, tmp_path_factory.mktemp("hf_pipeline"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS))
-def test_pipeline_matches_one_process(results: dict[str, dict[str, Any]], name: str) -> None:
-    run, got = RUNS[name], results[name]
+def test_pipeline_matches_one_process(parity_results: dict[str, dict[str, Any]], name: str) -> None:
+    run, got = RUNS[name], parity_results[f"{__name__}.{name}"]
     # rank 0 holds the first stage(s): half the layers, or under Interleaved1F1B stages 0 and 2
     assert got["layers_here"] == ([0, 2] if run["layers"] == 4 else [0])
     assert ("tp" in got["meshes"]) == ("tp" in run["dims"])
