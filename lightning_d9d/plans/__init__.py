@@ -11,7 +11,7 @@ from lightning_d9d.plans.expert import check_expert_split, parallelize_expert
 from lightning_d9d.plans.fsdp import parallelize_fsdp
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
-from lightning_d9d.plans.routing import route_on_sequence_shards
+from lightning_d9d.plans.routing import route_on_sequence_shards, sum_gradients_over_tp
 from lightning_d9d.plans.tensor import (
     check_sequence_length,
     check_tensor_parallel_sizes,
@@ -61,6 +61,7 @@ __all__ = [
     "row_parallel_to_sequence",
     "sequence_parallel_norm",
     "split_batch",
+    "sum_gradients_over_tp",
     "vocab_parallel_embedding",
     "vocab_parallel_head",
 ]

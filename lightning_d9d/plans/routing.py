@@ -21,6 +21,7 @@ Call it after :func:`~lightning_d9d.plans.parallelize_expert` and before
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import partial
 
 import torch
@@ -40,9 +41,18 @@ def route_on_sequence_shards(module: nn.Module, dims: ParallelDims, options: Par
     blocks = [child for child in module.modules() if isinstance(child, MoE)]
     if not dims.tp_enabled or not blocks:
         return []
-    tp_group = dims.mesh_for("tp").get_group()
     for block in blocks:
         block.router_loss_share = 1.0 / dims.tp
+    sum_gradients_over_tp(blocks, dims, options)
+    return blocks
+
+
+def sum_gradients_over_tp(blocks: Iterable[nn.Module], dims: ParallelDims, options: ParallelOptions) -> None:
+    """Each of ``blocks`` (whole on every tp rank, run on this rank's positions only) becomes one FSDP unit
+    over the data ranks whose reduced gradients are then summed over tp: every tp rank's tokens count once.
+    Parameters already in a unit of their own (the experts under ep) are left to it."""
+    tp_group = dims.mesh_for("tp").get_group()
+    for block in blocks:
         unit = fully_shard(
             block,
             mesh=data_parallel_mesh(dims),
@@ -50,7 +60,6 @@ def route_on_sequence_shards(module: nn.Module, dims: ParallelDims, options: Par
             reshard_after_forward=reshards_after_forward(dims, options),
         )
         unit.set_all_reduce_hook(partial(_sum_over, group=tp_group))
-    return blocks
 
 
 def _sum_over(gradient: torch.Tensor, *, group: dist.ProcessGroup) -> None:

@@ -5,9 +5,10 @@ context parallelism through the attention interface, then FSDP per decoder layer
 Nothing here imports ``transformers``: a model is recognised only if the user's code imported it already.
 """
 
+from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan
 from lightning_d9d.models.hf.pipeline import TransformersPipeline, TransformersStage, hf_pipeline_for
 from lightning_d9d.models.hf.plan import check_hf_model, hf_plan_for, is_transformers_model, parallelize_hf
-from lightning_d9d.models.hf.tensor import config_tp_plan, expand_plan, hf_tensor_plan
+from lightning_d9d.models.hf.tensor import hf_tensor_plan
 
 __all__ = [
     "TransformersPipeline",

@@ -37,39 +37,16 @@ from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.hf.tensor import expand_plan
+from lightning_d9d.models.hf.config_plans import expert_modules
 from lightning_d9d.modules.moe import Routing, TokenDispatcher, expert_parallel_dispatcher
 from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.options import ParallelOptions
 
-# Plan style names (of the transformers versions we support) this adapter reads.
-GROUPED_WEIGHTS = ("grouped_gemm",)
-DISPATCH_POINT = ("ep_dispatch_experts", "moe_tp_experts")
 # The experts module's layout: its parameters and its forward's arguments.
 WEIGHTS = ("gate_up_proj", "down_proj")
 ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 # The instance attributes an expert-parallel experts module holds its dispatcher and its number of experts in.
 _DISPATCHER, _NUM_EXPERTS = "_d9d_dispatcher", "_d9d_num_experts"
-
-
-def config_ep_plan(model: nn.Module) -> dict[str, str]:
-    """The config's ``base_model_ep_plan`` keyed by patterns relative to ``model`` (empty when it has none)."""
-    plan = dict(getattr(model.config, "base_model_ep_plan", None) or {})
-    base = getattr(model, "base_model", None)
-    prefix = getattr(model, "base_model_prefix", "")
-    at = f"{prefix}." if isinstance(base, nn.Module) and base is not model and prefix else ""
-    return {f"{at}{pattern}": style for pattern, style in plan.items()}
-
-
-def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The experts modules the ep plan names (by module name): those styled as the dispatch point, else the
-    parents of the grouped weights."""
-    split = expand_plan(model, config_ep_plan(model))
-    names = [name for name, style in split.items() if style in DISPATCH_POINT]
-    if not names:
-        names = sorted({name.rpartition(".")[0] for name, style in split.items() if style in GROUPED_WEIGHTS})
-    modules = dict(model.named_modules())
-    return {name: modules[name] for name in names if name in modules}
 
 
 def check_hf_expert_model(model: nn.Module, ep: int) -> None:

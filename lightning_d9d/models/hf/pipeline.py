@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.expert import parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
@@ -49,13 +50,18 @@ from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.tensor import (
     HiddenStatesLayout,
     check_tensor_parallel_model,
-    config_tp_plan,
-    expand_plan,
     hf_tensor_plan,
     localize_head_counts,
+    split_modules,
 )
 from lightning_d9d.modules.hf_init import is_transformers_model
-from lightning_d9d.plans import DATA_PARALLEL, ParallelOptions, parallelize_blocks, parallelize_tensor
+from lightning_d9d.plans import (
+    DATA_PARALLEL,
+    ParallelOptions,
+    parallelize_blocks,
+    parallelize_tensor,
+    sum_gradients_over_tp,
+)
 from lightning_d9d.plans.degrees import require_degrees
 from lightning_d9d.plans.tensor import SEQUENCE_DIM
 
@@ -233,7 +239,7 @@ class TransformersStage(nn.Module):
         if dims.tp_enabled:
             check_tensor_parallel_model(self, dims.tp)
             parallelize_tensor(self, dims.mesh_for("tp"), hf_tensor_plan(self))
-            localize_head_counts(self, expand_plan(self, config_tp_plan(self)), dims.tp)
+            localize_head_counts(self, split_modules(self), dims.tp)
             if not self.first:
                 # the decoder builds its causal mask and positions from the whole sequence (see the docstring)
                 HiddenStatesLayout(Shard(SEQUENCE_DIM), Replicate())._apply(self, dims.mesh_for("tp"))
@@ -242,5 +248,7 @@ class TransformersStage(nn.Module):
             check_hf_context_model(self, dims.cp)
             parallelize_hf_context(self, dims.mesh_for("cp"), options.context_attention)
         parallelize_hf_experts(self, dims, options)
+        if dims.tp_enabled:  # as parallelize_hf: the MoE blocks' gradients sum over tp
+            sum_gradients_over_tp(moe_blocks(self).values(), dims, options)
         layers = getattr(self.base_model, LAYERS)
         parallelize_blocks(self, [layers], dims, options)

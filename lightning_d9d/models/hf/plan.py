@@ -14,16 +14,15 @@ from typing import Any
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.expert import check_hf_expert_model, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.tensor import (
-    ISSUE,
     check_tensor_parallel_model,
-    config_tp_plan,
-    expand_plan,
     hf_tensor_plan,
     localize_head_counts,
+    split_modules,
 )
 from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.plans import (
@@ -33,12 +32,10 @@ from lightning_d9d.plans import (
     parallelize_tensor,
     repeated_blocks,
     require_degrees,
+    sum_gradients_over_tp,
 )
 
 Plan = Callable[[ParallelDims, ParallelOptions], None]
-NOT_YET = (
-    f"wait for {ISSUE} (ep for transformers models comes next; tp, cp, pp and the data degrees work now)"
-)
 # parallelize_hf plans a whole model: under pp the strategy cuts it first and plans each stage.
 PIPELINE = (
     "let D9DStrategy(pp=...) cut the model into stages (lightning_d9d.models.hf.pipeline), each planned alike"
@@ -91,7 +88,8 @@ def parallelize_hf(
     2b. cp > 1: our load-balanced context-parallel attention through ``transformers``' attention interface and
        ``position_ids`` by global position (:func:`~.context.parallelize_hf_context`).
     2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
-       (:func:`~.expert.parallelize_hf_experts`).
+       (:func:`~.expert.parallelize_hf_experts`). Under tp each MoE block routes this rank's sequence shard,
+       its weights whole, its gradients summed over tp (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
     3. In training no KV cache (:func:`train_without_cache`).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
        (2-D with tp: FSDP shards the tp shards over ``fsdp``), as the default plan does.
@@ -104,10 +102,12 @@ def parallelize_hf(
     if dims.tp_enabled:
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
-        localize_head_counts(model, expand_plan(model, config_tp_plan(model)), dims.tp)
+        localize_head_counts(model, split_modules(model), dims.tp)
     if dims.cp_enabled:
         parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
     parallelize_hf_experts(model, dims, options)
+    if dims.tp_enabled:  # the MoE blocks ran on this rank's sequence shard: their gradients sum over tp
+        sum_gradients_over_tp(moe_blocks(model).values(), dims, options)
     train_without_cache(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
     parallelize_blocks(model, repeated_blocks(model), dims, options)

@@ -16,14 +16,14 @@ torch's ``ParallelStyle``s (:mod:`lightning_d9d.plans.tensor`) and add what ``tr
 - loss parallelism: whatever the plan says for the head, it leaves its logits sharded on the vocabulary dim for
   torch's ``loss_parallel``: no rank holds ``[tokens, vocab]``.
 
-A style this slice does not translate yet (``packed_colwise``, ``moe_tp_experts``, ``mla_kv_a_proj``, ...) is
-refused, naming the model class, the module and the style. ``transformers`` is never imported here: the model
+MoE blocks (the parents of the experts modules the ep plan names) are not split: each runs on this rank's
+sequence shard with its weights whole, and the caller sums their gradients over tp (:func:`split_modules` says
+why). A style this slice does not translate yet (``mla_kv_a_proj``, ``local_colwise``, ...) is refused, naming the model class, the module and the style. ``transformers`` is never imported here: the model
 is read through its attributes.
 """
 
 from __future__ import annotations
 
-import re
 import types
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -39,6 +39,7 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
+from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan, moe_blocks
 from lightning_d9d.plans.tensor import (
     SEQUENCE_DIM,
     check_sequence_length,
@@ -64,42 +65,6 @@ HEAD_COUNTS = ("num_heads", "num_attention_heads", "num_key_value_heads")
 
 
 # ------------------------------------------------------------------------------------------- the plan text
-def config_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The model's tensor-parallel plan as ``transformers`` assembles it, keyed by patterns relative to
-    ``model``: the config's ``base_model_tp_plan`` under the base model's prefix, then the class's ``_tp_plan``
-    (the head). Empty when the config has none."""
-    config = model.config
-    base_plan = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not base_plan:
-        return {}
-    prefix = getattr(model, "base_model_prefix", "")
-    base = getattr(model, prefix, None) if prefix else None
-    at = f"{prefix}." if isinstance(base, nn.Module) else ""
-    plan = {f"{at}{pattern}": style for pattern, style in base_plan.items()}
-    plan.update(head_tp_plan(model))
-    return plan
-
-
-def head_tp_plan(model: nn.Module) -> dict[str, str]:
-    """The head's part of the plan: the causal LM class's ``_tp_plan`` (the instance attribute of that name holds
-    the whole merged plan), or for a pipeline stage of one its ``head_tp_plan``."""
-    carried = getattr(model, "head_tp_plan", None)
-    return dict(carried if carried is not None else getattr(type(model), "_tp_plan", None) or {})
-
-
-def expand_plan(module: nn.Module, plan: Mapping[str, str]) -> dict[str, str]:
-    """``plan``'s patterns (``*`` stands for a layer number, as in ``transformers``) matched against the
-    module names of ``module``: module name -> style name. Patterns that match nothing are left out."""
-    names = [name for name, _ in module.named_modules() if name]
-    expanded: dict[str, str] = {}
-    for pattern, style in plan.items():
-        regex = re.compile(re.escape(pattern).replace(r"\*", r"\d+"))
-        for name in names:
-            if regex.fullmatch(name):
-                expanded[name] = style
-    return expanded
-
-
 def _module_from(model: nn.Module, method: str) -> nn.Module | None:
     getter = getattr(model, method, None)
     found = getter() if callable(getter) else None
@@ -114,6 +79,23 @@ def input_embedding(model: nn.Module) -> nn.Module | None:
 def output_embedding(model: nn.Module) -> nn.Module | None:
     """The model's LM head (``get_output_embeddings()``), if it has one."""
     return _module_from(model, "get_output_embeddings")
+
+
+def split_modules(model: nn.Module) -> dict[str, str]:
+    """The modules tp splits: the plan's expanded entries (module name -> style) but those inside an MoE block.
+
+    The plans of MoE configs split every expert's columns over tp (``packed_colwise`` / ``moe_tp_experts``), so
+    every tp rank would route the whole sequence and all-reduce the experts' partial sums. We run each MoE block
+    instead on this rank's sequence shard with its weights whole (as for our own MoE models,
+    :mod:`lightning_d9d.plans.routing`): no rank repeats another's routing or expert work, the experts' GEMMs
+    keep their full width, and under ep the dispatcher moves only this rank's tokens.
+    """
+    blocks = tuple(moe_blocks(model))
+    return {
+        name: style
+        for name, style in expand_plan(model, config_tp_plan(model)).items()
+        if not any(name == block or name.startswith(f"{block}.") for block in blocks)
+    }
 
 
 # ---------------------------------------------------------------------------------------------- checks
@@ -131,7 +113,8 @@ def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
         )
     modules = dict(model.named_modules())
     ends = (output_embedding(model), input_embedding(model))
-    for module_name, style in expand_plan(model, plan).items():
+    split = split_modules(model)
+    for module_name, style in split.items():
         translated = KNOWN if modules[module_name] in ends else (*COLUMN, *ROW, *PER_HEAD_NORM)
         if style not in translated:
             raise NotImplementedError(
@@ -151,14 +134,36 @@ def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
     }
     check_tensor_parallel_sizes(tp, name, sizes)
     # what the config does not say: every split module's own width
-    for module_name, style in expand_plan(model, plan).items():
+    for module_name, style in split.items():
         module = modules[module_name]
         if isinstance(module, nn.Linear) and style in (*COLUMN, *ROW, *GATHERED_COLUMN):
             field, size = (
                 ("in_features", module.in_features) if style in ROW else ("out_features", module.out_features)
             )
             check_tensor_parallel_sizes(tp, name, {f"{module_name}.{field}": size})
-    _check_regions_covered(model, expand_plan(model, plan), tp)
+    _check_regions_covered(model, split, tp)
+    _check_moe_blocks(model, split, tp)
+
+
+def _check_moe_blocks(model: nn.Module, split: Mapping[str, str], tp: int) -> None:
+    """MoE blocks run on sequence shards (:func:`split_modules`): the decoder must allow sequence parallelism,
+    and the load-balancing loss, computed from every layer's router logits, would see this rank's shard only."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return
+    name = type(model).__name__
+    if sequence_parallel_layout(model, split) is None:
+        raise NotImplementedError(
+            f"{name}: tp={tp}: its MoE blocks ({next(iter(blocks))}, ...) run on each rank's sequence shard, but "
+            "a part of its decoder layers is neither a norm, an MoE block nor a split attention/MLP, so the "
+            f"residual stream cannot be sequence-sharded ({ISSUE}); use tp=1 (ep and the data degrees apply)"
+        )
+    if getattr(model.config, "output_router_logits", False):
+        raise NotImplementedError(
+            f"{name}: tp={tp} with output_router_logits=True: each tp rank routes its own sequence shard, so "
+            "the load-balancing loss would count that shard's tokens only; set config.output_router_logits=False "
+            "or use tp=1 (ep and the data degrees keep the model's own load-balancing loss)"
+        )
 
 
 def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) -> None:
@@ -249,15 +254,17 @@ class SequenceLayout(NamedTuple):
     layers: nn.ModuleList
     regions: list[str]  # children of a layer holding split projections: all-gather in, reduce-scatter out
     layer_norms: list[str]  # children of a layer that are norms: on the sequence shards
+    token_local: list[str]  # children of a layer that are MoE blocks: on the sequence shards, weights whole
     final_norms: list[str]  # the decoder's own norms (after the layers): on the shards, a plain shard out
 
 
 def sequence_parallel_layout(model: nn.Module, split: Mapping[str, str]) -> SequenceLayout | None:
     """Where the residual stream may be sequence-sharded, or ``None`` when some part of the decoder is neither
-    a region nor a norm (SP then stays off).
+    a region, a norm nor an MoE block (SP then stays off).
 
     A region is a direct child of a decoder layer that holds split projections (attention, MLP); a norm is a
-    module whose parameters are ``[hidden]`` vectors. The decoder (the base model) may hold only the input
+    module whose parameters are ``[hidden]`` vectors; an MoE block (:func:`~.config_plans.moe_blocks`) works
+    token by token, so it runs on the shards like a norm. The decoder (the base model) may hold only the input
     embedding, the layers, norms after them and parameter-free modules (the rotary embedding).
     """
     prefix = getattr(model, "base_model_prefix", "")
@@ -270,7 +277,9 @@ def sequence_parallel_layout(model: nn.Module, split: Mapping[str, str]) -> Sequ
     layers: nn.ModuleList | None = None
     regions: list[str] = []
     layer_norms: list[str] = []
+    token_local: list[str] = []
     final_norms: list[str] = []
+    blocks = moe_blocks(model)
     for child_name, child in base.named_children():
         if child is embedding or not any(True for _ in child.parameters()):
             continue
@@ -289,13 +298,15 @@ def sequence_parallel_layout(model: nn.Module, split: Mapping[str, str]) -> Sequ
                     continue
                 if _is_norm(part, hidden):
                     layer_norms.append(name)
+                elif name in blocks:
+                    token_local.append(name)
                 elif any(key.startswith(f"{name}.") and style in ROW for key, style in split.items()):
                     regions.append(name)
                 else:
                     return None
     if layers is None or not regions:
         return None
-    return SequenceLayout(layers, regions, layer_norms, final_norms)
+    return SequenceLayout(layers, regions, layer_norms, token_local, final_norms)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -304,7 +315,7 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
     the model allows it (:func:`sequence_parallel_layout`), ``False`` never. Call
     :func:`check_tensor_parallel_model` first."""
     name = type(model).__name__
-    split = expand_plan(model, config_tp_plan(model))
+    split = split_modules(model)
     head, embedding = output_embedding(model), input_embedding(model)
     modules = dict(model.named_modules())
     names = {id(module): module_name for module_name, module in modules.items()}
@@ -330,6 +341,11 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
             vocab_parallel_head() if sp else ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         )
     if layout is None:
+        if moe_blocks(model):
+            raise NotImplementedError(
+                f"{name}: its MoE blocks run on each tp rank's sequence shard: sequence_parallel=False is not "
+                f"supported for an MoE model ({ISSUE})"
+            )
         return plan
     for norm in layout.layer_norms:
         plan[norm] = sequence_parallel_norm()
@@ -338,6 +354,8 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
         plan[norm] = SequenceParallel(sequence_dim=SEQUENCE_DIM, use_local_output=True)
     for region in layout.regions:
         plan[region] = HiddenStatesLayout(Shard(SEQUENCE_DIM), Replicate())
+    for block in layout.token_local:  # the shard as a plain tensor; the caller sums its gradients over tp
+        plan[block] = HiddenStatesLayout(Shard(SEQUENCE_DIM), Shard(SEQUENCE_DIM))
     plan[names[id(layout.layers[0])]] = HiddenStatesLayout(
         Replicate(), Shard(SEQUENCE_DIM), check_length=True
     )

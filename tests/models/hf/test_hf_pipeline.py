@@ -1,6 +1,6 @@
 """A transformers causal LM cut into pipeline stages by its own config's pp plan, inside Lightning's loop: every
 family, 1F1B and Interleaved1F1B (with validation), with accumulation and clipping, composed with tp and FSDP,
-against one process running the unmodified model (losses, gradient norms before clipping, parameters after
+(Qwen3-MoE under pp × tp × ep too) against one process running the unmodified model (losses, gradient norms before clipping, parameters after
 every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py`` (``conftest.py``)."""
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ RUNS: dict[str, dict[str, Any]] = {
         "validate": True,
     },
     "qwen3_pp2_dp2_tp2": pp_run("qwen3", "1F1B", devices=8, dp_shard=2, tp=2),
+    # each stage's MoE blocks route its sequence shards, ep carved from the tp ranks
+    "qwen3_moe_pp2_tp2_ep2": pp_run("qwen3_moe", "1F1B", devices=4, tp=2, ep=2),
 }
 
 

@@ -110,6 +110,19 @@ def test_experts_in_another_layout_are_refused() -> None:
         check_hf_model(model, ParallelDims(ep=2))
 
 
+def test_tp_with_router_logits_is_refused() -> None:
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Qwen3MoeForCausalLM: tp=2 with output_router_logits=True: each tp rank routes its own sequence "
+        r"shard, so the load-balancing loss would count that shard's tokens only",
+    ):
+        check_hf_model(tiny_moe(output_router_logits=True), ParallelDims(tp=2))
+
+
+def test_tp_on_a_moe_model_passes_the_checks() -> None:  # its parity: test_hf_trainer.py
+    check_hf_model(tiny_moe(), ParallelDims(tp=2))
+
+
 def test_an_ep_plan_naming_no_module_is_refused() -> None:
     model = tiny_moe()
     model.config.base_model_ep_plan = {"blocks.*.moe": "ep_dispatch_experts"}
