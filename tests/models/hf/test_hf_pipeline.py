@@ -1,7 +1,7 @@
 """A transformers causal LM cut into pipeline stages by its own config's pp plan, inside Lightning's loop: every
-family, 1F1B and Interleaved1F1B (with validation), with accumulation and clipping, composed with tp and FSDP,
-(Qwen3-MoE under pp × tp × ep too) against one process running the unmodified model (losses, gradient norms before clipping, parameters after
-every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py`` (``conftest.py``)."""
+family, 1F1B and Interleaved1F1B (with validation), with accumulation and clipping, composed with tp and FSDP
+(Qwen3-MoE with tp and ep), against one process running the unmodified model (losses, gradient norms before
+clipping, parameters after every step; fp32, 1e-5). All runs share one launch of ``hf_parity_run.py`` (``conftest.py``)."""
 
 from __future__ import annotations
 
