@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import signal
 import sys
 import time
 import traceback
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
-from distributed import free_port, set_torchrun_environment  # noqa: E402
+from distributed import LIBC_CRASHES, free_port, set_torchrun_environment  # noqa: E402
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus  # noqa: E402
 
 from lightning_d9d import D9DStrategy  # noqa: E402
@@ -174,6 +175,17 @@ def _rank(run: dict[str, Any], rank: int, port: int) -> None:
 
 
 def launch(run: dict[str, Any], timeout: float = 300) -> None:
+    """``run`` on its ranks; a rank that died by a signal of ``LIBC_CRASHES`` has the run forked anew once."""
+    failed, crash = _launch_once(run, timeout)
+    if crash in LIBC_CRASHES:
+        print(f"a rank died by {signal.Signals(crash).name}; running it once more", file=sys.stderr)
+        failed, crash = _launch_once(run, timeout)
+    if failed is not None:
+        raise SystemExit(f"run {run.get('name', run['kind'])}: {failed}")
+
+
+def _launch_once(run: dict[str, Any], timeout: float) -> tuple[str | None, int | None]:
+    """What failed (``None``: nothing) and the signal a rank died by before we killed any."""
     context = mp.get_context("fork")
     port = free_port()
     ranks = [context.Process(target=_rank, args=(run, rank, port)) for rank in range(run["devices"])]
@@ -182,19 +194,21 @@ def launch(run: dict[str, Any], timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     pending = list(ranks)
     failed = None
-    while pending and failed is None and time.monotonic() < deadline:
+    while pending and time.monotonic() < deadline:
         wait([process.sentinel for process in pending], timeout=1.0)
         for process in [p for p in pending if p.exitcode is not None]:
             pending.remove(process)
-            if process.exitcode != 0:
+            if process.exitcode != 0 and failed is None:
                 failed = f"rank {ranks.index(process)} exited with {process.exitcode}"
+                # the peers get a moment: one that crashed first is then still seen crashing
+                deadline = min(deadline, time.monotonic() + 2.0)
     if pending and failed is None:
         failed = f"timed out after {timeout:.0f} s"
+    crashes = [-p.exitcode for p in ranks if p.exitcode is not None and p.exitcode < 0]
     for process in pending:  # they may wait forever in a collective with the failed rank
         process.kill()
         process.join()
-    if failed is not None:
-        raise SystemExit(f"run {run.get('name', run['kind'])}: {failed}")
+    return failed, (crashes[0] if crashes else None)
 
 
 if __name__ == "__main__":

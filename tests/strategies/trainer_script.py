@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from functools import partial
@@ -33,7 +34,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared launch helpers
-from distributed import free_port, set_torchrun_environment
+from distributed import LIBC_CRASHES, free_port, set_torchrun_environment
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining
 from reference import exclude_experts, train_corpus, uncounted_loss, val_corpus
@@ -283,9 +284,14 @@ def run_all(configs: list[dict]) -> None:
     """The configs one after the other in this process (start-up is most of the cost of a small run; the
     process group is reused, every run builds its own mesh)."""
     for one in configs:
+        started = time.monotonic()
         try:
             with compile_backend(one.get("compile_backend")):
                 main(one)
+            times = os.environ.get("TRAINER_SCRIPT_TIMES")  # a file: where a launch's time goes, run by run
+            if times and (not dist.is_initialized() or dist.get_rank() == 0):
+                with open(times, "a") as log:
+                    log.write(f"{Path(one['out']).stem} {one['devices']} {time.monotonic() - started:.1f}\n")
         except BaseException as error:
             error.add_note(f"in the run that writes {one['out']}")  # which of a launch's runs failed
             raise
@@ -303,31 +309,57 @@ def fork_ranks(configs: list[dict]) -> int:
     and the strategy runs as under torchrun); forked after the imports, they do not each pay for them again
     (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun does, a
     failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
-    so a run that resumes in a later stretch reads a checkpoint that other processes wrote."""
+    so a run that resumes in a later stretch reads a checkpoint that other processes wrote. A stretch whose
+    rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr."""
     launcher = os.getpid()
     for devices, stretch in itertools.groupby(configs, key=lambda config: int(config["devices"])):
         group = list(stretch)
-        port = free_port()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        ranks: set[int] = set()
-        for rank in range(devices):
-            pid = os.fork()
-            if pid == 0:
-                os._exit(_forked_rank(rank, devices, port, group, launcher))
-            ranks.add(pid)
-        status = 0
-        while ranks:
-            pid, wait_status = os.wait()
-            ranks.discard(pid)
-            code = os.waitstatus_to_exitcode(wait_status)
-            if code != 0 and status == 0:
-                status = code if code > 0 else 128 - code  # a signal's number, as a shell reports it
-                for other in ranks:
-                    os.kill(other, signal.SIGKILL)
+        status, crash = _fork_stretch(devices, group, launcher)
+        if crash in LIBC_CRASHES:
+            print(
+                f"a rank died by {signal.Signals(crash).name}; running its stretch once more", file=sys.stderr
+            )
+            status, _ = _fork_stretch(devices, group, launcher)
         if status:
             return status
     return 0
+
+
+def _fork_stretch(devices: int, configs: list[dict], launcher: int) -> tuple[int, int | None]:
+    """One stretch on ``devices`` forked ranks: its exit status (0, the first failed rank's code, or 128 + a
+    signal's number, as a shell reports it) and the signal a rank died by, if one did before we killed any."""
+    port = free_port()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks: set[int] = set()
+    for rank in range(devices):
+        pid = os.fork()
+        if pid == 0:
+            os._exit(_forked_rank(rank, devices, port, configs, launcher))
+        ranks.add(pid)
+    codes: list[int] = []
+    kill_at = (
+        None  # after a failure the peers get a moment: one that crashed first is then still seen crashing
+    )
+    while ranks:
+        pid, wait_status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if kill_at is not None and time.monotonic() > kill_at:
+                break
+            time.sleep(0.05)
+            continue
+        ranks.discard(pid)
+        codes.append(os.waitstatus_to_exitcode(wait_status))
+        if codes[-1] != 0 and kill_at is None:
+            kill_at = time.monotonic() + 2.0
+    for other in ranks:  # they would wait forever in a collective with the failed rank
+        os.kill(other, signal.SIGKILL)
+        os.waitpid(other, 0)
+    failed = [code for code in codes if code != 0]
+    if not failed:
+        return 0, None
+    crashes = [-code for code in failed if code < 0]
+    return (failed[0] if failed[0] > 0 else 128 - failed[0]), (crashes[0] if crashes else None)
 
 
 def _forked_rank(rank: int, world_size: int, port: int, configs: list[dict], launcher: int) -> int:

@@ -7,7 +7,13 @@ from typing import Any
 
 import pytest
 
-PARITY_MODULES = ("test_hf_pipeline", "test_hf_expert_parallel", "test_hf_trainer", "test_hf_checkpoints")
+PARITY_MODULES = (
+    "test_hf_pipeline",
+    "test_hf_expert_parallel",
+    "test_hf_trainer",
+    "test_hf_checkpoints",
+    "test_hf_compile",
+)
 
 
 @pytest.fixture(scope="session")

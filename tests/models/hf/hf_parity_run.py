@@ -3,9 +3,12 @@ N ranks forked from this process (torchrun's environment: Lightning launches not
 
 Usage: ``python hf_parity_run.py '<json list of runs>'``; a run has ``family``, ``layers``, ``devices``, ``dims``
 (the strategy's arguments), ``batches``, optionally ``accumulate``, ``clip``, ``validate``, ``model`` (config
-overrides), ``meta`` (built in ``configure_model`` on meta), ``exclude_experts``, ``lr``, ``load_hf`` /
-``export_hf`` (directories for ``LoadHFWeights`` / ``ExportHF``), and ``out``: rank 0 saves there the losses, the gradient norms before clipping, the final parameters
-(gathered from every pipeline rank), the validation loss and what shows the plan was applied.
+overrides), ``meta`` (built in ``configure_model`` on meta), ``exclude_experts``, ``lr``, ``compile_backend``
+(``trainer_script.compile_backend``: what ``dims``' ``compile`` compiles with), ``load_hf`` /
+``export_hf`` (directories for ``LoadHFWeights`` / ``ExportHF``), ``ckpt_dir`` + ``save_every`` (training
+checkpoints named ``step=N.ckpt``) or ``resume_from`` (one of them), and ``out``: rank 0 saves there the
+losses, the gradient norms before clipping, the final parameters (gathered from every pipeline rank), the
+validation loss and what shows the plan was applied.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -42,7 +45,7 @@ from tiny_hf import (  # noqa: E402
     tiny_causal_lm,
     tiny_model,
 )
-from trainer_script import RecordGradNorms, RecordLosses, full_parameters  # noqa: E402
+from trainer_script import RecordGradNorms, RecordLosses, compile_backend, full_parameters  # noqa: E402
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
 from lightning_d9d.callbacks import ExportHF, LoadHFWeights  # noqa: E402
@@ -111,6 +114,15 @@ def fit(run: dict[str, Any]) -> None:
         callbacks.insert(0, LoadHFWeights(run["load_hf"]))
     if run.get("export_hf"):  # at the end of training, as transformers' files (max_shard_size: several files)
         callbacks.append(ExportHF(run["export_hf"], filename="final", max_shard_size=40_000))
+    if run.get("ckpt_dir"):  # training checkpoints mid-epoch, for a later run's resume_from
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=run["ckpt_dir"],
+                every_n_train_steps=run["save_every"],
+                save_top_k=-1,
+                filename="{step}",
+            )
+        )
     trainer = L.Trainer(
         strategy=D9DStrategy(**run["dims"]),
         accelerator="cpu",
@@ -121,14 +133,14 @@ def fit(run: dict[str, Any]) -> None:
         gradient_clip_val=run.get("clip"),
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(run.get("ckpt_dir")),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         use_distributed_sampler=False,
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=run.get("resume_from"))
     params = gather_stages(full_parameters(module.model), run)
     result: dict[str, Any] = {
         "losses": losses.losses,
@@ -147,6 +159,9 @@ def fit(run: dict[str, Any]) -> None:
         for name in (p.device_mesh.mesh_dim_names or ())
     }
     result["meshes"] = sorted(meshes)
+    modules = list(module.model.modules())
+    result["compiled_layers"] = sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)
+    result["checkpointed_layers"] = sum(hasattr(m, "_checkpoint_wrapped_module") for m in modules)
     result["layers_here"] = sorted(  # rank 0's decoder layers
         {int(name.split(".")[2]) for name, _ in module.model.named_parameters() if ".layers." in name}
     )
@@ -193,7 +208,8 @@ def assert_matches_reference(run: dict[str, Any], got: dict[str, Any]) -> None:
 def main(runs: list[dict[str, Any]]) -> None:
     trainer_runs.KINDS["hf_parity"] = fit
     for run in runs:
-        trainer_runs.launch({**run, "kind": "hf_parity", "name": Path(run["out"]).stem}, timeout=300)
+        with compile_backend(run.get("compile_backend")):
+            trainer_runs.launch({**run, "kind": "hf_parity", "name": Path(run["out"]).stem}, timeout=300)
 
 
 if __name__ == "__main__":

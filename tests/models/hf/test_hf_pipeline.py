@@ -5,9 +5,11 @@ clipping, parameters after every step; fp32, 1e-5). All runs share one launch of
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hf_parity_run import BATCHES, assert_matches_reference
 
 MIXED_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
@@ -47,6 +49,37 @@ RUNS: dict[str, dict[str, Any]] = {
     # each stage's MoE blocks route its sequence shards, ep carved from the tp ranks
     "qwen3_moe_pp2_tp2_ep2": pp_run("qwen3_moe", "1F1B", devices=4, tp=2, ep=2),
 }
+
+
+SAVES, RESUMES, SAVE_EVERY = "qwen3_1F1B", "qwen3_pp1_resumed", 2
+
+
+def prepare_runs(out: Path) -> dict[str, dict[str, Any]]:
+    """``RUNS``, its qwen3_1F1B saving training checkpoints mid-epoch, then one process resuming from one."""
+    checkpoints = out / "pp2_checkpoints"
+    resumed = {"family": "qwen3", "layers": 2, "devices": 1, "dims": {}, "batches": BATCHES}
+    return {
+        **RUNS,
+        SAVES: {**RUNS[SAVES], "ckpt_dir": str(checkpoints), "save_every": SAVE_EVERY},
+        RESUMES: {**resumed, "resume_from": str(checkpoints / f"step={2 * SAVE_EVERY}.ckpt")},
+    }
+
+
+@pytest.mark.slow
+def test_a_pp2_checkpoint_resumes_mid_epoch_on_one_process(parity_results: dict[str, dict[str, Any]]) -> None:
+    """pp=2's training checkpoint of step 4 (of 6, one epoch) resumes at pp=1 and continues as pp=2 did: the
+    stages' parameters under their transformers names, the optimizer state and the loader's position."""
+    saved, resumed = parity_results[f"{__name__}.{SAVES}"], parity_results[f"{__name__}.{RESUMES}"]
+    step = 2 * SAVE_EVERY
+    assert len(resumed["losses"]) == BATCHES - step  # the rest of the epoch, not a new one
+    assert max(abs(a - b) for a, b in zip(resumed["losses"], saved["losses"][step:], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(resumed["norms"], saved["norms"][step:], strict=True)) <= 1e-5
+    assert set(resumed["params"]) == set(saved["params"])
+    for name, param in saved["params"].items():
+        assert float((resumed["params"][name] - param).abs().max()) <= 1e-5, name
+        assert not torch.equal(resumed["start"][name], resumed["params"][name]), (
+            name
+        )  # the resumed steps moved it
 
 
 @pytest.mark.slow

@@ -1,0 +1,33 @@
+"""The test launcher itself (``tests/distributed.py``): a rank that crashes is reported as the crash, not as the
+closed connection its peers then see, and a libc-style crash is forked anew once before it fails the test."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+
+import pytest
+import torch.distributed as dist
+from distributed import RankCrashed, run_distributed
+
+
+def _rank0_aborts() -> int:
+    if dist.get_rank() == 0:
+        faulthandler.disable()  # pytest's would print this rank's stack
+        os.kill(os.getpid(), signal.SIGABRT)  # as glibc does on a corrupted heap
+    dist.barrier()  # rank 1 waits on a peer that is gone
+    return dist.get_rank()
+
+
+def test_a_crashed_rank_is_reported_as_the_crash_after_one_retry() -> None:
+    with (
+        pytest.warns(UserWarning, match="rank 0 died with exit code -6 before reporting a result; forking"),
+        pytest.raises(RankCrashed, match="rank 0 died with exit code -6") as crash,
+    ):
+        run_distributed(_rank0_aborts, 2, timeout=60)
+    assert crash.value.exitcode == -signal.SIGABRT
+
+
+def test_ranks_that_succeed_report_their_results() -> None:
+    assert run_distributed(dist.get_rank, 2) == [0, 1]
