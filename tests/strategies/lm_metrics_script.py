@@ -1,5 +1,7 @@
 """A 2- or 4-process run of the example's module with ``Throughput`` and its validation perplexity, for
-``test_lm_metrics_trainer.py``: ``torchrun --nproc-per-node=N lm_metrics_script.py '<json list of configs>'``.
+``test_lm_metrics_trainer.py``: ``python lm_metrics_script.py --fork '<json list of configs>'`` forks each
+config's ``devices`` ranks after the imports (``trainer_script.fork_ranks``), or ``torchrun --nproc-per-node=N
+lm_metrics_script.py '<json list of configs>'``.
 
 Each config trains two steps (``fit``: throughput every step) or none, then validates on padded data (ranks and microbatches
 hold different token counts). Rank 0 saves the logged values and the full parameters, from which the test
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import SumMetric
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import trainer_script
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
 from reference import PaddedCorpus
 from trainer_script import full_parameters
@@ -98,6 +101,9 @@ def main(config: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "--fork":  # the ranks run trainer_script's loop over the configs, with this main
+        trainer_script.main = main
+        sys.exit(trainer_script.fork_ranks(json.loads(sys.argv[2])))
     for one in json.loads(sys.argv[1]):
         main(one)
     if dist.is_initialized():  # before interpreter exit (see trainer_script.py)

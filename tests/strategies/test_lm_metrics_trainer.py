@@ -38,14 +38,16 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     folder = tmp_path_factory.mktemp("lm_metrics")
-    configs = {name: {**config, "out": str(folder / f"{name}.pt")} for name, config in RUNS.items()}
+    configs = {
+        name: {**config, "devices": WORLD[name], "out": str(folder / f"{name}.pt")}
+        for name, config in RUNS.items()
+    }
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    for world in sorted(set(WORLD.values())):  # one launch per world size
-        launch = [config for name, config in configs.items() if WORLD[name] == world]
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}"]
-        command += [str(SCRIPT), json.dumps(launch)]
-        proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    # one launch: the imports once, the ranks of each world size forked from it
+    launch = sorted(configs.values(), key=lambda config: config["devices"])
+    command = [sys.executable, str(SCRIPT), "--fork", json.dumps(launch)]
+    proc = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return {name: torch.load(config["out"], weights_only=False) for name, config in configs.items()}
 
 
