@@ -98,6 +98,7 @@ PATHS: dict[str, str] = {
     # The strategy's levers on one GPU (docs/benchmarks.md): no FSDP on the one-rank mesh (bf16 autocast),
     # selective activation checkpointing (matmul and attention outputs kept, element-wise ops recomputed).
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
+    "hf_trainer_compiled_nofsdp": "hf_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
     "ours_trainer_compiled_full": 'ours_trainer_compiled with activation_checkpointing="full" (every block)',
@@ -124,6 +125,7 @@ DEFAULT_PATHS = [
         "hf_trainer_compiled_lean",
         "hf_fsdp_compiled",
         "ours_trainer_compiled_nofsdp",
+        "hf_trainer_compiled_nofsdp",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
         "ours_trainer_compiled_full",
