@@ -15,12 +15,24 @@ holds a 1-D ``weight`` and a float ``variance_epsilon`` and nothing else, and it
 reference's numbers on a random CPU input (fp32 and bf16 inputs, a random fp32 weight: the bf16 case tells the
 cast order apart), checked once per class and eps at swap time.
 
+SwiGLU MLP: a module whose class name ends in ``MLP`` holding exactly ``gate_proj``, ``up_proj``, ``down_proj``
+(``nn.Linear``) and a parameter-free ``act_fn``, whose class's forward is ``down_proj(act_fn(gate_proj(x)) *
+up_proj(x))`` with SiLU as ``act_fn`` (Llama's, Qwen2/3's, Mistral's, Qwen3-MoE's dense and shared MLPs), checked
+on a random CPU input as above, gets ``down_proj(swiglu(gate_proj(x), up_proj(x)))``
+(:func:`~lightning_d9d.kernels.swiglu.swiglu`: one Triton pass each way on CUDA in eager mode, which keeps no
+``silu(gate)`` for backward; the reference elsewhere). The projections stay the modules they were, so the tp
+plan's colwise / rowwise styles and FSDP apply to them as before; only the elementwise gate in between changes.
+
+RoPE is not swapped: ``transformers`` applies it in a module-level function of each family's modeling file
+(``apply_rotary_pos_emb``), not in a module whose forward we could replace.
+
 ``$LIGHTNING_D9D_HF_KERNELS=0`` leaves every module as it is (default ``1``). Independently,
 ``$LIGHTNING_D9D_KERNELS=reference`` keeps the swapped forward on the PyTorch reference.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -32,13 +44,17 @@ import torch
 from torch import nn
 
 from lightning_d9d.kernels.rmsnorm import rms_norm, rms_norm_reference
+from lightning_d9d.kernels.swiglu import swiglu, swiglu_reference
 
 ENV_VAR = "LIGHTNING_D9D_HF_KERNELS"
 SWAPPED = "_d9d_kernel"  # the instance attribute naming the kernel a module's forward was swapped for
 RMS_NORM_NAMES = re.compile(r".*RMSNorm")
+MLP_NAMES = re.compile(r".*MLP")
+MLP_CHILDREN = ["gate_proj", "up_proj", "down_proj", "act_fn"]
 NOT_RMS_NORM_NAMES = re.compile(r"Gemma.*")  # weight offset by one: a different forward
 log = logging.getLogger("lightning_d9d.models.hf")
 _CHECKED: dict[tuple[type, float], bool] = {}
+_CHECKED_MLPS: dict[tuple[type, type], bool] = {}
 
 
 def hf_kernels_enabled() -> bool:
@@ -99,22 +115,82 @@ def _same_numbers(forward: Callable[..., Any], eps: float) -> bool:
     return True
 
 
+def _swiglu_mlp_forward(self: Any, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _matches_swiglu_mlp(module: nn.Module) -> bool:
+    """Whether ``module`` is a SwiGLU MLP we may swap: see the module docstring."""
+    cls = type(module)
+    if not MLP_NAMES.fullmatch(cls.__name__) or "forward" in vars(module) or list(module.buffers()):
+        return False
+    children = dict(module.named_children())
+    if sorted(children) != sorted(MLP_CHILDREN) or any(True for _ in children["act_fn"].parameters()):
+        return False
+    if not all(isinstance(children[name], nn.Linear) for name in MLP_CHILDREN[:3]):
+        return False
+    key = (cls, type(children["act_fn"]))
+    if key not in _CHECKED_MLPS:
+        _CHECKED_MLPS[key] = _same_mlp_numbers(cls.forward, children["act_fn"])
+        if not _CHECKED_MLPS[key]:
+            log.info("%s: its forward is not a SiLU-gated MLP; not swapped", cls.__name__)
+    return _CHECKED_MLPS[key]
+
+
+def _same_mlp_numbers(forward: Callable[..., Any], act_fn: nn.Module) -> bool:
+    with torch.random.fork_rng(
+        devices=[]
+    ):  # the probe's own weights: the caller's RNG stream is not advanced
+        torch.manual_seed(0)
+        gate, up, down = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
+    probe = types.SimpleNamespace(gate_proj=gate, up_proj=up, down_proj=down, act_fn=copy.deepcopy(act_fn))
+    generator = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for linear in (gate, up, down):
+            linear.to(dtype)
+        x = torch.randn(3, 5, 8, generator=generator).to(dtype)
+        try:
+            with torch.no_grad():
+                theirs = forward(probe, x)
+                ours = down(swiglu_reference(gate(x), up(x)))
+        except Exception:  # a forward reading more than the four children: not ours to swap
+            return False
+        if not isinstance(theirs, torch.Tensor) or theirs.dtype != ours.dtype or theirs.shape != ours.shape:
+            return False
+        if not torch.equal(theirs, ours):
+            return False
+    return True
+
+
+SWAPS: dict[str, tuple[Callable[[nn.Module], bool], Callable[..., torch.Tensor]]] = {
+    "rms_norm": (_matches_rms_norm, _rms_norm_forward),
+    "swiglu": (_matches_swiglu_mlp, _swiglu_mlp_forward),
+}
+
+
 def swap_hf_kernels(model: nn.Module) -> list[str]:
-    """Give ``model``'s matching RMSNorms our forward, in place (see the module docstring), unless
-    ``$LIGHTNING_D9D_HF_KERNELS=0``. Returns the swapped modules' names. Call it before any parallel plan."""
+    """Give ``model``'s matching RMSNorms and SwiGLU MLPs our forwards, in place (see the module docstring),
+    unless ``$LIGHTNING_D9D_HF_KERNELS=0``. Returns the swapped modules' names. Call it before any parallel
+    plan."""
     if not hf_kernels_enabled():
         return []
-    swapped = []
+    swapped: dict[str, list[str]] = {kernel: [] for kernel in SWAPS}
     for name, module in model.named_modules():
-        if getattr(module, SWAPPED, None) is None and _matches_rms_norm(module):
-            module.forward = types.MethodType(_rms_norm_forward, module)  # type: ignore[method-assign]
-            setattr(module, SWAPPED, "rms_norm")
-            swapped.append(name)
-    if swapped:
-        log.info(
-            "%s: %d RMSNorm modules run lightning_d9d's rms_norm (set $%s=0 to keep transformers' forward)",
-            type(model).__name__,
-            len(swapped),
-            ENV_VAR,
-        )
-    return swapped
+        if getattr(module, SWAPPED, None) is not None:
+            continue
+        for kernel, (matches, forward) in SWAPS.items():
+            if matches(module):
+                module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+                setattr(module, SWAPPED, kernel)
+                swapped[kernel].append(name)
+                break
+    for kernel, names in swapped.items():
+        if names:
+            log.info(
+                "%s: %d modules run lightning_d9d's %s (set $%s=0 to keep transformers' forwards)",
+                type(model).__name__,
+                len(names),
+                kernel,
+                ENV_VAR,
+            )
+    return [name for names in swapped.values() for name in names]

@@ -1,6 +1,6 @@
-"""transformers' RMSNorms (q/k norms included) swapped for our rms_norm: same logits and gradients as the
-unswapped model (CPU fp32), every norm counted, parameter names and objects unchanged, off by the switch, and a
-norm of other semantics left alone."""
+"""transformers' RMSNorms (q/k norms included) swapped for our rms_norm and its SwiGLU MLPs for our swiglu: same
+logits and gradients as the unswapped model (CPU fp32 and bf16), every norm and MLP counted, parameter names and
+objects unchanged, off by the switch, and a norm or MLP of other semantics left alone."""
 
 from __future__ import annotations
 
@@ -53,24 +53,27 @@ def logits_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Te
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_swapped_norms_match_transformers(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_swapped_modules_match_transformers(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(ENV_VAR, raising=False)
     reference = tiny_model(family)
     model = copy.deepcopy(reference)
     names = [name for name, _ in model.named_parameters()]
     params = {name: p for name, p in model.named_parameters()}
     norms = {name for name, module in model.named_modules() if type(module).__name__.endswith("RMSNorm")}
+    mlps = {name for name, module in model.named_modules() if type(module).__name__.endswith("MLP")}
 
     swapped = swap_hf_kernels(model)
 
     assert len(norms) == NORMS_PER_LAYER[family] * LAYERS + 1
-    assert set(swapped) == norms
+    assert mlps == {f"model.layers.{i}.mlp" for i in range(LAYERS)}
+    assert set(swapped) == norms | mlps
     if family == "qwen3":
         assert {
             f"model.layers.{i}.self_attn.{n}" for i in range(LAYERS) for n in ("q_norm", "k_norm")
         } <= norms
     modules = dict(model.named_modules())
     assert all(getattr(modules[name], SWAPPED) == "rms_norm" for name in norms)
+    assert all(getattr(modules[name], SWAPPED) == "swiglu" for name in mlps)
     assert [name for name, _ in model.named_parameters()] == names
     assert all(p is params[name] for name, p in model.named_parameters())
     assert model.state_dict().keys() == reference.state_dict().keys()
@@ -129,6 +132,40 @@ class PlainRMSNorm(OffsetRMSNorm):
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * normed.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """A SwiGLU MLP by its forward; its subclasses change the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(8, 16), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.act_fn: nn.Module = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(GatedMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.act_fn = nn.GELU()
+
+
+class UpGatedMLP(GatedMLP):
+    """The activation on up instead of gate: other numbers, not swapped."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.gate_proj(x) * self.act_fn(self.up_proj(x)))
+
+
+def test_only_matching_mlps_swapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    model = nn.ModuleDict({"silu": GatedMLP(), "gelu": GeluMLP(), "up": UpGatedMLP()})
+    reference = copy.deepcopy(model)
+    assert swap_hf_kernels(model) == ["silu"]
+    x = torch.randn(2, 3, 8)
+    torch.testing.assert_close(model["silu"](x), reference["silu"](x), rtol=0, atol=0)
 
 
 def test_only_matching_semantics_swapped(monkeypatch: pytest.MonkeyPatch) -> None:

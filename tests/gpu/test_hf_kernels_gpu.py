@@ -1,0 +1,66 @@
+"""transformers' Qwen3 and Llama on one CUDA GPU with our kernels swapped in (``models/hf/kernels.py``): the
+RMSNorms run our Triton rms_norm and the SwiGLU MLPs our Triton swiglu (each seen called), and the logits and
+gradients match the unswapped model's within bf16 rounding (the kernels compute in fp32 and round once, torch's
+eager ops round after each op). Run on the GPU machine: ``pytest -m gpu``."""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+from test_hf_kernels import FAMILIES, tiny_model
+from torch import nn
+
+from lightning_d9d.kernels import rmsnorm, swiglu
+from lightning_d9d.models.hf.kernels import ENV_VAR, swap_hf_kernels
+
+pytestmark = pytest.mark.gpu
+
+# Measured on an H200 (torch 2.11): logits within 0.5 % of the largest, gradients within 2 % of each one's
+# largest element (bf16 has 8 bits of mantissa: 0.4 % per rounding); the band is twice that.
+LOGITS_RTOL, GRADS_RTOL = 0.01, 0.04
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch, module: Any, name: str, calls: list[str]) -> None:
+    original = getattr(module, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+
+
+def logits_and_grads(model: nn.Module) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """As ``test_hf_kernels.logits_and_grads``, on the GPU."""
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).cuda()
+    logits = model(input_ids=ids, use_cache=False).logits
+    (logits.float().pow(2).mean() + logits[..., 3].float().sum()).backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_swapped_kernels_on_cuda_match_transformers(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    reference = tiny_model(family).to("cuda", torch.bfloat16)
+    model = copy.deepcopy(reference)
+    swap_hf_kernels(model)
+    calls: list[str] = []
+    _counting(monkeypatch, rmsnorm, "rms_norm_triton", calls)
+    _counting(monkeypatch, swiglu, "swiglu_triton", calls)
+    logits, grads = logits_and_grads(model)
+    assert {"rms_norm_triton", "swiglu_triton"} <= set(calls)
+    calls.clear()
+    expected_logits, expected_grads = logits_and_grads(reference)
+    assert not calls  # transformers' own forwards
+    scale = float(expected_logits.float().abs().max())
+    assert float((logits.float() - expected_logits.float()).abs().max()) <= LOGITS_RTOL * scale
+    for name, grad in grads.items():
+        expected = expected_grads[name].float()
+        assert float((grad.float() - expected).abs().max()) <= GRADS_RTOL * float(expected.abs().max()), name
