@@ -6,6 +6,7 @@ eager ops round after each op). Run on the GPU machine: ``pytest -m gpu``."""
 from __future__ import annotations
 
 import copy
+import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,13 +18,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
 from test_hf_kernels import FAMILIES, tiny_model
 from torch import nn
 
-from lightning_d9d.kernels import rmsnorm, swiglu
 from lightning_d9d.models.hf.kernels import ENV_VAR, swap_hf_kernels
+
+# the modules (the package's names rms_norm / swiglu are the functions)
+rmsnorm = importlib.import_module("lightning_d9d.kernels.rmsnorm")
+swiglu = importlib.import_module("lightning_d9d.kernels.swiglu")
 
 pytestmark = pytest.mark.gpu
 
-# Measured on an H200 (torch 2.11): logits within 0.5 % of the largest, gradients within 2 % of each one's
-# largest element (bf16 has 8 bits of mantissa: 0.4 % per rounding); the band is twice that.
+# Relative errors (Frobenius) against the unswapped model. Measured on an H200 (torch 2.11, 2026-12-03): gradients
+# at most 1.6e-2 (Qwen3's q_proj; Llama's 1.25e-2), logits under 1e-2; a wrong gate (the activation on up)
+# would be ~100 % off.
 LOGITS_RTOL, GRADS_RTOL = 0.01, 0.04
 
 
@@ -59,8 +64,16 @@ def test_swapped_kernels_on_cuda_match_transformers(family: str, monkeypatch: py
     calls.clear()
     expected_logits, expected_grads = logits_and_grads(reference)
     assert not calls  # transformers' own forwards
-    scale = float(expected_logits.float().abs().max())
-    assert float((logits.float() - expected_logits.float()).abs().max()) <= LOGITS_RTOL * scale
-    for name, grad in grads.items():
-        expected = expected_grads[name].float()
-        assert float((grad.float() - expected).abs().max()) <= GRADS_RTOL * float(expected.abs().max()), name
+    errors = {"logits": _relative(logits, expected_logits)}
+    errors.update({name: _relative(grad, expected_grads[name]) for name, grad in grads.items()})
+    print(
+        f"{family}: relative errors, largest {max(errors.values()):.2e}",
+        sorted(errors.items(), key=lambda e: -e[1])[:4],
+    )
+    assert errors["logits"] <= LOGITS_RTOL
+    assert all(error <= GRADS_RTOL for name, error in errors.items() if name != "logits"), errors
+
+
+def _relative(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """``|got - expected| / |expected|`` (Frobenius norms, in fp32)."""
+    return float((got.float() - expected.float()).norm() / expected.float().norm())
