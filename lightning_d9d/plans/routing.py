@@ -50,7 +50,9 @@ def route_on_sequence_shards(module: nn.Module, dims: ParallelDims, options: Par
 def sum_gradients_over_tp(blocks: Iterable[nn.Module], dims: ParallelDims, options: ParallelOptions) -> None:
     """Each of ``blocks`` (whole on every tp rank, run on this rank's positions only) becomes one FSDP unit
     over the data ranks whose reduced gradients are then summed over tp: every tp rank's tokens count once.
-    Parameters already in a unit of their own (the experts under ep) are left to it."""
+    Parameters already in a unit of their own (the experts under ep) are left to it. Without tp: nothing."""
+    if not dims.tp_enabled:
+        return
     tp_group = dims.mesh_for("tp").get_group()
     for block in blocks:
         unit = fully_shard(

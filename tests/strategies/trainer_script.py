@@ -280,18 +280,25 @@ def compile_backend(backend: str | None) -> Iterator[None]:
         nn.Module.compile = inductor_compile  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def timed(run: dict) -> Iterator[None]:
+    """With ``$TRAINER_SCRIPT_TIMES`` naming a file, append ``<run> <devices> <seconds>`` to it when ``run``
+    ends: where a launch's time goes, run by run."""
+    started = time.monotonic()
+    yield
+    times = os.environ.get("TRAINER_SCRIPT_TIMES")
+    if times and (not dist.is_initialized() or dist.get_rank() == 0):
+        with open(times, "a") as log:
+            log.write(f"{Path(run['out']).stem} {run['devices']} {time.monotonic() - started:.1f}\n")
+
+
 def run_all(configs: list[dict]) -> None:
     """The configs one after the other in this process (start-up is most of the cost of a small run; the
     process group is reused, every run builds its own mesh)."""
     for one in configs:
-        started = time.monotonic()
         try:
-            with compile_backend(one.get("compile_backend")):
+            with timed(one), compile_backend(one.get("compile_backend")):
                 main(one)
-            times = os.environ.get("TRAINER_SCRIPT_TIMES")  # a file: where a launch's time goes, run by run
-            if times and (not dist.is_initialized() or dist.get_rank() == 0):
-                with open(times, "a") as log:
-                    log.write(f"{Path(one['out']).stem} {one['devices']} {time.monotonic() - started:.1f}\n")
         except BaseException as error:
             error.add_note(f"in the run that writes {one['out']}")  # which of a launch's runs failed
             raise
@@ -338,20 +345,20 @@ def _fork_stretch(devices: int, configs: list[dict], launcher: int) -> tuple[int
             os._exit(_forked_rank(rank, devices, port, configs, launcher))
         ranks.add(pid)
     codes: list[int] = []
-    kill_at = (
-        None  # after a failure the peers get a moment: one that crashed first is then still seen crashing
-    )
-    while ranks:
+    while ranks and not any(codes):  # every rank, or until one fails
+        pid, wait_status = os.wait()
+        ranks.discard(pid)
+        codes.append(os.waitstatus_to_exitcode(wait_status))
+    grace = (
+        time.monotonic() + 2.0
+    )  # the peers get a moment: one that crashed first is then still seen crashing
+    while ranks and time.monotonic() < grace:
         pid, wait_status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            if kill_at is not None and time.monotonic() > kill_at:
-                break
             time.sleep(0.05)
             continue
         ranks.discard(pid)
         codes.append(os.waitstatus_to_exitcode(wait_status))
-        if codes[-1] != 0 and kill_at is None:
-            kill_at = time.monotonic() + 2.0
     for other in ranks:  # they would wait forever in a collective with the failed rank
         os.kill(other, signal.SIGKILL)
         os.waitpid(other, 0)

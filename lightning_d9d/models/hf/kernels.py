@@ -138,9 +138,8 @@ def _matches_swiglu_mlp(module: nn.Module) -> bool:
 
 
 def _same_mlp_numbers(forward: Callable[..., Any], act_fn: nn.Module) -> bool:
-    with torch.random.fork_rng(
-        devices=[]
-    ):  # the probe's own weights: the caller's RNG stream is not advanced
+    # the probe's own weights, drawn without advancing the caller's RNG stream
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         gate, up, down = nn.Linear(8, 12), nn.Linear(8, 12), nn.Linear(12, 8)
     probe = types.SimpleNamespace(gate_proj=gate, up_proj=up, down_proj=down, act_fn=copy.deepcopy(act_fn))

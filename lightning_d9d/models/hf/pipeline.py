@@ -248,7 +248,6 @@ class TransformersStage(nn.Module):
             check_hf_context_model(self, dims.cp)
             parallelize_hf_context(self, dims.mesh_for("cp"), options.context_attention)
         parallelize_hf_experts(self, dims, options)
-        if dims.tp_enabled:  # as parallelize_hf: the MoE blocks' gradients sum over tp
-            sum_gradients_over_tp(moe_blocks(self).values(), dims, options)
+        sum_gradients_over_tp(moe_blocks(self).values(), dims, options)  # as parallelize_hf (tp only)
         layers = getattr(self.base_model, LAYERS)
         parallelize_blocks(self, [layers], dims, options)

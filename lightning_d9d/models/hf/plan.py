@@ -106,8 +106,8 @@ def parallelize_hf(
     if dims.cp_enabled:
         parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
     parallelize_hf_experts(model, dims, options)
-    if dims.tp_enabled:  # the MoE blocks ran on this rank's sequence shard: their gradients sum over tp
-        sum_gradients_over_tp(moe_blocks(model).values(), dims, options)
+    # under tp the MoE blocks ran on this rank's sequence shard: their gradients sum over tp
+    sum_gradients_over_tp(moe_blocks(model).values(), dims, options)
     train_without_cache(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
     parallelize_blocks(model, repeated_blocks(model), dims, options)

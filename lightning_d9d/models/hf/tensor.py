@@ -18,8 +18,9 @@ torch's ``ParallelStyle``s (:mod:`lightning_d9d.plans.tensor`) and add what ``tr
 
 MoE blocks (the parents of the experts modules the ep plan names) are not split: each runs on this rank's
 sequence shard with its weights whole, and the caller sums their gradients over tp (:func:`split_modules` says
-why). A style this slice does not translate yet (``mla_kv_a_proj``, ``local_colwise``, ...) is refused, naming the model class, the module and the style. ``transformers`` is never imported here: the model
-is read through its attributes.
+why). A style this slice does not translate yet (``mla_kv_a_proj``, ``local_colwise``, ...) is refused, naming
+the model class, the module and the style. ``transformers`` is never imported here: the model is read through
+its attributes.
 """
 
 from __future__ import annotations

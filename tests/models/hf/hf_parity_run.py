@@ -14,10 +14,8 @@ validation loss and what shows the plan was applied.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +45,13 @@ from tiny_hf import (  # noqa: E402
     tiny_causal_lm,
     tiny_model,
 )
-from trainer_script import RecordGradNorms, RecordLosses, compile_backend, full_parameters  # noqa: E402
+from trainer_script import (  # noqa: E402
+    RecordGradNorms,
+    RecordLosses,
+    compile_backend,
+    full_parameters,
+    timed,
+)
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
 from lightning_d9d.callbacks import ExportHF, LoadHFWeights  # noqa: E402
@@ -209,14 +213,9 @@ def assert_matches_reference(run: dict[str, Any], got: dict[str, Any]) -> None:
 
 def main(runs: list[dict[str, Any]]) -> None:
     trainer_runs.KINDS["hf_parity"] = fit
-    times = os.environ.get("TRAINER_SCRIPT_TIMES")  # a file: where the launch's time goes, run by run
-    for run in runs:
-        started = time.monotonic()
-        with compile_backend(run.get("compile_backend")):
+    for run in runs:  # each run's seconds to $TRAINER_SCRIPT_TIMES (trainer_script.timed)
+        with timed(run), compile_backend(run.get("compile_backend")):
             trainer_runs.launch({**run, "kind": "hf_parity", "name": Path(run["out"]).stem}, timeout=300)
-        if times:
-            with open(times, "a") as log:
-                log.write(f"{Path(run['out']).stem} {run['devices']} {time.monotonic() - started:.1f}\n")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ from torch import nn
 
 import lightning_d9d.models.hf as hf
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.hf import check_hf_model, hf_pipeline_for, hf_plan_for, parallelize_hf
+from lightning_d9d.models.hf import (
+    check_hf_model,
+    hf_pipeline_for,
+    hf_plan_for,
+    hf_tensor_plan,
+    parallelize_hf,
+)
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
 from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions
@@ -117,6 +123,15 @@ def test_tp_with_router_logits_is_refused() -> None:
         r"shard, so the load-balancing loss would count that shard's tokens only",
     ):
         check_hf_model(tiny_moe(output_router_logits=True), ParallelDims(tp=2))
+
+
+def test_a_moe_model_without_sequence_parallelism_is_refused() -> None:
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Qwen3MoeForCausalLM: its MoE blocks run on each tp rank's sequence shard: sequence_parallel=False "
+        r"is not supported for an MoE model",
+    ):
+        hf_tensor_plan(tiny_moe(), sequence_parallel=False)
 
 
 def test_tp_on_a_moe_model_passes_the_checks() -> None:  # its parity: test_hf_trainer.py
