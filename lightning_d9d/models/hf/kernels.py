@@ -26,6 +26,14 @@ plan's colwise / rowwise styles and FSDP apply to them as before; only the eleme
 RoPE is not swapped: ``transformers`` applies it in a module-level function of each family's modeling file
 (``apply_rotary_pos_emb``), not in a module whose forward we could replace.
 
+``transformers`` >= 5.25 wraps some classes' forwards (the attention modules of Llama, Qwen3, ...: its
+``use_kernelized_func``, from the ``kernels`` package) so that a module-level function they call (RoPE's) can be
+routed to a Hub kernel; the wrapper sets a context variable around the original forward. Compiled inside an
+activation-checkpointed layer, that write is a side effect torch refuses ("HOP: Unsafe side effect", the whole
+layer then fails to compile). With nothing routed (no Hub kernel loaded: ``kernelize`` was not called) the
+function the forward calls is the plain one either way, so :func:`unwrap_hub_kernel_forwards` gives such modules
+their class's original forward when the strategy compiles.
+
 ``$LIGHTNING_D9D_HF_KERNELS=0`` leaves every module as it is (default ``1``). Independently,
 ``$LIGHTNING_D9D_KERNELS=reference`` keeps the swapped forward on the PyTorch reference.
 """
@@ -193,3 +201,32 @@ def swap_hf_kernels(model: nn.Module) -> list[str]:
                 ENV_VAR,
             )
     return [name for names in swapped.values() for name in names]
+
+
+def unwrap_hub_kernel_forwards(model: nn.Module) -> list[str]:
+    """Give modules whose class forward is ``kernels``' routing wrapper (``use_kernelized_func``) the forward it
+    wraps, where no Hub kernel is routed (see the module docstring). Returns their names."""
+    unwrapped = []
+    for name, module in model.named_modules():
+        forward = type(module).forward
+        original = getattr(forward, "__wrapped__", None)
+        routed = getattr(module, "_kernel_funcs", None)
+        if original is None or not isinstance(routed, dict) or "forward" in vars(module):
+            continue
+        code = getattr(forward, "__code__", None)
+        if code is None or code.co_name != "new_forward":  # functools.wraps copied the name: the code tells
+            continue
+        if any(
+            "forward" in vars(func) for func in routed.values()
+        ):  # a Hub kernel routed (kernelize): keep it
+            continue
+        module.forward = types.MethodType(original, module)  # type: ignore[method-assign]
+        unwrapped.append(name)
+    if unwrapped:
+        log.info(
+            "%s: %d modules run their class's forward without kernels' routing wrapper (it cannot compile "
+            "inside activation checkpointing)",
+            type(model).__name__,
+            len(unwrapped),
+        )
+    return unwrapped
