@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_d9d.modules.moe import TopKRouter, update_expert_bias
+from lightning_d9d.modules.moe import LoadCountingRouter, update_expert_bias
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -68,11 +68,12 @@ class ExpertLoadBalancing(Callback):
                     pl_module.log(f"moe/{name}/load_{stat}", value, on_step=True, on_epoch=False)
 
 
-def routers_by_layer(module: torch.nn.Module) -> dict[str, TopKRouter]:
-    """The routers of ``module`` keyed ``layer{i}`` by their decoder layer (their module path otherwise)."""
-    named: dict[str, TopKRouter] = {}
+def routers_by_layer(module: torch.nn.Module) -> dict[str, LoadCountingRouter]:
+    """The load-counting routers of ``module`` (ours, and a ``transformers`` MoE model's under the d9d strategy)
+    keyed ``layer{i}`` by their decoder layer (their module path otherwise)."""
+    named: dict[str, LoadCountingRouter] = {}
     for path, child in module.named_modules():
-        if isinstance(child, TopKRouter):
+        if isinstance(child, LoadCountingRouter):
             match = _LAYER.search(path + ".")
             named[f"layer{match.group(1)}" if match else path] = child
     return named

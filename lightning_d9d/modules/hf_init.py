@@ -81,11 +81,13 @@ def _init_module(
             if tensor is None:
                 continue
             floating = tensor.is_floating_point()
-            full = torch.empty(
-                tuple(tensor.shape), dtype=torch.float32 if floating else tensor.dtype, device="cpu"
+            # NaN shows what no rule writes; an integer buffer no rule writes (a counter) starts at zero, alike
+            # on every rank, rather than as whatever the allocation held
+            full = (
+                torch.full(tuple(tensor.shape), float("nan"), dtype=torch.float32, device="cpu")
+                if floating
+                else torch.zeros(tuple(tensor.shape), dtype=tensor.dtype, device="cpu")
             )
-            if floating:
-                full.fill_(float("nan"))  # what no rule writes shows
             stand_in = (
                 nn.Parameter(full, requires_grad=tensor.requires_grad)
                 if isinstance(tensor, nn.Parameter)

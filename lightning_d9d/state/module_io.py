@@ -11,7 +11,7 @@ Face files of tied models hold (no ``lm_head.weight``).
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -85,6 +85,7 @@ def load_into_module(
     *,
     cast: bool = False,
     partial: bool = False,
+    leave: Collection[str] = (),
 ) -> None:
     """Stream the checkpoint in ``directory`` through ``mapper`` (disk → module) into ``module``'s parameters and
     persistent buffers, in place.
@@ -95,9 +96,11 @@ def load_into_module(
     the others are not (the checkpoint must still match the whole graph). DTensor parameters (FSDP2, TP) receive
     only their local shard: every rank reads the full tensors of one group at a time and keeps its slice, with no
     communication. Shapes must match exactly; dtypes too, unless ``cast`` (floating-point tensors are then
-    converted to the parameter's dtype, e.g. a bf16 file into fp32 master weights).
+    converted to the parameter's dtype, e.g. a bf16 file into fp32 master weights). ``leave``: module keys the
+    format does not cover, kept as they are (state our code added to a model, such as a router's selection bias).
     """
     targets, aliases = module_tensors(module)
+    targets = {key: value for key, value in targets.items() if key not in leave}
     reader = CheckpointReader(directory)
     ignore: frozenset[str] = frozenset()
     if partial:
@@ -139,6 +142,7 @@ def save_from_module(
     metadata: Mapping[str, str] | None = None,
     extra_files: Mapping[str, bytes | str] | None = None,
     partial: bool = False,
+    leave: Collection[str] = (),
 ) -> Path:
     """Stream ``module.state_dict()`` through ``mapper`` (module → disk) into a checkpoint at ``directory``.
 
@@ -150,10 +154,10 @@ def save_from_module(
     With ``partial`` each rank's module may hold only part of the graph's keys (a pipeline stage); together the
     ranks must hold all of them. If a rank fails midway the others wait in the next collective until the process
     group times out; the destination is then left as it was. ``extra_files`` (name → content, e.g.
-    ``config.json``) are committed with the weights.
+    ``config.json``) are committed with the weights. ``leave``: module keys the format does not cover, not written.
     """
     live, aliases = module_tensors(module)
-    state = {key: value.detach() for key, value in live.items()}
+    state = {key: value.detach() for key, value in live.items() if key not in leave}
     del live
     held, rank = _holders(state)
     if partial:

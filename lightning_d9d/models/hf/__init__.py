@@ -8,16 +8,20 @@ Nothing here imports ``transformers``: a model is recognised only if the user's 
 from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan
 from lightning_d9d.models.hf.pipeline import TransformersPipeline, TransformersStage, hf_pipeline_for
 from lightning_d9d.models.hf.plan import check_hf_model, hf_plan_for, is_transformers_model, parallelize_hf
+from lightning_d9d.models.hf.routing import add_selection_bias, count_router_load, hf_routers
 from lightning_d9d.models.hf.tensor import hf_tensor_plan
 
 __all__ = [
     "TransformersPipeline",
     "TransformersStage",
+    "add_selection_bias",
     "check_hf_model",
     "config_tp_plan",
+    "count_router_load",
     "expand_plan",
     "hf_pipeline_for",
     "hf_plan_for",
+    "hf_routers",
     "hf_tensor_plan",
     "is_transformers_model",
     "parallelize_hf",

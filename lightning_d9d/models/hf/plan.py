@@ -17,7 +17,8 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.expert import check_hf_expert_model, parallelize_hf_experts
-from lightning_d9d.models.hf.kernels import swap_hf_kernels
+from lightning_d9d.models.hf.kernels import swap_hf_kernels, unwrap_hub_kernel_forwards
+from lightning_d9d.models.hf.routing import count_router_load
 from lightning_d9d.models.hf.tensor import (
     check_tensor_parallel_model,
     hf_tensor_plan,
@@ -81,7 +82,8 @@ def parallelize_hf(
 
     1. Refuse what the adapter cannot do (:func:`check_hf_model`), before any collective.
     1b. Our kernels in place of matching modules' forwards (:func:`~.kernels.swap_hf_kernels`: the RMSNorms;
-       ``$LIGHTNING_D9D_HF_KERNELS=0`` keeps ``transformers``' own).
+       ``$LIGHTNING_D9D_HF_KERNELS=0`` keeps ``transformers``' own); MoE routers count their experts' load
+       (:func:`~.routing.count_router_load`; the selection bias where the user added it).
     2. tp > 1: the model's own tp plan translated onto torch's styles (:func:`~.tensor.hf_tensor_plan`:
        sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
@@ -90,7 +92,8 @@ def parallelize_hf(
     2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
        (:func:`~.expert.parallelize_hf_experts`). Under tp each MoE block routes this rank's sequence shard,
        its weights whole, its gradients summed over tp (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
-    3. In training no KV cache (:func:`train_without_cache`).
+    3. In training no KV cache (:func:`train_without_cache`); under compile, no ``kernels`` routing wrapper
+       around forwards (:func:`~.kernels.unwrap_hub_kernel_forwards`: it cannot compile inside recompute).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
        (2-D with tp: FSDP shards the tp shards over ``fsdp``), as the default plan does.
 
@@ -99,6 +102,7 @@ def parallelize_hf(
     """
     check_hf_model(model, dims)
     swap_hf_kernels(model)  # before any plan: only forwards change, names and shapes stay
+    count_router_load(model)  # MoE routers count their load for ExpertLoadBalancing (outputs unchanged)
     if dims.tp_enabled:
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
@@ -109,6 +113,8 @@ def parallelize_hf(
     # under tp the MoE blocks ran on this rank's sequence shard: their gradients sum over tp
     sum_gradients_over_tp(moe_blocks(model).values(), dims, options)
     train_without_cache(model)
+    if options.compile:
+        unwrap_hub_kernel_forwards(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
     parallelize_blocks(model, repeated_blocks(model), dims, options)
 

@@ -1,7 +1,12 @@
 """Mixture-of-Experts blocks: router, losses, load balancing, grouped experts, token dispatch, the MoE block."""
 
 from lightning_d9d.modules.moe.all_to_all import AllToAllDispatcher
-from lightning_d9d.modules.moe.balancing import paused_load_counting, routers_in, update_expert_bias
+from lightning_d9d.modules.moe.balancing import (
+    LoadCountingRouter,
+    paused_load_counting,
+    routers_in,
+    update_expert_bias,
+)
 from lightning_d9d.modules.moe.block import MoE
 from lightning_d9d.modules.moe.choose import expert_parallel_dispatcher
 from lightning_d9d.modules.moe.deepep import DeepEPDispatcher, deep_ep_available
@@ -15,6 +20,7 @@ __all__ = [
     "DeepEPDispatcher",
     "Dispatched",
     "GroupedExperts",
+    "LoadCountingRouter",
     "LocalDispatcher",
     "MoE",
     "Routing",

@@ -19,22 +19,36 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_d9d.modules.moe.router import TopKRouter
+
+@runtime_checkable
+class LoadCountingRouter(Protocol):
+    """A router that counts its experts' load for the bias update: our :class:`~.router.TopKRouter`, or a
+    ``transformers`` router given the counting forward (:func:`lightning_d9d.models.hf.routing.count_router_load`).
+
+    ``expert_load [E]`` (int64) holds the slots each expert received in training forwards since the last update
+    (none while ``count_load`` is off); ``expert_bias [E]`` (fp32) is the selection bias, ``None`` where the
+    router only counts."""
+
+    num_experts: int
+    expert_load: torch.Tensor
+    expert_bias: torch.Tensor | None
+    count_load: bool
 
 
-def routers_in(module: nn.Module) -> list[TopKRouter]:
-    """Every :class:`TopKRouter` in ``module``, in module order."""
-    return [child for child in module.modules() if isinstance(child, TopKRouter)]
+def routers_in(module: nn.Module) -> list[LoadCountingRouter]:
+    """Every load-counting router in ``module`` (:class:`LoadCountingRouter`), in module order."""
+    return [child for child in module.modules() if isinstance(child, LoadCountingRouter)]
 
 
 @torch.no_grad()
 def update_expert_bias(
-    routers: Sequence[TopKRouter], rate: float, group: dist.ProcessGroup | None = None
+    routers: Sequence[LoadCountingRouter], rate: float, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
     """Sum each router's ``expert_load`` over ``group`` (no communication when ``None``), update the
     ``expert_bias`` of routers that have one, reset every ``expert_load``, and return the summed loads

@@ -32,7 +32,12 @@ from .registry import (
     hf_format,
     read_hf_config,
 )
-from .transformers import is_transformers_module, transformers_format, transformers_hf_config
+from .transformers import (
+    is_transformers_module,
+    keys_beyond_class,
+    transformers_format,
+    transformers_hf_config,
+)
 
 # Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -94,7 +99,7 @@ def load_hf(
         found = read_hf_config(directory)
         check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME), fmt=fmt)
     mapper = reading_mapper(fmt, expected, keys, layout)
-    load_into_module(module, directory, mapper, cast=cast, partial=partial)
+    load_into_module(module, directory, mapper, cast=cast, partial=partial, leave=_beyond_format(module))
 
 
 def writing_mapper(
@@ -153,5 +158,16 @@ def save_hf(
     files = {**(extra_files or {}), CONFIG_NAME: hf_config_json(hf, dtype=written_dtype)}
     mapper = writing_mapper(fmt, hf, dtype, layout)
     return save_from_module(
-        module, directory, mapper, max_shard_bytes=max_shard_bytes, extra_files=files, partial=partial
+        module,
+        directory,
+        mapper,
+        max_shard_bytes=max_shard_bytes,
+        extra_files=files,
+        partial=partial,
+        leave=_beyond_format(module),
     )
+
+
+def _beyond_format(module: nn.Module) -> frozenset[str]:
+    """Keys of a ``transformers`` model its class does not build (:func:`~.transformers.keys_beyond_class`)."""
+    return keys_beyond_class(module) if is_transformers_module(module) else frozenset()

@@ -118,6 +118,16 @@ def whole_model_tensors(module: nn.Module) -> tuple[dict[str, Any], dict[str, st
     return module_tensors(whole)
 
 
+def keys_beyond_class(module: nn.Module) -> frozenset[str]:
+    """The state-dict keys of ``module`` (a ``transformers`` model) that its class does not build: state our code
+    added (a router's selection bias, :mod:`lightning_d9d.models.hf.routing`). The Hugging Face format is the
+    class's own, so ``ExportHF`` leaves them out and ``LoadHFWeights`` leaves them as they are; the training
+    checkpoint keeps them."""
+    tensors, _ = module_tensors(module)
+    whole, _ = whole_model_tensors(module)
+    return frozenset(tensors) - frozenset(whole)
+
+
 def _signature(config: HFConfig) -> dict[str, Any]:
     if "model_type" not in config:
         raise KeyError("model_type")

@@ -54,7 +54,8 @@ from trainer_script import (  # noqa: E402
 )
 
 from lightning_d9d import D9DStrategy, model_loss  # noqa: E402
-from lightning_d9d.callbacks import ExportHF, LoadHFWeights  # noqa: E402
+from lightning_d9d.callbacks import ExpertLoadBalancing, ExportHF, LoadHFWeights  # noqa: E402
+from lightning_d9d.models.hf import add_selection_bias  # noqa: E402
 from lightning_d9d.modules.loss import causal_lm_loss  # noqa: E402
 
 
@@ -65,6 +66,8 @@ class HFCausalLM(L.LightningModule):
         if not run.get("meta"):
             self.model = tiny_causal_lm(run["family"], layers=run["layers"], **run.get("model", {}))
             exclude_experts(self.model, run.get("exclude_experts", []))
+            if run.get("selection_bias"):
+                add_selection_bias(self.model)
 
     def configure_model(self) -> None:
         if self.run.get("meta") and not hasattr(self, "model"):
@@ -111,11 +114,22 @@ def gather_stages(params: dict[str, torch.Tensor], run: dict[str, Any]) -> dict[
     return {name: tensor for part in gathered for name, tensor in part.items()}
 
 
+def router_biases(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The routers' selection biases by module name (none without ``selection_bias``)."""
+    return {
+        name: module.expert_bias.detach().clone()
+        for name, module in model.named_modules()
+        if getattr(module, "expert_bias", None) is not None
+    }
+
+
 def fit(run: dict[str, Any]) -> None:
     module = HFCausalLM(run)
     pipelined = run["dims"].get("pp", 1) > 1
     grad_norms, losses = RecordGradNorms(pipelined=pipelined), RecordLosses()
     callbacks: list[Callback] = [grad_norms, losses]
+    if run.get("selection_bias"):  # the auxiliary-loss-free bias update after every optimizer step
+        callbacks.append(ExpertLoadBalancing(run["selection_bias"]))
     if run.get("load_hf"):  # after the strategy's setup: streamed into the sharded parameters
         callbacks.insert(0, LoadHFWeights(run["load_hf"]))
     if run.get("export_hf"):  # at the end of training, as transformers' files (max_shard_size: several files)
@@ -153,6 +167,7 @@ def fit(run: dict[str, Any]) -> None:
         "norms": grad_norms.norms,
         "params": params,
         "start": module.start,
+        "biases": gather_stages(router_biases(module.model), run),
         "export_dir": run.get("export_hf"),
     }
     if run.get("validate"):
@@ -193,10 +208,22 @@ def assert_matches_reference(run: dict[str, Any], got: dict[str, Any]) -> None:
     if run.get("meta"):
         model.load_state_dict(meta_initialised(run["family"], layers=run["layers"]), strict=False)
     exclude_experts(model, run.get("exclude_experts", []))
+    if run.get("selection_bias"):
+        add_selection_bias(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     assert set(got["start"]) == set(start)
     assert all(torch.equal(got["start"][n], p) for n, p in start.items())  # the same model to begin with
-    expected = reference_run(model, batches, accumulate=run.get("accumulate", 1), clip=run.get("clip"))
+    expected = reference_run(
+        model,
+        batches,
+        accumulate=run.get("accumulate", 1),
+        clip=run.get("clip"),
+        bias_rate=run.get("selection_bias"),
+    )
+    assert set(got["biases"]) == set(expected["biases"])
+    for name, bias in expected["biases"].items():
+        assert bias.any(), name  # the update moved it
+        assert float((got["biases"][name] - bias).abs().max()) <= 1e-6, name
     if "clip" in run:  # clipping bit on some steps only
         assert min(expected["norms"]) < run["clip"] < max(expected["norms"])
     assert len(got["losses"]) == len(expected["losses"]) == batches

@@ -14,6 +14,7 @@ from torch import nn
 
 from lightning_d9d.modules.hf_init import init_transformers_model_
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.moe import routers_in, update_expert_bias
 
 VOCAB, HIDDEN, SEQ, ROWS = 128, 64, 8, 4
 FAMILIES = {
@@ -116,10 +117,17 @@ def optimizer_for(parameters: Any, lr: float = 1e-3) -> torch.optim.Optimizer:
 
 
 def reference_run(
-    model: nn.Module, batches: int, *, accumulate: int = 1, clip: float | None = None
+    model: nn.Module,
+    batches: int,
+    *,
+    accumulate: int = 1,
+    clip: float | None = None,
+    bias_rate: float | None = None,
 ) -> dict[str, Any]:
     """One process, the unmodified model: per batch the loss, per optimizer step the gradient norm before
-    clipping; the parameters at the end, and the validation loss over the first two batches."""
+    clipping; the parameters at the end, and the validation loss over the first two batches. ``bias_rate``:
+    after every optimizer step the routers' selection biases move by it (the model's routers must have one:
+    ``lightning_d9d.models.hf.add_selection_bias``), as ``ExpertLoadBalancing`` does."""
     optimizer = optimizer_for(model.parameters())
     losses, norms = [], []
     for index in range(batches):
@@ -134,9 +142,22 @@ def reference_run(
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         optimizer.zero_grad()
+        if bias_rate is not None:
+            update_expert_bias(routers_in(model), bias_rate)
     model.eval()
     with torch.no_grad():
         val = [float(causal_lm_loss(model(input_ids=batch(i)[0]).logits, batch(i)[1])) for i in range(2)]
     model.train()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "norms": norms, "params": params, "val_loss": sum(val) / len(val)}
+    biases = {
+        name: module.expert_bias.detach().clone()
+        for name, module in model.named_modules()
+        if getattr(module, "expert_bias", None) is not None
+    }
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": params,
+        "biases": biases,
+        "val_loss": sum(val) / len(val),
+    }
