@@ -14,6 +14,7 @@ from typing import Any
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models.hf.attention import causal_attention_without_mask_sync
 from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.expert import check_hf_expert_model, parallelize_hf_experts
@@ -88,7 +89,9 @@ def parallelize_hf(
        sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
     2b. cp > 1: our load-balanced context-parallel attention through ``transformers``' attention interface and
-       ``position_ids`` by global position (:func:`~.context.parallelize_hf_context`).
+       ``position_ids`` by global position (:func:`~.context.parallelize_hf_context`). Otherwise a forward
+       without a mask skips ``transformers``' mask preparation and its host sync
+       (:func:`~.attention.causal_attention_without_mask_sync`).
     2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
        (:func:`~.expert.parallelize_hf_experts`). Under tp each MoE block routes this rank's sequence shard,
        its weights whole, its gradients summed over tp (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
@@ -109,6 +112,8 @@ def parallelize_hf(
         localize_head_counts(model, split_modules(model), dims.tp)
     if dims.cp_enabled:
         parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
+    else:  # no host sync in the mask preparation of a plain causal forward
+        causal_attention_without_mask_sync(model)
     parallelize_hf_experts(model, dims, options)
     # under tp the MoE blocks ran on this rank's sequence shard: their gradients sum over tp
     sum_gradients_over_tp(moe_blocks(model).values(), dims, options)
