@@ -1,6 +1,7 @@
-"""Lightning callbacks: Hugging Face weights in (``LoadHFWeights``) and out (``ExportHF``) of a training run, and
-the auxiliary-loss-free MoE bias update with the experts' load (``ExpertLoadBalancing``), training speed (``Throughput``: tokens/s, TFLOP/s, MFU, step time, peak memory), and Python's garbage collector at
-fixed steps (``GarbageCollection``)."""
+"""Lightning callbacks: Hugging Face weights in (``LoadHFWeights``) and out (``ExportHF``) of a training run, the
+auxiliary-loss-free MoE bias update with the experts' load (``ExpertLoadBalancing``), training speed
+(``Throughput``: tokens/s, TFLOP/s, MFU, step time, peak memory), and Python's garbage collector at fixed steps
+(``GarbageCollection``)."""
 
 from lightning_d9d.callbacks.garbage_collection import GarbageCollection
 from lightning_d9d.callbacks.hf import ExportHF, LoadHFWeights, find_hf_model
