@@ -7,7 +7,7 @@
 #   moe      the MoE shape: baseline, ours, transformers' model under the Trainer, ours without FSDP on the one
 #            rank
 #   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours, with and without FSDP on the one rank
-#   kernels  benchmarks/kernels.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
+#   kernels  benchmarks/kernel_speed.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
 #            installed: benchmarks/README.md)
 #   gpu      the gpu-marked tests
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
@@ -33,7 +33,7 @@ for part in "${@:-dense moe}"; do
             --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp \
             || status=1
         done ;;
-      kernels) python3 benchmarks/kernels.py --out "$OUT/kernels/kernels.json" ;;
+      kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
       gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;
       *) echo "unknown part $name" >&2; exit 2 ;;
     esac || status=1

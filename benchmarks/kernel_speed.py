@@ -1,7 +1,7 @@
 """Kernel benchmark on one CUDA GPU: ours against torch eager, ``torch.compile`` of the reference, and the
 libraries that have the same kernel (``liger-kernel``, ``cut-cross-entropy``) where they import.
 
-    python benchmarks/kernels.py [--out results.json] [--quick]
+    python benchmarks/kernel_speed.py [--out results.json] [--quick]
 
 Per kernel and shape: forward and forward+backward time, achieved GB/s (the bytes a fused kernel must move,
 counted once) against the copy bandwidth measured in the same run; the fused LM-head cross-entropy's peak
