@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from tiny_hf import HIDDEN, MOE, VOCAB, tiny_causal_lm, tiny_model
+from tiny_hf import MOE, VOCAB, tiny_causal_lm, tiny_model
 
 from lightning_d9d.models.hf import add_selection_bias, count_router_load, hf_routers
 from lightning_d9d.modules.hf_init import init_transformers_model_
@@ -94,21 +94,8 @@ def test_the_update_moves_the_bias_towards_the_idle_experts() -> None:
 
 def test_a_router_that_always_renormalises_in_fp32_is_read_off_its_class() -> None:
     # Mixtral's router renormalises without a flag and returns fp32 weights for bf16 logits
-    config = transformers.MixtralConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    torch.manual_seed(0)
-    reference = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
-    model = transformers.MixtralForCausalLM(config).to(torch.bfloat16)
-    model.load_state_dict(reference.state_dict())
+    reference = tiny_causal_lm("mixtral", layers=1).to(torch.bfloat16)
+    model = tiny_causal_lm("mixtral", layers=1).to(torch.bfloat16)
     add_selection_bias(model)
     (router,) = hf_routers(model).values()
     assert router._d9d_renormalises is True
@@ -139,22 +126,23 @@ def test_a_model_without_routers_is_refused() -> None:
     assert count_router_load(tiny_causal_lm("qwen3")) == []
 
 
+def set_biases(model: torch.nn.Module, value: float) -> None:
+    add_selection_bias(model)
+    for router in routers_in(model):
+        assert router.expert_bias is not None
+        router.expert_bias.fill_(value)
+
+
 def test_the_hugging_face_files_are_the_class_s_own_and_the_bias_stays(tmp_path: Path) -> None:
     trained = tiny_causal_lm("qwen3_moe")
-    add_selection_bias(trained)
-    for router in routers_in(trained):
-        assert router.expert_bias is not None
-        router.expert_bias.fill_(0.5)
+    set_biases(trained, 0.5)
     save_hf(trained, tmp_path)
     keys = CheckpointReader(tmp_path).keys()
     assert not [key for key in keys if "bias" in key]  # transformers' Qwen3-MoE has no field for it
     loaded = transformers.Qwen3MoeForCausalLM.from_pretrained(tmp_path)
     assert set(loaded.state_dict()) == set(tiny_causal_lm("qwen3_moe").state_dict())
     into = tiny_model("qwen3_moe")
-    add_selection_bias(into)
-    for router in routers_in(into):
-        assert router.expert_bias is not None
-        router.expert_bias.fill_(0.25)
+    set_biases(into, 0.25)
     load_hf(into, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(into.parameters(), trained.parameters(), strict=True))
     assert all(r.expert_bias is not None and bool((r.expert_bias == 0.25).all()) for r in routers_in(into))

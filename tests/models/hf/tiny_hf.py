@@ -22,9 +22,14 @@ FAMILIES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
+    "mixtral": (
+        transformers.MixtralConfig,
+        transformers.MixtralForCausalLM,
+    ),  # routers only (test_hf_routing.py)
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+FAMILY_FIELDS = {"qwen3_moe": MOE, "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
 
 
 def tiny_config(family: str, *, layers: int = 2, tied: bool = False, **overrides: Any) -> Any:
@@ -40,7 +45,7 @@ def tiny_config(family: str, *, layers: int = 2, tied: bool = False, **overrides
         "max_position_embeddings": 64,
         "tie_word_embeddings": tied,
         "initializer_range": 0.1,  # larger than the default, so that the heads' gradients are far from zero
-        **(MOE if family == "qwen3_moe" else {}),
+        **FAMILY_FIELDS.get(family, {}),
     }
     return config_class(**{**fields, **overrides})
 
