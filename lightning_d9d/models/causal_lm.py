@@ -40,6 +40,32 @@ class CausalLM(nn.Module):
     # $LIGHTNING_D9D_FUSED_LOSS=1 / 0 says otherwise.
     fuse_head_loss: bool | None = None
 
+    def _build(self, config: Any, decoder: Callable[[], nn.Module]) -> None:
+        """Hold ``config``, the decoder ``decoder()`` builds and a bias-free head over the vocabulary (tied to the
+        embedding when the config says so). Always built on meta: the per-module default inits (kaiming for
+        every Linear) would only be overwritten by :meth:`init_weights`, and cost a quarter of the time of
+        building a real model on CPU; built outside ``torch.device("meta")`` the model is then given memory and
+        initialised from ``torch.initial_seed()``."""
+        self.config = config
+        device = torch.get_default_device()
+        with torch.device("meta"):
+            self.model = decoder()
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._tie_weights()
+        if device.type != "meta":
+            self.to_empty(device=device)
+            self.init_weights()
+
+    def init_weights(self, seed: int | None = None) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define init_weights(seed)")
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits in the compute dtype (the loss upcasts: see :func:`~lightning_d9d.modules.causal_lm_loss`); a
+        pipeline stage without the head returns its hidden states. Router losses of an MoE model ride on the
+        logits' backward in training mode."""
+        hidden = self.model(input_ids, position_ids)
+        return self.lm_head(hidden) if self.lm_head is not None else hidden
+
     def forward_loss(
         self,
         input_ids: torch.Tensor,

@@ -1,4 +1,6 @@
-"""Qwen3 dense decoder: config, blocks, model, initialisation and parallel plan in one file.
+"""Qwen3 dense decoder: config, blocks, model, initialisation and parallel plan in one file. The decoder layer,
+the model, the config's shared fields and the initialisation serve Qwen3-MoE too (:mod:`.qwen3_moe` passes its
+MoE block as a sparse layer's ``mlp``).
 
 Parameter names are those of Hugging Face's ``Qwen3ForCausalLM``, so its state dicts load 1:1::
 
@@ -14,7 +16,7 @@ Parameter names are those of Hugging Face's ``Qwen3ForCausalLM``, so its state d
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
@@ -57,6 +59,17 @@ from lightning_d9d.plans import (
     vocab_parallel_head,
 )
 
+# The tiny presets' shape (Qwen3's and Qwen3-MoE's): a few hundred thousand parameters.
+TINY_SHAPE: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+}
+
 
 @dataclass
 class Qwen3Config:
@@ -75,28 +88,12 @@ class Qwen3Config:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        check_decoder_shape(self)
 
     @classmethod
     def tiny(cls, **overrides: Any) -> Qwen3Config:
         """A few-hundred-thousand-parameter model for tests and CPU smoke runs."""
-        values: dict[str, Any] = dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-        )
+        values: dict[str, Any] = {**TINY_SHAPE, "num_hidden_layers": 2, "tie_word_embeddings": False}
         values.update(overrides)
         return cls(**values)
 
@@ -138,35 +135,7 @@ class Qwen3Config:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any] | Any) -> Qwen3Config:
         """Read a ``config.json`` dict or a ``transformers.Qwen3Config``; refuse features this model lacks."""
-        d: Mapping[str, Any] = hf.to_dict() if hasattr(hf, "to_dict") else hf
-        model_type = d.get("model_type", "qwen3")
-        if model_type != "qwen3":
-            raise ValueError(f"Qwen3Config.from_hf_dict: model_type is {model_type!r}, expected 'qwen3'")
-        if d.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"Qwen3: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
-        if d.get("use_sliding_window", False):
-            raise NotImplementedError("Qwen3: use_sliding_window=True is not supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise NotImplementedError(f"Qwen3: rope_type={rope_type!r} is not supported (only 'default')")
-        rope_theta = rope.get("rope_theta", d.get("rope_theta", 1e6))
-        heads = d["num_attention_heads"]
-        return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            initializer_range=d.get("initializer_range", 0.02),
-            attention_bias=d.get("attention_bias", False),
-        )
+        return cls(**decoder_fields_from_hf(hf, model_type="qwen3", family="Qwen3"))
 
     def to_hf_config(self) -> Any:
         """A ``transformers.Qwen3Config`` (imports transformers, which is not a dependency of this package)."""
@@ -183,24 +152,94 @@ class Qwen3Config:
         ``include_embedding=False`` leaves out the input embedding table but keeps the LM head, tied or not:
         the head is a real matmul, the embedding a lookup.
         """
-        h, d = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * d
-        if self.attention_bias:
-            attn += q_out + 2 * kv_out + h
-        layer = attn + 3 * h * self.intermediate_size + 2 * h
-        head = self.vocab_size * h
-        embedding = self.vocab_size * h
-        total = self.num_hidden_layers * layer + h + head
-        if include_embedding and not self.tie_word_embeddings:
-            total += embedding
-        return total
+        mlps = self.num_hidden_layers * 3 * self.hidden_size * self.intermediate_size
+        return decoder_params_without_mlps(self, include_embedding=include_embedding) + mlps
+
+
+class DecoderShape(Protocol):
+    """The config fields one decoder definition reads (:class:`Qwen3Config`, and Qwen3-MoE's, which adds the
+    experts)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    initializer_range: float
+    attention_bias: bool
+
+
+def check_decoder_shape(config: DecoderShape) -> None:
+    """Refuse head counts grouped-query attention cannot share and a head size RoPE cannot rotate."""
+    if config.num_attention_heads % config.num_key_value_heads != 0:
+        raise ValueError(
+            f"num_key_value_heads ({config.num_key_value_heads}) must divide "
+            f"num_attention_heads ({config.num_attention_heads})"
+        )
+    if config.head_dim % 2 != 0:
+        raise ValueError(f"head_dim ({config.head_dim}) must be even for RoPE")
+
+
+def decoder_fields_from_hf(hf: Mapping[str, Any] | Any, *, model_type: str, family: str) -> dict[str, Any]:
+    """The :class:`DecoderShape` fields of a ``config.json`` dict or a ``transformers`` config of ``model_type``
+    (the family's defaults where it leaves one out), after refusing what the decoder lacks (another activation,
+    a sliding window, a RoPE scaling)."""
+    d: Mapping[str, Any] = hf.to_dict() if hasattr(hf, "to_dict") else hf
+    found = d.get("model_type", model_type)
+    if found != model_type:
+        raise ValueError(f"{family}: model_type is {found!r}, expected {model_type!r}")
+    if d.get("hidden_act", "silu") != "silu":
+        raise NotImplementedError(f"{family}: hidden_act={d['hidden_act']!r} is not supported (only 'silu')")
+    if d.get("use_sliding_window", False):
+        raise NotImplementedError(f"{family}: use_sliding_window=True is not supported")
+    rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"{family}: rope_type={rope_type!r} is not supported (only 'default')")
+    heads = d["num_attention_heads"]
+    return {
+        "vocab_size": d["vocab_size"],
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "num_hidden_layers": d["num_hidden_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": d.get("num_key_value_heads") or heads,
+        "head_dim": d.get("head_dim") or d["hidden_size"] // heads,
+        "rms_norm_eps": d.get("rms_norm_eps", 1e-6),
+        "rope_theta": float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
+        "max_position_embeddings": d.get("max_position_embeddings", 40960),
+        "tie_word_embeddings": d.get("tie_word_embeddings", False),
+        "initializer_range": d.get("initializer_range", 0.02),
+        "attention_bias": d.get("attention_bias", False),
+    }
+
+
+def decoder_params_without_mlps(config: DecoderShape, *, include_embedding: bool) -> int:
+    """Every parameter but the layers' feed-forwards: attention and the two norms per layer, the final norm, the
+    head (counted even when tied: a real matmul) and, with ``include_embedding`` and an untied head, the input
+    embedding (a lookup)."""
+    h, d = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * d
+    if config.attention_bias:
+        attn += q_out + 2 * kv_out + h
+    total = config.num_hidden_layers * (attn + 2 * h) + h + config.vocab_size * h
+    if include_embedding and not config.tie_word_embeddings:
+        total += config.vocab_size * h
+    return total
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``. ``mlp`` is the dense SwiGLU
+    unless given (Qwen3-MoE gives its sparse layers an MoE block): one definition serves both models."""
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: DecoderShape, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.self_attn = Attention(
             config.hidden_size,
@@ -211,7 +250,7 @@ class Qwen3DecoderLayer(nn.Module):
             norm_eps=config.rms_norm_eps,
             bias=config.attention_bias,
         )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -223,17 +262,17 @@ class Qwen3DecoderLayer(nn.Module):
 class Qwen3Model(nn.Module):
     """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``.
 
-    ``layers`` is a ``ModuleDict`` keyed by layer number, so that a pipeline stage can drop the layers it does
+    ``layer(i)`` builds decoder layer ``i`` (default: :class:`Qwen3DecoderLayer`). ``layers`` is a ``ModuleDict``
+    keyed by layer number, so that a pipeline stage can drop the layers it does
     not hold and keep the global names (``layers.5`` stays ``layers.5``). A stage without the embedding
     takes hidden states instead of ids; one without the final norm returns un-normalised hidden states.
     """
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: DecoderShape, layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
+        build = layer if layer is not None else (lambda _: Qwen3DecoderLayer(config))
         self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict(
-            {str(i): Qwen3DecoderLayer(config) for i in range(config.num_hidden_layers)}
-        )
+        self.layers = nn.ModuleDict({str(i): build(i) for i in range(config.num_hidden_layers)})
         self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
         # Into how many parts sequence parallelism cuts each sequence (tp; 1 without it): the residual stream
@@ -465,6 +504,43 @@ class Qwen3Stage(DecoderStage):
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
 
+def _linear_weights(module: nn.Module) -> list[torch.Tensor]:
+    return [module.weight] if isinstance(module, (nn.Linear, nn.Embedding)) else []
+
+
+@torch.no_grad()
+def init_decoder_weights_(
+    model: nn.Module,
+    std: float,
+    seed: int | None = None,
+    normal_weights: Callable[[nn.Module], list[torch.Tensor]] = _linear_weights,
+) -> None:
+    """Initialise every parameter of ``model`` (a causal LM over :class:`Qwen3Model`) from ``(seed, its name)``
+    and recompute the RoPE tables: the weights ``normal_weights`` names for each module ~ N(0, ``std``) (linear
+    and embedding weights by default), norm weights = 1, biases = 0; a parameter none of these covers is
+    refused by name. Each tensor is drawn whole on CPU in fp32 and sharded locally
+    (:mod:`lightning_d9d.modules.init`), so the result is bitwise the same whatever the sharding, the device or
+    the wrappers; a tied embedding is one Parameter, drawn once under ``model.embed_tokens.weight``."""
+    seed = torch.initial_seed() if seed is None else seed
+    normal = normal_fill(std)
+    fills: dict[int, Fill] = {}
+    for module in model.modules():
+        for weight in normal_weights(module):
+            fills[id(weight)] = normal
+        if isinstance(module, RMSNorm):
+            fills[id(module.weight)] = ones_fill
+        bias = getattr(module, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            fills[id(bias)] = zeros_fill
+    for name, param in sorted(model.named_parameters()):
+        fill = fills.get(id(param))
+        if fill is None:
+            raise RuntimeError(f"{type(model).__name__}.init_weights: no initialiser for parameter {name!r}")
+        init_param_(param, name, seed, fill)
+    decoder: Any = model.get_submodule("model")
+    decoder.rotary_emb.reset_parameters()
+
+
 class Qwen3ForCausalLM(CausalLM):
     """Qwen3 with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
 
@@ -473,24 +549,11 @@ class Qwen3ForCausalLM(CausalLM):
     ``torch.initial_seed()``.
     """
 
+    config: Qwen3Config
+
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
-        self.config = config
-        # Always built on meta: the per-module default inits (kaiming for every Linear) would only be
-        # overwritten by init_weights, and cost a quarter of the time of building a real model on CPU.
-        device = torch.get_default_device()
-        with torch.device("meta"):
-            self.model = Qwen3Model(config)
-            self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._tie_weights()
-        if device.type != "meta":
-            self.to_empty(device=device)
-            self.init_weights()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits in the compute dtype (the loss upcasts: see :func:`~lightning_d9d.modules.causal_lm_loss`)."""
-        hidden = self.model(input_ids, position_ids)
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        self._build(config, lambda: Qwen3Model(config))
 
     # ---------------------------------------------------------------------------------- initialisation
     @torch.no_grad()
@@ -502,23 +565,7 @@ class Qwen3ForCausalLM(CausalLM):
         is bitwise the same whatever the sharding, the device, or the wrappers around the layers. A tied
         embedding is one Parameter and is drawn once, under the name ``model.embed_tokens.weight``.
         """
-        seed = torch.initial_seed() if seed is None else seed
-        std = self.config.initializer_range
-        fills: dict[int, Fill] = {}
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                fills[id(module.weight)] = normal_fill(std)
-            elif isinstance(module, RMSNorm):
-                fills[id(module.weight)] = ones_fill
-            bias = getattr(module, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                fills[id(bias)] = zeros_fill
-        for name, param in sorted(self.named_parameters()):
-            fill = fills.get(id(param))
-            if fill is None:
-                raise RuntimeError(f"Qwen3ForCausalLM.init_weights: no initialiser for parameter {name!r}")
-            init_param_(param, name, seed, fill)
-        self.model.rotary_emb.reset_parameters()
+        init_decoder_weights_(self, self.config.initializer_range, seed)
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:

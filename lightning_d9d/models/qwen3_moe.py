@@ -54,20 +54,18 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM
-from lightning_d9d.models.qwen3 import DecoderStage, run_decoder, split_model_over_tp
-from lightning_d9d.modules import (
-    Attention,
-    RMSNorm,
-    RotaryEmbedding,
-    SwiGLU,
-    init_param_,
-    normal_fill,
-    ones_fill,
-    zeros_fill,
+from lightning_d9d.models.qwen3 import (
+    TINY_SHAPE,
+    DecoderStage,
+    Qwen3DecoderLayer,
+    Qwen3Model,
+    check_decoder_shape,
+    decoder_fields_from_hf,
+    decoder_params_without_mlps,
+    init_decoder_weights_,
+    split_model_over_tp,
 )
-from lightning_d9d.modules.context_attention import LoadBalancedSplit
-from lightning_d9d.modules.init import Fill
-from lightning_d9d.modules.moe import MoE
+from lightning_d9d.modules.moe import MoE, routers_in
 from lightning_d9d.modules.moe.experts import GroupedExperts
 from lightning_d9d.modules.moe.router import TopKRouter
 from lightning_d9d.plans import (
@@ -113,13 +111,7 @@ class Qwen3MoeConfig:
     attention_bias: bool = False
 
     def __post_init__(self) -> None:
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_key_value_heads ({self.num_key_value_heads}) must divide "
-                f"num_attention_heads ({self.num_attention_heads})"
-            )
-        if self.head_dim % 2 != 0:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for RoPE")
+        check_decoder_shape(self)
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step ({self.decoder_sparse_step}) must be >= 1")
         if self.num_experts > 0 and not 0 < self.num_experts_per_tok <= self.num_experts:
@@ -133,13 +125,8 @@ class Qwen3MoeConfig:
     def tiny(cls, **overrides: Any) -> Qwen3MoeConfig:
         """A small model for tests and CPU smoke runs: 3 layers, the middle one dense, 8 experts, top-2."""
         values: dict[str, Any] = dict(
-            vocab_size=256,
-            hidden_size=64,
-            intermediate_size=128,
+            **TINY_SHAPE,
             num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
             num_experts=8,
             num_experts_per_tok=2,
             moe_intermediate_size=32,
@@ -147,7 +134,6 @@ class Qwen3MoeConfig:
             mlp_only_layers=[1],
             output_router_logits=True,
             router_aux_loss_coef=0.01,
-            max_position_embeddings=512,
         )
         values.update(overrides)
         return cls(**values)
@@ -199,30 +185,8 @@ class Qwen3MoeConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any] | Any) -> Qwen3MoeConfig:
         """Read a ``config.json`` dict or a ``transformers.Qwen3MoeConfig``; refuse features this model lacks."""
         d: Mapping[str, Any] = hf.to_dict() if hasattr(hf, "to_dict") else hf
-        model_type = d.get("model_type", "qwen3_moe")
-        if model_type != "qwen3_moe":
-            raise ValueError(
-                f"Qwen3MoeConfig.from_hf_dict: model_type is {model_type!r}, expected 'qwen3_moe'"
-            )
-        if d.get("hidden_act", "silu") != "silu":
-            raise NotImplementedError(
-                f"Qwen3-MoE: hidden_act={d['hidden_act']!r} is not supported (only 'silu')"
-            )
-        if d.get("use_sliding_window", False):
-            raise NotImplementedError("Qwen3-MoE: use_sliding_window=True is not supported")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise NotImplementedError(f"Qwen3-MoE: rope_type={rope_type!r} is not supported (only 'default')")
-        heads = d["num_attention_heads"]
         return cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            **decoder_fields_from_hf(d, model_type="qwen3_moe", family="Qwen3-MoE"),
             # transformers 5 writes num_experts as num_local_experts (its attribute_map), 4.x as num_experts.
             num_experts=d.get("num_experts", d.get("num_local_experts", 128)),
             num_experts_per_tok=d.get("num_experts_per_tok", 8),
@@ -234,12 +198,6 @@ class Qwen3MoeConfig:
             router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
             router_z_loss_coef=d.get("router_z_loss_coef", 0.0),
             router_selection_bias=d.get("router_selection_bias", False),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 1e6))),
-            max_position_embeddings=d.get("max_position_embeddings", 40960),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            initializer_range=d.get("initializer_range", 0.02),
-            attention_bias=d.get("attention_bias", False),
         )
 
     def to_hf_config(self) -> Any:
@@ -255,89 +213,41 @@ class Qwen3MoeConfig:
         """Parameter count from the shape. ``include_embedding=False`` leaves out the input embedding table (a
         lookup) but keeps the LM head; ``active=True`` counts only the ``num_experts_per_tok`` experts each token
         runs through (the router counts whole)."""
-        h, d = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        attn = h * q_out + 2 * h * kv_out + q_out * h + 2 * d
-        if self.attention_bias:
-            attn += q_out + 2 * kv_out + h
-        dense_mlp = 3 * h * self.intermediate_size
+        h = self.hidden_size
         experts = self.num_experts_per_tok if active else self.num_experts
         sparse_mlp = h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
         sparse = len(self.sparse_layers)
-        layers = self.num_hidden_layers * (attn + 2 * h) + sparse * sparse_mlp
-        layers += (self.num_hidden_layers - sparse) * dense_mlp
-        total = layers + h + self.vocab_size * h
-        if include_embedding and not self.tie_word_embeddings:
-            total += self.vocab_size * h
-        return total
+        mlps = sparse * sparse_mlp + (self.num_hidden_layers - sparse) * 3 * h * self.intermediate_size
+        return decoder_params_without_mlps(self, include_embedding=include_embedding) + mlps
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    """Pre-norm residual block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``; ``mlp`` is an :class:`MoE`
-    on sparse layers and a :class:`SwiGLU` on dense ones."""
+class Qwen3MoeDecoderLayer(Qwen3DecoderLayer):
+    """Qwen3's decoder layer with an :class:`MoE` block as ``mlp`` on sparse layers (the dense SwiGLU on the
+    others)."""
 
     def __init__(self, config: Qwen3MoeConfig, layer: int) -> None:
-        super().__init__()
-        self.self_attn = Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            qk_norm=True,
-            norm_eps=config.rms_norm_eps,
-            bias=config.attention_bias,
-        )
-        self.mlp: MoE | SwiGLU
-        if config.is_sparse(layer):
-            self.mlp = MoE(
-                config.hidden_size,
-                config.num_experts,
-                config.num_experts_per_tok,
-                config.moe_intermediate_size,
-                normalize_top_k=config.norm_topk_prob,
-                selection_bias=config.router_selection_bias,
-                aux_loss_coef=config.layer_aux_loss_coef,
-                z_loss_coef=config.layer_z_loss_coef,
-            )
-        else:
-            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        super().__init__(config, moe_block(config) if config.is_sparse(layer) else None)
 
 
-class Qwen3MoeModel(nn.Module):
-    """Embedding, decoder layers and final norm: ``input_ids [B, T] -> hidden states [B, T, hidden]``.
+def moe_block(config: Qwen3MoeConfig) -> MoE:
+    """A sparse layer's feed-forward: router, routed experts and router losses as ``config`` says."""
+    return MoE(
+        config.hidden_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        config.moe_intermediate_size,
+        normalize_top_k=config.norm_topk_prob,
+        selection_bias=config.router_selection_bias,
+        aux_loss_coef=config.layer_aux_loss_coef,
+        z_loss_coef=config.layer_z_loss_coef,
+    )
 
-    ``layers`` is a ``ModuleDict`` keyed by layer number (a pipeline stage keeps the global names)."""
+
+class Qwen3MoeModel(Qwen3Model):
+    r"""Qwen3's decoder (:class:`~lightning_d9d.models.qwen3.Qwen3Model`) of :class:`Qwen3MoeDecoderLayer`\ s."""
 
     def __init__(self, config: Qwen3MoeConfig) -> None:
-        super().__init__()
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleDict(
-            {str(i): Qwen3MoeDecoderLayer(config, i) for i in range(config.num_hidden_layers)}
-        )
-        self.norm: RMSNorm | None = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        # Under context parallelism (set by parallelize_context): which positions of each sequence this rank
-        # holds, so that RoPE rotates each token by its global position.
-        self.context_split: LoadBalancedSplit | None = None
-        self.sequence_shards = 1  # tp under sequence parallelism: hidden states hold T / tp positions
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return run_decoder(
-            self.embed_tokens,
-            self.layers,
-            self.norm,
-            self.rotary_emb,
-            input_ids,
-            position_ids,
-            sequence_shards=self.sequence_shards,
-            context_split=self.context_split,
-        )
+        super().__init__(config, lambda i: Qwen3MoeDecoderLayer(config, i))
 
 
 class Qwen3MoeStage(DecoderStage):
@@ -369,6 +279,15 @@ def split_sequences(module: nn.Module, dims: ParallelDims, options: ParallelOpti
                 block.sequence_group = group
 
 
+def _normal_weights(module: nn.Module) -> list[torch.Tensor]:
+    """Linear, embedding, router and routed-expert weights: N(0, initializer_range), as in transformers."""
+    if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
+        return [module.weight]
+    if isinstance(module, GroupedExperts):
+        return [module.gate_proj, module.up_proj, module.down_proj]
+    return []
+
+
 class Qwen3MoeForCausalLM(CausalLM):
     """Qwen3-MoE with its language-model head: ``input_ids [B, T] -> logits [B, T, vocab]``.
 
@@ -377,22 +296,11 @@ class Qwen3MoeForCausalLM(CausalLM):
     ``torch.initial_seed()``. See the module docstring for how the router losses reach the gradient.
     """
 
+    config: Qwen3MoeConfig
+
     def __init__(self, config: Qwen3MoeConfig) -> None:
         super().__init__()
-        self.config = config
-        device = torch.get_default_device()
-        with torch.device("meta"):  # the modules' default inits would only be overwritten by init_weights
-            self.model = Qwen3MoeModel(config)
-            self.lm_head: nn.Linear | None = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._tie_weights()
-        if device.type != "meta":
-            self.to_empty(device=device)
-            self.init_weights()
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits in the compute dtype; in training mode the router losses ride on their backward."""
-        hidden = self.model(input_ids, position_ids)
-        return self.lm_head(hidden) if self.lm_head is not None else hidden
+        self._build(config, lambda: Qwen3MoeModel(config))
 
     # ----------------------------------------------------------------------------------- router losses
     def moe_blocks(self) -> list[MoE]:
@@ -418,30 +326,11 @@ class Qwen3MoeForCausalLM(CausalLM):
         :mod:`lightning_d9d.modules.init`), zero the routers' load counters and selection biases, and
         recompute the RoPE tables. Linear, embedding, router and expert weights ~ N(0, initializer_range) as in
         transformers, norm weights = 1, biases = 0."""
-        seed = torch.initial_seed() if seed is None else seed
-        normal = normal_fill(self.config.initializer_range)
-        fills: dict[int, Fill] = {}
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
-                fills[id(module.weight)] = normal
-            elif isinstance(module, GroupedExperts):
-                for weight in (module.gate_proj, module.up_proj, module.down_proj):
-                    fills[id(weight)] = normal
-            elif isinstance(module, RMSNorm):
-                fills[id(module.weight)] = ones_fill
-            bias = getattr(module, "bias", None)
-            if isinstance(bias, torch.Tensor):
-                fills[id(bias)] = zeros_fill
-            if isinstance(module, TopKRouter):
-                module.expert_load.zero_()
-                if module.expert_bias is not None:
-                    module.expert_bias.zero_()
-        for name, param in sorted(self.named_parameters()):
-            fill = fills.get(id(param))
-            if fill is None:
-                raise RuntimeError(f"Qwen3MoeForCausalLM.init_weights: no initialiser for parameter {name!r}")
-            init_param_(param, name, seed, fill)
-        self.model.rotary_emb.reset_parameters()
+        for router in routers_in(self):
+            router.expert_load.zero_()
+            if router.expert_bias is not None:
+                router.expert_bias.zero_()
+        init_decoder_weights_(self, self.config.initializer_range, seed, _normal_weights)
 
     # ----------------------------------------------------------------------------------------- parallel
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
