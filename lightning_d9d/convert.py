@@ -46,6 +46,7 @@ from lightning_d9d.state.hf import (
     hf_side_files,
     read_hf_config,
     reading_mapper,
+    transformers_model_format,
     writing_mapper,
 )
 from lightning_d9d.state.training import (
@@ -236,6 +237,27 @@ def verify_checkpoint(checkpoint: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- commands
+def _format_of_checkpoint(
+    reader: DCPReader, config: dict[str, Any], args: argparse.Namespace, checkpoint: str
+) -> tuple[HFFormat, Any, str]:
+    """The format whose module keys the checkpoint holds, its writing mapper and the keys' prefix: ours for the
+    config's model type where it has one (our white-box model's checkpoint), else the ``transformers`` class the
+    config names, built on ``meta`` (a ``transformers`` model trained under the strategy keeps its class's
+    names and layout: Qwen3-MoE's fused experts, any family without a format of ours)."""
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    failures: list[CheckpointError] = []
+    for build in (hf_format, transformers_model_format):
+        try:
+            fmt = build(config)
+            mapper = writing_mapper(fmt, config, dtype, args.layout)
+            if args.prefix is not None:
+                return fmt, mapper, args.prefix
+            return fmt, mapper, detect_prefix(reader.all_keys(), mapper.input_keys(), checkpoint)
+        except CheckpointError as failure:
+            failures.append(failure)
+    raise failures[0]
+
+
 def dcp_to_hf(args: argparse.Namespace) -> None:
     checkpoint = Path(args.checkpoint)
     if args.verify:
@@ -255,19 +277,19 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
                 "pass --config with the model's config.json or its Hugging Face directory"
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
-    fmt = hf_format(config)
-    _check_model_type(fmt, args.model, config_path)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    mapper = writing_mapper(fmt, config, dtype, args.layout)
-    module_keys = mapper.input_keys()
+    fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint))
+    _check_model_type(fmt, args.model, config_path)
     aliases = set(fmt.tied(config))
-    prefix = (
-        args.prefix
-        if args.prefix is not None
-        else detect_prefix(reader.all_keys(), module_keys, str(checkpoint))
-    )
     reader = reader.with_prefix(prefix)
     ignore = aliases & reader.keys()  # a tied head is saved under both names; read it once
+    if fmt.from_transformers:  # keys the class does not build (a router's selection bias): not HF state
+        beyond = sorted(reader.keys() - mapper.input_keys() - aliases)
+        if beyond:
+            print(
+                f"dcp-to-hf: left out {len(beyond)} tensors transformers' class has no field for: {beyond[:3]}"
+            )
+        ignore |= set(beyond)
     if fmt.hf_shapes is not None:
         layout = fmt.resolve_layout(args.layout)
         module_shapes = infer_shapes(fmt.from_hf(config, layout), fmt.hf_shapes(config, layout))

@@ -10,19 +10,27 @@ from typing import Any
 from torch import nn
 
 from lightning_d9d.state.hf import module_hf_config
+from lightning_d9d.state.hf.transformers import is_transformers_module
 from lightning_d9d.state.training import HF_CONFIG_KEY
 
 
 def model_hf_config(module: nn.Module) -> dict[str, Any] | None:
     """The Hugging Face config of the model inside ``module``: the one config among its submodules (itself
-    included) with ``config.to_hf_dict()``; None if there is none, or several that differ (then no single
-    answer exists and ``convert`` asks for ``--config``)."""
+    included) with ``config.to_hf_dict()``, or of its outermost ``transformers`` model (the causal LM, not its
+    base model inside); None if there is none, or several that differ (then no single answer exists and
+    ``convert`` asks for ``--config``)."""
     found: list[dict[str, Any]] = []
+    inside_transformers: set[int] = set()
     for sub in module.modules():
-        if callable(getattr(getattr(sub, "config", None), "to_hf_dict", None)):
-            config = module_hf_config(sub)
-            if config not in found:
-                found.append(config)
+        if id(sub) in inside_transformers:
+            continue
+        if is_transformers_module(sub):
+            inside_transformers.update(id(child) for child in sub.modules())
+        elif not callable(getattr(getattr(sub, "config", None), "to_hf_dict", None)):
+            continue
+        config = module_hf_config(sub)
+        if config not in found:
+            found.append(config)
     return found[0] if len(found) == 1 else None
 
 

@@ -72,7 +72,7 @@ def test_hf_to_hf_reshards_casts_and_copies_the_other_files(
 
 def _write_training_checkpoint(
     directory: Path,
-    model: Qwen3ForCausalLM,
+    model: torch.nn.Module,
     prefix: str = "model.",
     meta: dict[str, Any] | None = None,
     with_manifest: bool = True,
@@ -251,3 +251,31 @@ def test_dcp_to_hf_refuses_a_checkpoint_without_manifest_unless_told(
     written = read_checkpoint(out)
     for key, value in written.items():
         assert torch.equal(value, ours.state_dict()[key]), key
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_dcp_to_hf_converts_a_transformers_model_s_checkpoint(family: str, tmp_path: Path) -> None:
+    """A transformers model trained under the strategy keeps its class's names and layout (Llama: no format of
+    ours; Qwen3-MoE: fused experts, not our stacked ones): its training checkpoint records the class's config and
+    converts without --config into files from_pretrained loads, the selection bias our adapter added left out."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+    from tiny_hf import tiny_causal_lm
+
+    from lightning_d9d.models.hf import add_selection_bias
+    from lightning_d9d.strategies.hf_record import with_hf_config
+
+    model = tiny_causal_lm(family)
+    if family == "qwen3_moe":
+        add_selection_bias(model)
+    holder = torch.nn.Module()
+    holder.model = model  # as a LightningModule holds it: keys under "model."
+    checkpoint = with_hf_config({}, holder)
+    assert checkpoint["hf_config"]["architectures"] == [type(model).__name__]
+    _write_training_checkpoint(tmp_path / "ckpt", model, meta=checkpoint)
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    loaded = type(model).from_pretrained(tmp_path / "out")
+    ids = batch(int(model.config.vocab_size))
+    torch.testing.assert_close(hf_logits(loaded, ids), hf_logits(model, ids), rtol=1e-5, atol=1e-5)
+    assert not [key for key in read_checkpoint(tmp_path / "out") if "expert_bias" in key]

@@ -22,6 +22,7 @@ from .registry import (
     read_hf_config,
     register_hf_format,
 )
+from .transformers import transformers_model_format
 
 __all__ = [
     "CONFIG_NAME",
@@ -51,5 +52,6 @@ __all__ = [
     "reading_mapper",
     "register_hf_format",
     "save_hf",
+    "transformers_model_format",
     "writing_mapper",
 ]

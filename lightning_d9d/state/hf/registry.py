@@ -59,7 +59,8 @@ class HFFormat:
     file's keys, and the first one is what we write by default. ``signature`` extracts the fields that define the
     architecture, normalised so that two configs of the same model compare equal whatever transformers version
     wrote them. ``tied`` names the keys that are copies of others when the config ties them (a file or a
-    training checkpoint may hold them anyway; they are not read).
+    training checkpoint may hold them anyway; they are not read). ``from_transformers``: the format of a
+    ``transformers`` model's own module (its class's names and layout), not one of our registered families.
     """
 
     model_type: str
@@ -70,6 +71,8 @@ class HFFormat:
     tied: Callable[[HFConfig], dict[str, str]] = _no_ties
     layouts: tuple[str, ...] = ()
     detect_layout: Callable[[Collection[str]], str | None] | None = None
+    # Built from a transformers model's own module (state/hf/transformers.py): its keys are the class's
+    from_transformers: bool = False
 
     def from_hf(self, config: HFConfig, layout: str | None = None) -> ModelStateMapper:
         """HF file keys → module keys."""

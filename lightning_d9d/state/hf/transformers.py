@@ -89,6 +89,7 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
             mapping=lambda _config, _layout: Identity(keys),
             signature=_signature,
             tied=lambda _config: dict(aliases),
+            from_transformers=True,
         )
     held = family.layout_of(list(tensors))  # the layout the module holds
 
@@ -105,7 +106,33 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
         tied=family.tied,
         layouts=family.layouts,
         detect_layout=family.detect_layout,
+        from_transformers=True,
     )
+
+
+def transformers_model_format(config: HFConfig) -> HFFormat:
+    """The format of the ``transformers`` class ``config`` names (its ``architectures``), built on ``meta`` from
+    the config alone: for a training checkpoint of a ``transformers`` model, converted offline. Imports
+    ``transformers``, which only such a conversion needs."""
+    architectures = list(config.get("architectures") or [])
+    try:
+        import transformers
+    except ImportError as missing:
+        raise CheckpointError(
+            f"the config names {architectures or config.get('model_type')!r}, which no format of ours covers; "
+            "converting a transformers model's checkpoint needs transformers (pip install 'lightning-d9d[transformers]')"
+        ) from missing
+    model_class = getattr(transformers, architectures[0], None) if architectures else None
+    if not isinstance(model_class, type):
+        raise CheckpointError(
+            f"the config's architectures ({architectures}) name no transformers model class, and its model_type "
+            f"{config.get('model_type')!r} has no format of ours: pass --config with the model's config.json"
+        )
+    fields = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
+    hf_config = transformers.AutoConfig.for_model(str(config["model_type"]), **fields)
+    with torch.device("meta"):
+        module = model_class(hf_config)
+    return transformers_format(module, config)
 
 
 def whole_model_tensors(module: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
