@@ -204,6 +204,7 @@ def main(config: dict) -> None:
         strategy=D9DStrategy(**dims),
         accelerator=config.get("accelerator", "cpu"),
         devices=config["devices"],
+        num_nodes=config.get("num_nodes", 1),
         precision=config.get("precision", "32-true"),
         max_steps=config["max_steps"],
         accumulate_grad_batches=accumulate,
@@ -243,6 +244,13 @@ def main(config: dict) -> None:
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
     result["dtensor_params"] = any(isinstance(p, DTensor) for p in module.parameters())
     result["backend"] = dist.get_backend() if dist.is_initialized() else None
+    # who launched the ranks (Lightning's cluster environment), and every rank's node: as all-gathered
+    result["environment"] = type(trainer.strategy.cluster_environment).__name__
+    nodes: list[Any] = [trainer.node_rank]
+    if dist.is_initialized():
+        nodes = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, trainer.node_rank)
+    result["node_ranks"] = nodes
     # that compile and activation checkpointing were applied: blocks compiled in place, blocks wrapped
     result["compiled_modules"] = sum(
         getattr(m, "_compiled_call_impl", None) is not None for m in module.modules()
