@@ -83,19 +83,26 @@ def torchrun_nodes(config: dict[str, Any], tmp_path: Path) -> None:
     wait_all(processes, "torchrun --nnodes 2")
 
 
-def slurm_tasks(config: dict[str, Any], tmp_path: Path) -> None:
-    """The 4 tasks of ``srun --nodes 2 --ntasks-per-node 2``, each told its place by SLURM's variables only
-    (Lightning's ``SLURMEnvironment`` reads them; nothing else launches)."""
-    port = free_port()
+def slurm_tasks(
+    config: dict[str, Any],
+    tmp_path: Path,
+    *,
+    nodes: int = 2,
+    per_node: int = 2,
+    env: dict[str, str] | None = None,
+) -> None:
+    """The tasks of ``srun --nodes {nodes} --ntasks-per-node {per_node}``, each told its place by SLURM's
+    variables only (Lightning's ``SLURMEnvironment`` reads them; nothing else launches)."""
+    port, tasks = free_port(), nodes * per_node
     processes = []
-    for task in range(4):
+    for task in range(tasks):
         slurm = {
-            "SLURM_NTASKS": "4",
-            "SLURM_NTASKS_PER_NODE": "2",
-            "SLURM_NNODES": "2",
-            "SLURM_NODEID": str(task // 2),
+            "SLURM_NTASKS": str(tasks),
+            "SLURM_NTASKS_PER_NODE": str(per_node),
+            "SLURM_NNODES": str(nodes),
+            "SLURM_NODEID": str(task // per_node),
             "SLURM_PROCID": str(task),
-            "SLURM_LOCALID": str(task % 2),
+            "SLURM_LOCALID": str(task % per_node),
             "SLURM_JOB_ID": "4242",
             "SLURM_JOB_NAME": "d9d_two_nodes",  # not "bash": a batch job, not an interactive allocation
             "SLURM_NODELIST": "localhost",
@@ -106,7 +113,7 @@ def slurm_tasks(config: dict[str, Any], tmp_path: Path) -> None:
             subprocess.Popen(
                 [sys.executable, str(SCRIPT), json.dumps(config)],
                 cwd=tmp_path,
-                env={**clean_environment(), **slurm},
+                env={**clean_environment(), **slurm, **(env or {})},
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

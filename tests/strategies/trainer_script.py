@@ -41,6 +41,7 @@ from reference import exclude_experts, train_corpus, uncounted_loss, val_corpus
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
+from lightning_d9d.callbacks.preemption import Preemption
 from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
 
 # How often the fused LM head + loss ran (causal_lm.head_loss: CausalLM.forward_loss, or a last pipeline stage
@@ -159,6 +160,28 @@ class ExcludeExperts(Callback):
         exclude_experts(pl_module, self.experts)
 
 
+class SignalAt(Callback):
+    """Send this process ``signal`` (SIGUSR1) on rank ``rank`` during optimizer step ``step`` (1-based, as
+    ``global_step`` counts it after the step), at ``at``: the batch's start, before its backward, or before the
+    optimizer step."""
+
+    def __init__(self, rank: int, step: int, at: str) -> None:
+        self.rank, self.step, self.at = rank, step, at
+
+    def _maybe(self, trainer: L.Trainer, where: str) -> None:
+        if where == self.at and trainer.global_rank == self.rank and trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGUSR1)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        self._maybe(trainer, "batch_start")
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # type: ignore[no-untyped-def]
+        self._maybe(trainer, "backward")
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        self._maybe(trainer, "optimizer")
+
+
 def plain_name(name: str) -> str:
     """The parameter's name without the wrappers that activation checkpointing and compile insert."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -191,6 +214,12 @@ def main(config: dict) -> None:
             ExcludeExperts(config["moe_balance"]["unchosen"]),
             ExpertLoadBalancing(config["moe_balance"]["rate"]),
         ]
+    preemption = None
+    if config.get(
+        "preempt"
+    ):  # {"rank", "step", "at"}: a SIGUSR1 to one rank, stopped and saved by Preemption
+        preemption = Preemption(config["ckpt_dir"])
+        callbacks += [preemption, SignalAt(**config["preempt"])]
     if config.get("save_every"):
         # an interval, or several (one ModelCheckpoint each): e.g. [4, 7] saves an epoch end and a mid-epoch step
         every = config["save_every"]
@@ -237,6 +266,8 @@ def main(config: dict) -> None:
         dist.all_gather_object(gathered, params)
         params = {name: tensor for part in gathered for name, tensor in part.items()}
     result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": grad_norms.norms, "params": params}
+    result["preempted"] = str(preemption.saved) if preemption is not None and preemption.saved else None
+    result["global_step"] = trainer.global_step
     if config.get("validate"):
         metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
         result["val_loss"] = metrics[0]["val/loss"]
