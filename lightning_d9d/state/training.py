@@ -23,7 +23,8 @@ checkpoints resolves to the newest complete one (``selection.py``).
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +93,66 @@ def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
 def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
     """Write Lightning's ``checkpoint`` dict to ``path``; every rank of the default process group calls it (or
     one process without one). Returns once the directory is in place on every rank, or raises on every rank."""
+    directory, sections, meta = _open(path, checkpoint)
+    temp = directory.open()
+
+    def write_tensors_and_checksum() -> tuple[dict[str, manifest.FileEntry], Any]:
+        _dcp_result(directory, temp, lambda: dcp.save(sections, checkpoint_id=temp))
+        return _checksum_share(directory, temp), rng.collect()
+
+    return _commit(directory, meta, directory.gather(write_tensors_and_checksum))
+
+
+class PendingSave:
+    """A save whose tensors are being written in the background (:func:`save_async`): :meth:`finish` waits for
+    the write, checksums, writes ``meta.pt`` and the manifest and moves the directory into place, as
+    :func:`save` does after its write. Until then the checkpoint does not exist under its name."""
+
+    def __init__(
+        self, directory: AtomicDirectory, meta: dict[str, Any], write: Future[Any], rng_state: Any
+    ) -> None:
+        self.directory, self.meta, self.write, self.rng_state = directory, meta, write, rng_state
+
+    @property
+    def final(self) -> Path:
+        return self.directory.final
+
+    def done(self) -> bool:
+        """Whether this rank's background write has ended (written or failed)."""
+        return self.write.done()
+
+    def finish(self) -> Path:
+        """A collective of the default group (every rank, in the main thread): see the class docstring."""
+        temp = self.directory.open()
+
+        def wait_and_checksum() -> tuple[dict[str, manifest.FileEntry], Any]:
+            _dcp_result(self.directory, temp, self.write.result)
+            return _checksum_share(self.directory, temp), self.rng_state
+
+        return _commit(self.directory, self.meta, self.directory.gather(wait_and_checksum))
+
+
+def save_async(
+    path: str | os.PathLike[str], checkpoint: Mapping[str, Any], group: dist.ProcessGroup | None
+) -> PendingSave:
+    """Start :func:`save` with the tensors copied to CPU memory now and written in a background thread
+    (``torch.distributed.checkpoint.async_save``), whose collectives run over ``group`` (a process group of its
+    own: the training thread's collectives on the default group go on meanwhile). The random states are those
+    of now. Every rank calls it, then later :meth:`PendingSave.finish`."""
+    directory, sections, meta = _open(path, checkpoint)
+    temp = directory.open()
+    write = dcp.async_save(sections, checkpoint_id=temp, process_group=group)
+    if not isinstance(write, Future):  # a response with two futures comes only with an async stager
+        raise TypeError(
+            f"torch.distributed.checkpoint.async_save returned {type(write).__name__}, not a Future"
+        )
+    return PendingSave(directory, meta, write, rng.collect())
+
+
+def _open(
+    path: str | os.PathLike[str], checkpoint: Mapping[str, Any]
+) -> tuple[AtomicDirectory, dict[str, Any], dict[str, Any]]:
+    """The atomic directory for ``path``, the DCP sections (model, optimizers) and the rest (``meta.pt``)."""
     meta = dict(checkpoint)
     sections = {MODEL_SECTION: meta.pop("state_dict")}
     sections.update({optimizer_section(i): state for i, state in enumerate(meta.pop("optimizer_states", []))})
@@ -101,29 +162,34 @@ def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
         kind=f"a training checkpoint (a directory with {META_NAME} and {DCP_METADATA_NAME})",
         distributed=dist.is_available() and dist.is_initialized(),
     )
-    temp = directory.open()
+    return directory, sections, meta
 
-    def write_tensors() -> None:
-        # DCP writes (and fsyncs) every rank's files and .metadata; a rank's failure reaches all through DCP.
-        try:
-            dcp.save(sections, checkpoint_id=temp)
-        except CheckpointException as error:
-            raise CheckpointFileError(
-                f"writing the model and optimizer state of {directory.final} failed on ranks "
-                f"{sorted(error.failures)}: {dcp_failure_reason(error)}",
-                path=str(temp),
-            ) from error
 
-    def write_tensors_and_checksum() -> tuple[dict[str, manifest.FileEntry], dict[str, Any]]:
-        write_tensors()
-        # every rank's files exist once dcp.save returns: each rank checksums its share (page-cache reads)
-        names = [
-            entry.name for entry in temp.iterdir() if entry.name not in (META_NAME, manifest.MANIFEST_NAME)
-        ]
-        mine = manifest.share(names, directory.rank, directory.world_size)
-        return {name: manifest.checksum(temp / name) for name in mine}, rng.collect()
+def _dcp_result(directory: AtomicDirectory, temp: Path, write: Callable[[], Any]) -> None:
+    # DCP writes (and fsyncs) every rank's files and .metadata; a rank's failure reaches all through DCP.
+    try:
+        write()
+    except CheckpointException as error:
+        raise CheckpointFileError(
+            f"writing the model and optimizer state of {directory.final} failed on ranks "
+            f"{sorted(error.failures)}: {dcp_failure_reason(error)}",
+            path=str(temp),
+        ) from error
 
-    shares, rng_states = zip(*directory.gather(write_tensors_and_checksum), strict=True)
+
+def _checksum_share(directory: AtomicDirectory, temp: Path) -> dict[str, manifest.FileEntry]:
+    # every rank's files exist once the write returned: each rank checksums its share (page-cache reads)
+    names = [entry.name for entry in temp.iterdir() if entry.name not in (META_NAME, manifest.MANIFEST_NAME)]
+    mine = manifest.share(names, directory.rank, directory.world_size)
+    return {name: manifest.checksum(temp / name) for name in mine}
+
+
+def _commit(
+    directory: AtomicDirectory,
+    meta: dict[str, Any],
+    gathered: list[tuple[dict[str, manifest.FileEntry], Any]],
+) -> Path:
+    shares, rng_states = zip(*gathered, strict=True)
     meta[rng.RNG_KEY] = list(rng_states)  # every rank's, in rank order
 
     def write_meta_then_manifest(temp: Path) -> None:

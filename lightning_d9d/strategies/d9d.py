@@ -63,6 +63,7 @@ from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
@@ -121,6 +122,9 @@ class D9DStrategy(ModelParallelStrategy):
             manifest or RNG states). Refused with ``pp > 1``, where rank 0 holds only its own stages.
         timeout: how long any collective may wait (a ``timedelta``; Lightning's default is 30 minutes): a rank
             whose peer hung or died fails after it instead of waiting forever (see ``docs/reliability.md``).
+        async_save: checkpoints saved during training are written in the background while training goes on
+            (the state copied to CPU memory first), complete under their name once every rank's write ended
+            (``strategies/async_save.py``); the next save and the end of training wait for the previous one.
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -154,6 +158,7 @@ class D9DStrategy(ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
+        async_save: bool = False,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         check_checkpoint_format(save_distributed_checkpoint, pp=pp)
@@ -191,6 +196,7 @@ class D9DStrategy(ModelParallelStrategy):
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
+        self._async_saves = AsyncSaves() if async_save and save_distributed_checkpoint else None
 
     @classmethod
     @override
@@ -275,6 +281,8 @@ class D9DStrategy(ModelParallelStrategy):
         # The checkpoint's random states, if no ResumableDataLoader put them back at its first batch already (a
         # loader of the user's with its own state_dict): here, once, where the resume is mid-epoch. At an epoch
         # boundary the load's restore stands (the new iterator draws its seed from it, as uninterrupted).
+        if self._async_saves is not None:  # a background save whose writes all ended becomes complete here
+            self._async_saves.poll()
         if batch_idx > 0:
             self._resumed_random_state.restore()
         self._resumed_random_state.discard()
@@ -654,9 +662,33 @@ class D9DStrategy(ModelParallelStrategy):
             raise TypeError("D9DStrategy.save_checkpoint(..., storage_options=...) is not supported")
         # Collective: every rank returns once the directory is in place, or raises (all, with the reason).
         # with the model's HF config when it has one: `convert dcp-to-hf` then needs no --config
-        training_checkpoint.save(
-            self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
-        )
+        path, content = self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
+        if self._async_saves is not None and self._in_training_loop():
+            self._async_saves.save(path, content)
+            return
+        training_checkpoint.save(path, content)
+
+    def _in_training_loop(self) -> bool:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.training and not trainer.fit_loop.done
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        if self._async_saves is not None:
+            self._async_saves.setup()
+
+    @override
+    def on_train_end(self) -> None:
+        if self._async_saves is not None:  # the last save in flight completes before fit returns
+            self._async_saves.finish()
+        super().on_train_end()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if self._async_saves is not None:
+            self._async_saves.abandon()
+        super().on_exception(exception)
 
     @override
     def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:

@@ -182,6 +182,32 @@ class SignalAt(Callback):
         self._maybe(trainer, "optimizer")
 
 
+class KillAt(Callback):
+    """SIGKILL every rank after optimizer step ``step`` (a crash: no handler, no cleanup)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def slow_down_writes_of(marker: str, seconds: float) -> None:
+    """Make DCP's file writes into directories whose name holds ``marker`` take ``seconds`` longer (the
+    background write of an async save is then still running when the test kills the ranks)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def slow(self, plan, planner):  # type: ignore[no-untyped-def]
+        if marker in str(self.path):
+            time.sleep(seconds)
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = slow  # type: ignore[method-assign]
+
+
 def plain_name(name: str) -> str:
     """The parameter's name without the wrappers that activation checkpointing and compile insert."""
     return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
@@ -214,6 +240,10 @@ def main(config: dict) -> None:
             ExcludeExperts(config["moe_balance"]["unchosen"]),
             ExpertLoadBalancing(config["moe_balance"]["rate"]),
         ]
+    if config.get("kill_at_step"):
+        callbacks.append(KillAt(config["kill_at_step"]))
+    if config.get("slow_write"):  # {"marker": "step=4", "seconds": 30}
+        slow_down_writes_of(config["slow_write"]["marker"], config["slow_write"]["seconds"])
     preemption = None
     if config.get(
         "preempt"

@@ -1,0 +1,78 @@
+"""Asynchronous checkpoint saves for ``D9DStrategy(async_save=True)``: training goes on while the tensors are
+written, and the atomic protocol is kept.
+
+A save during training copies the model and optimizer state to CPU memory and hands the write to a background
+thread (:func:`lightning_d9d.state.training.save_async`, on torch's ``async_save``); its collectives run over a
+gloo group of its own, so they never interleave with the training thread's. The checkpoint appears under its
+name only when the write is complete: at the first batch start at which every rank's write has ended (one
+all-reduce of a flag per batch on a second gloo group while a save is pending: a few bytes on the CPU, no GPU
+synchronisation), the ranks finish it together in the main thread: checksums, ``meta.pt``, the manifest last,
+then the move into place (:class:`~lightning_d9d.state.training.PendingSave`). A crash before that leaves the
+previous checkpoint complete and the new one a hidden temporary directory, never a candidate for resuming.
+
+The next save waits for the previous one, and so does the end of training. A save outside the training loop (a
+``trainer.save_checkpoint`` after ``fit``) is synchronous.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_d9d.state import training as training_checkpoint
+
+log = logging.getLogger("lightning_d9d.strategies")
+
+
+class AsyncSaves:
+    """The one save in flight, if any, and the two gloo groups (the write's, the vote's)."""
+
+    def __init__(self) -> None:
+        self.pending: training_checkpoint.PendingSave | None = None
+        self._write_group: dist.ProcessGroup | None = None
+        self._vote_group: dist.ProcessGroup | None = None
+
+    def setup(self) -> None:
+        """Create the groups: a collective of the default group, once, before training."""
+        if dist.is_initialized() and dist.get_world_size() > 1 and self._write_group is None:
+            self._write_group = dist.new_group(backend="gloo")
+            self._vote_group = dist.new_group(backend="gloo")
+
+    def save(self, path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
+        """Finish the save in flight, then start this one."""
+        self.finish()
+        self.pending = training_checkpoint.save_async(Path(path), checkpoint, self._write_group)
+
+    def poll(self) -> None:
+        """Finish the save in flight if every rank's write has ended (every rank calls it at the same point)."""
+        if self.pending is None:
+            return
+        done = self.pending.done()
+        if self._vote_group is not None:
+            vote = torch.tensor([int(done)], dtype=torch.int32)
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self._vote_group)
+            done = bool(vote.item())
+        if done:
+            self.finish()
+
+    def finish(self) -> None:
+        """Wait for the write in flight and put its checkpoint in place (a collective)."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            path = pending.finish()
+            log.info("async save: %s is complete", path)
+
+    def abandon(self) -> None:
+        """After a failure elsewhere: wait for this rank's write to end (its thread holds the staged tensors),
+        and leave the checkpoint unfinished: finishing needs every rank, which may be gone."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.write.result()
+            except Exception as error:  # the run is failing already: this is not its reason
+                log.warning("async save of %s failed too: %s", pending.final, error)
