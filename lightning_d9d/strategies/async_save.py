@@ -39,8 +39,11 @@ class AsyncSaves:
 
     def setup(self) -> None:
         """Create the groups: a collective of the default group, once, before training."""
-        if dist.is_initialized() and dist.get_world_size() > 1 and self._write_group is None:
-            self._write_group = dist.new_group(backend="gloo")
+        if not dist.is_initialized() or self._write_group is not None:
+            return
+        # also on one rank: torch's async save needs a CPU backend, and the default group may be NCCL alone
+        self._write_group = dist.new_group(backend="gloo")
+        if dist.get_world_size() > 1:
             self._vote_group = dist.new_group(backend="gloo")
 
     def save(self, path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
