@@ -26,6 +26,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -77,7 +78,11 @@ class Preemption(Callback):
         if dist.is_initialized() and dist.get_world_size() > 1 and self._group is None:
             # a CPU group for the per-step vote: under NCCL a GPU all-reduce read on the host would wait
             # for the GPU at every step
-            self._group = dist.new_group(backend="gloo")
+            # with the strategy's collective timeout (D9DStrategy(timeout=...)), as every group it makes
+            timeout = getattr(trainer.strategy, "_timeout", None)
+            self._group = dist.new_group(
+                backend="gloo", timeout=timeout if isinstance(timeout, timedelta) else None
+            )
 
     @override
     def on_train_batch_end(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,8 @@ log = logging.getLogger("lightning_d9d.strategies")
 class AsyncSaves:
     """The one save in flight, if any, and the two gloo groups (the write's, the vote's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self.timeout = timeout  # the strategy's collective timeout, for the groups made here too
         self.pending: training_checkpoint.PendingSave | None = None
         self._write_group: dist.ProcessGroup | None = None
         self._vote_group: dist.ProcessGroup | None = None
@@ -42,9 +44,9 @@ class AsyncSaves:
         if not dist.is_initialized() or self._write_group is not None:
             return
         # also on one rank: torch's async save needs a CPU backend, and the default group may be NCCL alone
-        self._write_group = dist.new_group(backend="gloo")
+        self._write_group = dist.new_group(backend="gloo", timeout=self.timeout)
         if dist.get_world_size() > 1:
-            self._vote_group = dist.new_group(backend="gloo")
+            self._vote_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def save(self, path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
         """Finish the save in flight, then start this one."""

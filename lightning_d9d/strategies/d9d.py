@@ -196,7 +196,7 @@ class D9DStrategy(ModelParallelStrategy):
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
-        self._async_saves = AsyncSaves() if async_save and save_distributed_checkpoint else None
+        self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
 
     @classmethod
     @override
