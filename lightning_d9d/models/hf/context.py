@@ -40,7 +40,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_d9d.models.hf.tensor import ISSUE
 from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit, context_attention
 
 #: The name our context-parallel attention is registered under in ``transformers``' attention interface.
@@ -66,7 +65,7 @@ def check_hf_context_model(model: nn.Module, cp: int) -> None:
     if other:
         raise NotImplementedError(
             f"{prefix}: its config ({type(config).__name__}) has layer_types {other}; context parallelism "
-            f"implements full causal attention only (not yet the others: {ISSUE})"
+            "implements full causal attention only (not yet the others); use cp=1"
         )
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:

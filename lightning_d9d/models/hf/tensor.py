@@ -53,7 +53,6 @@ from lightning_d9d.plans.tensor import (
     vocab_parallel_lookup,
 )
 
-ISSUE = "issue 24"
 # Plan style names (of every transformers version we support) that this adapter translates.
 COLUMN = ("colwise",)
 ROW = ("rowwise",)
@@ -119,14 +118,14 @@ def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
         translated = KNOWN if modules[module_name] in ends else (*COLUMN, *ROW, *PER_HEAD_NORM)
         if style not in translated:
             raise NotImplementedError(
-                f"{name}: tp={tp}: the tp plan's style {style!r} (for {module_name}) is not translated yet "
-                f"({ISSUE}); translated: {', '.join(translated)}. Use tp=1"
+                f"{name}: tp={tp}: the tp plan's style {style!r} (for {module_name}) is not translated yet; "
+                f"translated: {', '.join(translated)}. Use tp=1"
             )
     embedding = ends[1]
     if isinstance(embedding, nn.Embedding) and type(embedding).forward is not nn.Embedding.forward:
         raise NotImplementedError(
             f"{name}: tp={tp}: the input embedding {type(embedding).__name__} has a forward of its own, which the "
-            f"vocabulary-parallel lookup would replace; not translated yet ({ISSUE}). Use tp=1"
+            "vocabulary-parallel lookup would replace; not translated yet. Use tp=1"
         )
     sizes = {
         field: getattr(config, field)
@@ -157,7 +156,7 @@ def _check_moe_blocks(model: nn.Module, split: Mapping[str, str], tp: int) -> No
         raise NotImplementedError(
             f"{name}: tp={tp}: its MoE blocks ({next(iter(blocks))}, ...) run on each rank's sequence shard, but "
             "a part of its decoder layers is neither a norm, an MoE block nor a split attention/MLP, so the "
-            f"residual stream cannot be sequence-sharded ({ISSUE}); use tp=1 (ep and the data degrees apply)"
+            f"residual stream cannot be sequence-sharded; use tp=1 (ep and the data degrees apply)"
         )
     if getattr(model.config, "output_router_logits", False):
         raise NotImplementedError(
@@ -183,7 +182,7 @@ def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) 
                 f"{type(model).__name__}: tp={tp}: {inner_name} ({type(inner).__name__}) sits among split "
                 "projections but the config's tp plan does not name it, so its gradient would cover this rank's "
                 "part only; add it to base_model_tp_plan (a norm over each head: "
-                f'"replicated_with_grad_allreduce"), or use tp=1 ({ISSUE})'
+                f'"replicated_with_grad_allreduce"), or use tp=1'
             )
 
 
@@ -334,7 +333,7 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
         elif style in PER_HEAD_NORM:
             plan[module_name] = per_head_norm()
         else:  # refused by check_tensor_parallel_model
-            raise NotImplementedError(f"{name}: the tp plan's style {style!r} for {module_name} ({ISSUE})")
+            raise NotImplementedError(f"{name}: the tp plan's style {style!r} for {module_name}")
     if isinstance(embedding, nn.Embedding) and id(embedding) in names:
         plan[names[id(embedding)]] = VocabParallelWholeEmbedding()
     if isinstance(head, nn.Linear) and id(head) in names:
@@ -345,7 +344,7 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
         if moe_blocks(model):
             raise NotImplementedError(
                 f"{name}: its MoE blocks run on each tp rank's sequence shard: sequence_parallel=False is not "
-                f"supported for an MoE model ({ISSUE})"
+                "supported for an MoE model"
             )
         return plan
     for norm in layout.layer_norms:
