@@ -279,3 +279,13 @@ def test_dcp_to_hf_converts_a_transformers_model_s_checkpoint(family: str, tmp_p
     ids = batch(int(model.config.vocab_size))
     torch.testing.assert_close(hf_logits(loaded, ids), hf_logits(model, ids), rtol=1e-5, atol=1e-5)
     assert not [key for key in read_checkpoint(tmp_path / "out") if "expert_bias" in key]
+
+
+def test_the_class_a_config_names_must_be_a_transformers_model() -> None:
+    """``architectures`` is read from a file: only a transformers model class is built from it."""
+    from lightning_d9d.state.errors import CheckpointError
+    from lightning_d9d.state.hf import transformers_model_format
+
+    for name in ("AutoTokenizer", "Trainer", "no_such_class"):
+        with pytest.raises(CheckpointError, match="name no transformers model class"):
+            transformers_model_format({"model_type": "llama", "architectures": [name]})

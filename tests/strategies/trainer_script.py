@@ -195,7 +195,8 @@ class KillAt(Callback):
 
 def slow_down_writes_of(marker: str, seconds: float) -> None:
     """Make DCP's file writes into directories whose name holds ``marker`` take ``seconds`` longer (the
-    background write of an async save is then still running when the test kills the ranks)."""
+    background write of an async save is then still running when the test kills the ranks). For the rest of
+    the process: give such a config a launch of its own."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     write_data = FileSystemWriter.write_data

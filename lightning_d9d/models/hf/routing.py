@@ -103,30 +103,18 @@ def _looks_like_router(module: nn.Module) -> bool:
 
 def _wrap(router: Any, *, selection_bias: bool, refuse: bool) -> bool:
     """Install the wrapper (and the bias when ``selection_bias``); False where the class is not ours to wrap."""
-    cls = type(router)
-    # a class may renormalise by a setting of the instance (Qwen3-MoE's norm_topk_prob): one probe per settings
-    settings = tuple(
-        sorted(
-            (k, v)
-            for k, v in vars(router).items()
-            if not k.startswith("_") and isinstance(v, int | float | str)
-        )
-    )
-    key = (cls, settings)
-    if key not in _PROBED:
-        _PROBED[key] = _probe_renormalisation(router)
-    renormalises = _PROBED[key]
-    if renormalises is None:
-        if refuse:
-            raise NotImplementedError(
-                f"{cls.__name__}: its forward does not return (logits, top-k weights, top-k indices) that a "
-                "softmax over the logits, its top k and (optionally) their renormalisation reproduce exactly, so "
-                "the selection bias cannot choose for it; train without add_selection_bias (the auxiliary "
-                "loss of the model's config balances it)"
-            )
-        log.info("%s: not a softmax top-k router; its load is not counted", cls.__name__)
-        return False
-    if getattr(router, _RENORMALISES, None) is None:
+    if getattr(router, _RENORMALISES, None) is None:  # not wrapped yet: read the class off a probe first
+        renormalises = _renormalisation_of(router)
+        if renormalises is None:
+            if refuse:
+                raise NotImplementedError(
+                    f"{type(router).__name__}: its forward does not return (logits, top-k weights, top-k "
+                    "indices) that a softmax over the logits, its top k and (optionally) their renormalisation "
+                    "reproduce exactly, so the selection bias cannot choose for it; train without "
+                    "add_selection_bias (the auxiliary loss of the model's config balances it)"
+                )
+            log.info("%s: not a softmax top-k router; its load is not counted", type(router).__name__)
+            return False
         device = router.get_parameter("weight").device
         router.register_buffer(
             "expert_load", torch.zeros(router.num_experts, dtype=torch.int64, device=device), persistent=False
@@ -142,6 +130,22 @@ def _wrap(router: Any, *, selection_bias: bool, refuse: bool) -> bool:
             "expert_bias", torch.zeros(router.num_experts, dtype=torch.float32, device=device)
         )
     return True
+
+
+def _renormalisation_of(router: Any) -> bool | None:
+    """:func:`_probe_renormalisation`, once per class and settings: a class may renormalise by a setting of the
+    instance (Qwen3-MoE's ``norm_topk_prob``), so the key holds the instance's plain attributes."""
+    settings = tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(router).items()
+            if not k.startswith("_") and isinstance(v, int | float | str)
+        )
+    )
+    key = (type(router), settings)
+    if key not in _PROBED:
+        _PROBED[key] = _probe_renormalisation(router)
+    return _PROBED[key]
 
 
 def _counting_forward(

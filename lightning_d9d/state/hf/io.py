@@ -32,12 +32,7 @@ from .registry import (
     hf_format,
     read_hf_config,
 )
-from .transformers import (
-    is_transformers_module,
-    keys_beyond_class,
-    transformers_format,
-    transformers_hf_config,
-)
+from .transformers import is_transformers_module, transformers_format, transformers_hf_config
 
 # Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
@@ -99,7 +94,8 @@ def load_hf(
         found = read_hf_config(directory)
         check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME), fmt=fmt)
     mapper = reading_mapper(fmt, expected, keys, layout)
-    load_into_module(module, directory, mapper, cast=cast, partial=partial, leave=_beyond_format(module))
+    leave = _beyond_format(fmt, module, mapper.output_keys())
+    load_into_module(module, directory, mapper, cast=cast, partial=partial, leave=leave)
 
 
 def writing_mapper(
@@ -164,10 +160,16 @@ def save_hf(
         max_shard_bytes=max_shard_bytes,
         extra_files=files,
         partial=partial,
-        leave=_beyond_format(module),
+        leave=_beyond_format(fmt, module, mapper.input_keys()),
     )
 
 
-def _beyond_format(module: nn.Module) -> frozenset[str]:
-    """Keys of a ``transformers`` model its class does not build (:func:`~.transformers.keys_beyond_class`)."""
-    return keys_beyond_class(module) if is_transformers_module(module) else frozenset()
+def _beyond_format(fmt: HFFormat, module: nn.Module, covered: Collection[str]) -> frozenset[str]:
+    """The keys of a ``transformers`` model that its class does not build, so its format (built from the class)
+    does not cover them: state our code added, such as a router's selection bias
+    (:mod:`lightning_d9d.models.hf.routing`). ``ExportHF`` leaves them out, ``LoadHFWeights`` leaves them as
+    they are; the training checkpoint keeps them. For our own models every key must be covered: none."""
+    if not fmt.from_transformers:
+        return frozenset()
+    tensors, _ = module_tensors(module)
+    return frozenset(tensors) - frozenset(covered)

@@ -123,7 +123,8 @@ def transformers_model_format(config: HFConfig) -> HFFormat:
             "converting a transformers model's checkpoint needs transformers (pip install 'lightning-d9d[transformers]')"
         ) from missing
     model_class = getattr(transformers, architectures[0], None) if architectures else None
-    if not isinstance(model_class, type):
+    # a name read from a file: only a transformers model class is built from it, nothing else the package holds
+    if not isinstance(model_class, type) or not issubclass(model_class, transformers.PreTrainedModel):
         raise CheckpointError(
             f"the config's architectures ({architectures}) name no transformers model class, and its model_type "
             f"{config.get('model_type')!r} has no format of ours: pass --config with the model's config.json"
@@ -143,16 +144,6 @@ def whole_model_tensors(module: nn.Module) -> tuple[dict[str, Any], dict[str, st
     with torch.device("meta"):
         whole = model_class(config)
     return module_tensors(whole)
-
-
-def keys_beyond_class(module: nn.Module) -> frozenset[str]:
-    """The state-dict keys of ``module`` (a ``transformers`` model) that its class does not build: state our code
-    added (a router's selection bias, :mod:`lightning_d9d.models.hf.routing`). The Hugging Face format is the
-    class's own, so ``ExportHF`` leaves them out and ``LoadHFWeights`` leaves them as they are; the training
-    checkpoint keeps them."""
-    tensors, _ = module_tensors(module)
-    whole, _ = whole_model_tensors(module)
-    return frozenset(tensors) - frozenset(whole)
 
 
 def _signature(config: HFConfig) -> dict[str, Any]:
