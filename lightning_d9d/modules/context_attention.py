@@ -37,6 +37,15 @@ log = logging.getLogger("lightning_d9d.modules")
 CONTEXT_ATTENTION = ("auto", "all_gather", "torch_ring")
 
 
+def check_context_attention(value: str, *, owner: str) -> str:
+    """Refuse an unknown ``context_attention`` name (before any process group), naming ``owner``."""
+    if value not in CONTEXT_ATTENTION:
+        raise ValueError(
+            f"{owner}: context_attention={value!r}; choose one of {', '.join(map(repr, CONTEXT_ATTENTION))}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class LoadBalancedSplit:
     """Which positions of each sequence cp rank ``rank`` of ``cp`` holds (chunks ``rank`` and

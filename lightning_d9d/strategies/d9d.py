@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -16,11 +15,9 @@ from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -33,9 +30,9 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import fused_causal_lm_loss, fused_loss_ignore_index
-from lightning_d9d.models.hf import hf_pipeline_for, hf_plan_for
-from lightning_d9d.modules.context_attention import CONTEXT_ATTENTION, LoadBalancedSplit
+from lightning_d9d.models.causal_lm import fused_loss_ignore_index
+from lightning_d9d.models.hf import hf_pipeline_for
+from lightning_d9d.modules.context_attention import LoadBalancedSplit, check_context_attention
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -49,12 +46,8 @@ from lightning_d9d.pipeline.checks import check_batches_split, check_pipeline_mo
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
-    Parallelizable,
     ParallelOptions,
-    SeededInit,
-    local_loss,
     maybe_loss_parallel,
-    parallelize_default,
     require_degrees,
     split_batch,
 )
@@ -63,11 +56,11 @@ from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
-from lightning_d9d.strategies.materialize import initialise_transformers_model, to_empty_except_metrics
 from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
@@ -186,12 +179,7 @@ class D9DStrategy(ModelParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         compile_mode(compile)  # refuses an unknown mode before any process group
         self._compile = compile
-        if context_attention not in CONTEXT_ATTENTION:
-            raise ValueError(
-                f"D9DStrategy: context_attention={context_attention!r}; choose one of "
-                f"{', '.join(map(repr, CONTEXT_ATTENTION))}"
-            )
-        self._context_attention = context_attention
+        self._context_attention = check_context_attention(context_attention, owner="D9DStrategy")
         self._reshard_after_forward = reshard_after_forward
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
@@ -293,30 +281,24 @@ class D9DStrategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         # Tensors on the meta device get their memory after sharding (``_materialize``).
         assert self.model is not None
-        if not _has_meta_tensors(self.model):
+        if not prepare.has_meta_tensors(self.model):
             self.model.to(self.root_device)
 
     @override
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Parallelize the LightningModule in place, once: a later fit or validate on it reuses the result."""
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        if any(isinstance(module, FullyShardedDataParallel) for module in model.modules()):
-            raise TypeError(
-                "found modules wrapped in FSDP1 (FullyShardedDataParallel); the d9d strategy applies FSDP2 "
-                "itself: remove the wrapper"
-            )
+        prepare.refuse_fsdp1(model)
         if not getattr(model, "_d9d_parallelized", False):
             self._check_pipeline_model(built_only=False)  # on every rank alike, before the first collective
-            self._broadcast_plain_tensors(model)
+            prepare.broadcast_plain_tensors(model, self.root_device, self.world_size)
             runner = None
             if self.parallel_dims.pp_enabled:
                 pipelined, splittable = find_splittable(model, PIPELINE_VIEWS)
                 stages = carve_stages(splittable, self.pipeline, self.parallel_dims, self._stage_layout)
-                self._parallelize(model, stages)
+                prepare.parallelize(model, self.parallel_dims, self.parallel_options(), stages)
             else:
-                self._parallelize(model)
-            self._materialize(model)
+                prepare.parallelize(model, self.parallel_dims, self.parallel_options())
+            prepare.materialize(model, self.root_device, self.broadcast)
             if self.parallel_dims.pp_enabled:
                 runner = PipelineRunner(
                     self.pipeline, pipelined, stages, self.parallel_dims, self.root_device
@@ -351,79 +333,6 @@ class D9DStrategy(ModelParallelStrategy):
             context_attention=self._context_attention,
             fsdp_on_one_rank=self._fsdp_on_one_rank,
         )
-
-    def _parallelize(self, module: nn.Module, stages: dict[int, nn.Module] | None = None) -> None:
-        dims, options = self.parallel_dims, self.parallel_options()
-        if stages is not None:
-            # Each stage is its own FSDP root: the schedule calls the stages, never the model.
-            for stage in stages.values():
-                if isinstance(stage, Parallelizable):
-                    stage.parallelize(dims, options)
-                else:
-                    parallelize_default(stage, dims, options, pipeline_stage=True)
-            # the pipelined model is sharded now; other children (say, a loss head) go on below
-        elif isinstance(module, Parallelizable):
-            module.parallelize(dims, options)
-            return
-        own = [name for name, _ in itertools.chain(module.named_parameters(recurse=False))]
-        if own:
-            raise ValueError(
-                f"{type(module).__name__} holds parameters directly ({', '.join(own[:5])}); the d9d strategy "
-                "shards submodules, so put them into a submodule (for example an nn.Module attribute)"
-            )
-        for child in module.children():
-            if not any(True for _ in child.parameters()) or _already_parallel(child):
-                continue
-            if isinstance(child, Parallelizable):
-                child.parallelize(dims, options)
-            elif (plan := hf_plan_for(child)) is not None:  # a transformers model: the plans its config ships
-                plan(dims, options)
-            else:
-                parallelize_default(child, dims, options)
-
-    def _broadcast_plain_tensors(self, module: nn.Module) -> None:
-        """Give every rank rank 0's values for modules initialised eagerly (as DDP does), so that replicas
-        and shards come from one initialisation even when ranks were seeded differently."""
-        if self.world_size == 1:
-            return
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            if tensor.is_meta or isinstance(tensor, DTensor):
-                continue
-            moved = tensor.detach().to(self.root_device)
-            dist.broadcast(moved, src=0)
-            tensor.data = moved
-
-    def _materialize(self, module: nn.Module) -> None:
-        """Allocate meta tensors on the device and initialise them, one seed for all ranks."""
-        if not _has_meta_tensors(module):
-            return
-        to_empty_except_metrics(module, self.root_device)  # metrics keep their states (see there)
-        seed = self.broadcast(torch.initial_seed())
-        uninitialised: set[str] = set()
-
-        def initialise(current: nn.Module) -> None:
-            # before SeededInit: a transformers PreTrainedModel has an init_weights() of another signature
-            if initialise_transformers_model(current, seed):
-                return
-            if isinstance(current, SeededInit):
-                current.init_weights(seed)
-                return
-            owns = any(True for _ in itertools.chain(current.parameters(False), current.buffers(False)))
-            if owns:
-                reset = getattr(current, "reset_parameters", None)
-                if callable(reset):
-                    reset()
-                else:
-                    uninitialised.add(type(current).__name__)
-            for child in current.children():
-                initialise(child)
-
-        initialise(module)
-        if uninitialised:
-            rank_zero_warn(
-                f"meta-device modules without init_weights() or reset_parameters() are left uninitialised: "
-                f"{', '.join(sorted(uninitialised))}"
-            )
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -508,8 +417,11 @@ class D9DStrategy(ModelParallelStrategy):
             inputs, target = split_batch(split, inputs, target)
         step_tokens = self.precision_plugin.step_tokens
         accumulating = step_tokens.enter(self.lightning_module, counted=isinstance(loss_fn, CountedLoss))
-        count = self._global_count(loss_fn, target, needed=accumulating)
-        item_scale = self._item_scale(count)
+        pipelined = self._runner is not None
+        count = step_loss.global_count(
+            self.parallel_dims, loss_fn, target, needed=accumulating, pipelined=pipelined
+        )
+        item_scale = step_loss.item_scale(self.parallel_dims, count, pipelined=pipelined)
         # this micro-step's share of the step's gradient (under pp handed to the schedule)
         grad_factor: torch.Tensor | None = None
         router_factor = 1.0
@@ -522,13 +434,9 @@ class D9DStrategy(ModelParallelStrategy):
         self._scale_internal_losses(model, router_factor)
         tp = self._dims is not None and self._dims.tp_enabled
         if self._runner is None:
-            fused = fused_causal_lm_loss(model, inputs, target, loss_fn, tensor_parallel=tp)
-            if fused is not None:  # the same loss without [tokens, vocab] logits
-                return _weighed(fused, loss_fn, target, item_scale)
-            output = model(*inputs)
-            with self._loss_parallel():
-                loss = local_loss(loss_fn(output, target))
-            return _weighed(loss, loss_fn, target, item_scale)
+            return step_loss.forward_loss(
+                model, inputs, target, loss_fn, tensor_parallel=tp, scale=item_scale
+            )
         if model is not self._runner.model:
             raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
         # the same condition as above: then the last stage computes the loss without logits
@@ -546,14 +454,11 @@ class D9DStrategy(ModelParallelStrategy):
                 fused_ignore_index=fused_index,
             )
         loss = self._runner.eval_step(inputs, target, loss_fn, fused_ignore_index=fused_index)
-        return _weighed(loss, loss_fn, target, item_scale)
+        return step_loss.weighed(loss, loss_fn, target, item_scale)
 
     def _context_split(self) -> LoadBalancedSplit | None:
         """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""
-        if self._dims is None or not self._dims.cp_enabled:
-            return None
-        cp_mesh = self._dims.mesh_for("cp")
-        return LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+        return step_loss.context_split(self._dims)
 
     def _loss_parallel(self) -> AbstractContextManager[None]:
         """Under tp the logits stay sharded on the vocabulary dim: the cross-entropy (and its backward) runs
@@ -574,30 +479,6 @@ class D9DStrategy(ModelParallelStrategy):
         accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
         microbatches = self.pipeline.microbatches if self._runner is not None else 1
         model.set_router_loss_scale(share / (accumulate * microbatches))
-
-    def _global_count(self, loss_fn: LossFn, target: torch.Tensor, *, needed: bool) -> torch.Tensor | None:
-        """The items a counted loss counts in the global batch, over the ranks whose losses are averaged (on the
-        device); None for a plain loss, or where nobody needs it (one process without pp or accumulation)."""
-        if not isinstance(loss_fn, CountedLoss):
-            return None
-        mesh = self.parallel_dims.mesh_for("loss")
-        if mesh.size() == 1 and self._runner is None and not needed:
-            return None
-        count = loss_fn.count(target).to(torch.int64)
-        if mesh.size() > 1:
-            dist.all_reduce(count, group=mesh.get_group())  # no host sync: it stays on the device
-        return count
-
-    def _item_scale(self, count: torch.Tensor | None) -> torch.Tensor | None:
-        """``ranks / items in the global batch`` over the ranks whose losses are averaged, for a counted loss
-        (``count``: :meth:`_global_count`); None where every rank and microbatch weighs the same (a plain loss,
-        or one process without pp)."""
-        if count is None:
-            return None
-        mesh = self.parallel_dims.mesh_for("loss")
-        if mesh.size() == 1 and self._runner is None:
-            return None
-        return (mesh.size() / count.clamp(min=1)).float()
 
     @override
     def backward(
@@ -717,27 +598,6 @@ class D9DStrategy(ModelParallelStrategy):
         if self.is_global_zero and checkpoint_selection.keep(Path(filepath)):
             return
         super().remove_checkpoint(filepath)
-
-
-def _weighed(
-    loss: torch.Tensor, loss_fn: LossFn, target: torch.Tensor, item_scale: torch.Tensor | None
-) -> torch.Tensor:
-    """The loss times this rank's share of the counted items (see ``D9DStrategy.model_loss``)."""
-    if item_scale is None:
-        return loss
-    counted: CountedLoss = loss_fn  # type: ignore[assignment]
-    return loss * (counted.count(target) * item_scale)
-
-
-def _has_meta_tensors(module: nn.Module) -> bool:
-    return any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers()))
-
-
-def _already_parallel(module: nn.Module) -> bool:
-    """The user parallelized it in ``configure_model`` (Lightning's documented ModelParallelStrategy way)."""
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
 
 
 def _as_d9d_precision(plugin: Precision) -> D9DPrecision:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.utilities.types import Steppable
 from lightning.pytorch.plugins.precision import Precision
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -37,27 +38,21 @@ def check_precision(precision: str) -> PrecisionName:
     return cast(PrecisionName, precision)
 
 
-class D9DPrecision(Precision):
-    """Precision for the d9d strategy.
+class D9DPrecisionBase(FabricPrecision):
+    """What the d9d strategies' precision means, under the Trainer and under Fabric alike.
 
     - ``32-true``: fp32 everywhere.
     - ``bf16-mixed``: fp32 master parameters; FSDP2 casts them to bf16 for compute and reduces gradients in
       fp32 (``MixedPrecisionPolicy``). No autocast: it would also wrap pipeline backward passes and cast
       where the model deliberately keeps fp32 (norms, loss). Only a model left without FSDP (one rank,
-      ``D9DStrategy(fsdp_on_one_rank=False)``) runs its forward under bf16 autocast: ``autocast_device``.
+      ``fsdp_on_one_rank=False``) runs its forward under bf16 autocast: ``autocast_device``.
     - ``bf16-true``: parameters, gradients and optimizer state in bf16.
-
-    Norm and value clipping group parameters by device mesh and reduce over ``norm_reduce_groups`` (the
-    pipeline group when pipelining), so they are correct for any mix of DTensor layouts.
     """
 
     def __init__(self, precision: str = "32-true") -> None:
         self.precision = check_precision(precision)  # type: ignore[assignment]
-        self.norm_reduce_groups: Sequence[dist.ProcessGroup | None] = ()
         # Set by the strategy for a bf16-mixed model that no FSDP unit casts: forward runs under autocast.
         self.autocast_device: str | None = None
-        # Token-weighted gradient accumulation (the strategy counts, optimizer_step rescales).
-        self.step_tokens = StepTokens()
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -102,6 +97,20 @@ class D9DPrecision(Precision):
                 data, function=convert_fp_tensor, dtype=Tensor, dst_type=torch.bfloat16
             )
         return data
+
+
+class D9DPrecision(D9DPrecisionBase, Precision):
+    """Precision for ``Trainer(strategy="d9d")`` (see :class:`D9DPrecisionBase` for what each name means).
+
+    Norm and value clipping group parameters by device mesh and reduce over ``norm_reduce_groups`` (the
+    pipeline group when pipelining), so they are correct for any mix of DTensor layouts.
+    """
+
+    def __init__(self, precision: str = "32-true") -> None:
+        super().__init__(precision)
+        self.norm_reduce_groups: Sequence[dist.ProcessGroup | None] = ()
+        # Token-weighted gradient accumulation (the strategy counts, optimizer_step rescales).
+        self.step_tokens = StepTokens()
 
     @override
     def optimizer_step(  # type: ignore[override]
