@@ -13,6 +13,7 @@ TORCH_SPEC ?= $(if $(HAS_GPU),$(TORCH_RANGE),$(TORCH_CPU_SPEC))
 TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 # Last resort without a GPU (a machine that reaches only PyPI, or a Python without that wheel): PyPI's torch.
 TORCH_PYPI_SPECS ?= torch==2.13.0 $(TORCH_RANGE)
+LITGPT_SPEC := litgpt==0.5.13
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
 
@@ -26,6 +27,10 @@ $(VENV)/.installed: pyproject.toml
 	$(MAKE) --no-print-directory install-torch
 	$(PY) -c "import torch; print('torch', torch.__version__, 'CUDA build' if torch.version.cuda else 'CPU build')"
 	$(PIP) install -q -e ".[test]"
+	# litgpt (a test dependency: its GPT under Fabric(strategy="d9d")) pins huggingface-hub<1.4, which the
+	# transformers releases we test (>= 5.25 needs hub >= 2.4) refuse; its model code needs neither, so it
+	# comes without its dependencies (psutil, which it imports, is in the test extra).
+	$(PIP) install -q --no-deps "$(LITGPT_SPEC)"
 	touch $@
 
 # The first of these that installs wins: TORCH_SPEC from the configured index; without a GPU, then from

@@ -1,10 +1,10 @@
 """lightning_d9d: d9d-style composable N-D parallel LLM training for PyTorch Lightning.
 
-Importing the package registers ``Trainer(strategy="d9d")`` in Lightning's strategy registry, without importing
-Lightning itself: importing Lightning takes seconds, and ``python -m lightning_d9d.convert`` needs none of it. If
-Lightning's registry exists already, the name is registered now; otherwise it is registered the moment Lightning
-creates its registry (an import hook), which is before any ``Trainer`` can look the name up. The public names
-(``D9DStrategy``, ...) load on first access (PEP 562).
+Importing the package registers ``Trainer(strategy="d9d")`` and ``Fabric(strategy="d9d")`` in Lightning's two
+strategy registries, without importing Lightning itself: importing Lightning takes seconds, and ``python -m
+lightning_d9d.convert`` needs none of it. A registry that exists already gets the name now; otherwise it gets it
+the moment Lightning creates it (an import hook), which is before any ``Trainer`` or ``Fabric`` can look the name
+up. The public names (``D9DStrategy``, ...) load on first access (PEP 562).
 """
 
 from __future__ import annotations
@@ -13,21 +13,30 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from lightning_d9d.fabric import D9DFabricStrategy
     from lightning_d9d.mesh import ParallelDims
     from lightning_d9d.plans import ParallelOptions
     from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
 __version__ = "0.1.0"
-__all__ = ["D9DPrecision", "D9DStrategy", "ParallelDims", "ParallelOptions", "__version__", "model_loss"]
+__all__ = [
+    "D9DFabricStrategy",
+    "D9DPrecision",
+    "D9DStrategy",
+    "ParallelDims",
+    "ParallelOptions",
+    "__version__",
+    "model_loss",
+]
 
 STRATEGY_NAME = "d9d"
-_REGISTRY_MODULE = "lightning.pytorch.strategies"  # where Lightning's StrategyRegistry is created
 _PUBLIC = {
+    "D9DFabricStrategy": "lightning_d9d.fabric",
     "D9DPrecision": "lightning_d9d.strategies",
     "D9DStrategy": "lightning_d9d.strategies",
     "model_loss": "lightning_d9d.strategies",
@@ -53,21 +62,46 @@ def _d9d_strategy(**init_params: Any) -> D9DStrategy:
     return D9DStrategy(**init_params)
 
 
-def _register(registry_module: ModuleType) -> None:
+def _d9d_fabric_strategy(**init_params: Any) -> D9DFabricStrategy:
+    """What ``Fabric(strategy="d9d")`` calls (imported then, as for the Trainer's)."""
+    from lightning_d9d.fabric import D9DFabricStrategy
+
+    return D9DFabricStrategy(**init_params)
+
+
+def _register_trainer_strategy(registry_module: ModuleType) -> None:
     registry = registry_module.StrategyRegistry
     if STRATEGY_NAME not in registry:  # importing twice must not fail
         registry.register(STRATEGY_NAME, _d9d_strategy, description="d9d N-D parallel training")
 
 
+def _register_fabric_strategy(registry_module: ModuleType) -> None:
+    registry = registry_module.STRATEGY_REGISTRY
+    if STRATEGY_NAME not in registry:
+        registry.register(STRATEGY_NAME, _d9d_fabric_strategy, description="d9d N-D parallel training")
+
+
+# where Lightning creates each strategy registry, and how the name goes in
+_REGISTRIES: dict[str, Callable[[ModuleType], None]] = {
+    "lightning.pytorch.strategies": _register_trainer_strategy,
+    "lightning.fabric.strategies": _register_fabric_strategy,
+}
+
+
 class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
-    """An import hook that runs ``_register`` right after Lightning's strategy registry module executes."""
+    """An import hook that registers the name right after a registry module of Lightning executes."""
+
+    def __init__(self, pending: dict[str, Callable[[ModuleType], None]]) -> None:
+        self.pending = pending
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != _REGISTRY_MODULE:
+        register = self.pending.pop(fullname, None)
+        if register is None:
             return None
-        sys.meta_path.remove(self)  # once; the other finders locate the module as usual
+        if not self.pending:  # every registry seen: the other finders locate modules as usual
+            sys.meta_path.remove(self)
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
@@ -76,13 +110,21 @@ class _RegisterWhenLightningLoads(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             execute(module)
-            _register(module)
+            register(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
 
 
-if _REGISTRY_MODULE in sys.modules:
-    _register(sys.modules[_REGISTRY_MODULE])
-elif not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
-    sys.meta_path.insert(0, _RegisterWhenLightningLoads())
+def _install() -> None:
+    pending = {}
+    for name, register in _REGISTRIES.items():
+        if name in sys.modules:
+            register(sys.modules[name])
+        else:
+            pending[name] = register
+    if pending and not any(isinstance(finder, _RegisterWhenLightningLoads) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _RegisterWhenLightningLoads(pending))
+
+
+_install()

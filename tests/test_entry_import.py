@@ -1,5 +1,5 @@
 """``import lightning_d9d`` is light (no Lightning: ``python -m lightning_d9d.convert --help`` answers without it) and
-still registers ``Trainer(strategy="d9d")``, whichever of the two packages is imported first."""
+still registers ``Trainer(strategy="d9d")`` and ``Fabric(strategy="d9d")``, whichever package is imported first."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 from lightning.fabric.strategies.registry import _StrategyRegistry
 
 import lightning_d9d
+from lightning_d9d.fabric import D9DFabricStrategy
 from lightning_d9d.strategies import D9DStrategy
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -45,19 +46,22 @@ def test_strategy_name_registered_when_lightning_is_imported_later() -> None:
         "assert 'lightning' not in sys.modules, 'import lightning_d9d imported Lightning'\n"
         "import lightning as L\n"
         "trainer = L.Trainer(strategy='d9d', accelerator='cpu', devices=1, logger=False)\n"
-        "print(type(trainer.strategy).__name__)\n"
+        "fabric = L.Fabric(strategy='d9d', accelerator='cpu', devices=1)\n"
+        "print(type(trainer.strategy).__name__, type(fabric.strategy).__name__)\n"
     )
     proc = _run("-c", script)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "D9DStrategy"
+    assert proc.stdout.strip().splitlines()[-1] == "D9DStrategy D9DFabricStrategy"
 
 
 def test_strategy_name_registered_when_lightning_was_imported_first() -> None:
     # This process imported Lightning before lightning_d9d (above); register on a fresh registry the same way.
-    registry = _StrategyRegistry()
-    lightning_d9d._register(type("Module", (), {"StrategyRegistry": registry}))  # type: ignore[arg-type]
-    lightning_d9d._register(type("Module", (), {"StrategyRegistry": registry}))  # twice: no error
+    registry, fabric_registry = _StrategyRegistry(), _StrategyRegistry()
+    for _ in range(2):  # twice: no error
+        lightning_d9d._register_trainer_strategy(type("Module", (), {"StrategyRegistry": registry}))  # type: ignore[arg-type]
+        lightning_d9d._register_fabric_strategy(type("Module", (), {"STRATEGY_REGISTRY": fabric_registry}))  # type: ignore[arg-type]
     assert isinstance(registry.get("d9d"), D9DStrategy)
+    assert isinstance(fabric_registry.get("d9d"), D9DFabricStrategy)
 
 
 @pytest.mark.parametrize("name", lightning_d9d.__all__)

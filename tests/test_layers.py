@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("models",),
     ("callbacks",),
     ("strategies",),
+    ("fabric",),
     ("__init__", "convert"),
 ]
 LEVEL = {part: level for level, parts in enumerate(LAYERS) for part in parts}

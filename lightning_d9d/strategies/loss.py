@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import lightning as L
 import torch
 from torch import nn
 
 from lightning_d9d.compat import trainer_of
+from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.strategies.d9d import D9DStrategy
 
 
+@runtime_checkable
+class ComputesModelLoss(Protocol):
+    """A strategy that computes a forward's loss on its mesh itself (the d9d strategies)."""
+
+    def model_loss(
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+    ) -> torch.Tensor: ...
+
+
 def model_loss(
-    module: L.LightningModule,
+    module: L.LightningModule | L.Fabric,
     model: nn.Module,
     inputs: tuple[torch.Tensor, ...],
     target: torch.Tensor,
@@ -27,7 +38,15 @@ def model_loss(
     and data-parallel ranks by their counted items (tokens), so padding does not skew the mean; otherwise they
     weigh the same. Works with any strategy, and outside a Trainer (then it is just ``loss_fn(model(*inputs),
     target)``).
+
+    In a Fabric loop pass the ``Fabric`` as ``module``: under ``Fabric(strategy="d9d")`` the loss is computed as
+    the Trainer's (cp split, token-weighted ranks, vocabulary-parallel or fused cross-entropy), see
+    :meth:`~lightning_d9d.fabric.D9DFabricStrategy.model_loss`.
     """
+    if isinstance(module, L.Fabric):
+        if isinstance(module.strategy, ComputesModelLoss):  # D9DFabricStrategy (a layer above this one)
+            return module.strategy.model_loss(model, inputs, target, loss_fn)
+        return loss_fn(model(*inputs), target)
     trainer = trainer_of(module)
     if trainer is not None and isinstance(trainer.strategy, D9DStrategy):
         return trainer.strategy.model_loss(model, inputs, target, loss_fn)

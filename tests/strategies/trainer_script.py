@@ -17,7 +17,7 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -379,7 +379,7 @@ def run_all(configs: list[dict]) -> None:
         dist.destroy_process_group()
 
 
-def fork_ranks(configs: list[dict]) -> int:
+def fork_ranks(configs: list[dict], run: Callable[[list[dict]], None] | None = None) -> int:
     """``--fork``: run each stretch of consecutive configs with the same ``devices`` on that many ranks forked
     from this process, one stretch after the other, and return the exit status (the first failed rank's, else
     0). The ranks get torchrun's environment, so Lightning takes them for torchrun's (it starts no processes
@@ -387,22 +387,26 @@ def fork_ranks(configs: list[dict]) -> int:
     (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun does, a
     failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
     so a run that resumes in a later stretch reads a checkpoint that other processes wrote. A stretch whose
-    rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr."""
+    rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr. ``run``: what each rank
+    runs on its stretch's configs (default: :func:`run_all`, the Trainer's runs)."""
     launcher = os.getpid()
+    run = run_all if run is None else run
     for devices, stretch in itertools.groupby(configs, key=lambda config: int(config["devices"])):
         group = list(stretch)
-        status, crash = _fork_stretch(devices, group, launcher)
+        status, crash = _fork_stretch(devices, group, launcher, run)
         if crash in LIBC_CRASHES:
             print(
                 f"a rank died by {signal.Signals(crash).name}; running its stretch once more", file=sys.stderr
             )
-            status, _ = _fork_stretch(devices, group, launcher)
+            status, _ = _fork_stretch(devices, group, launcher, run)
         if status:
             return status
     return 0
 
 
-def _fork_stretch(devices: int, configs: list[dict], launcher: int) -> tuple[int, int | None]:
+def _fork_stretch(
+    devices: int, configs: list[dict], launcher: int, run: Callable[[list[dict]], None]
+) -> tuple[int, int | None]:
     """One stretch on ``devices`` forked ranks: its exit status (0, the first failed rank's code, or 128 + a
     signal's number, as a shell reports it) and the signal a rank died by, if one did before we killed any."""
     port = free_port()
@@ -412,7 +416,7 @@ def _fork_stretch(devices: int, configs: list[dict], launcher: int) -> tuple[int
     for rank in range(devices):
         pid = os.fork()
         if pid == 0:
-            os._exit(_forked_rank(rank, devices, port, configs, launcher))
+            os._exit(_forked_rank(rank, devices, port, configs, launcher, run))
         ranks.add(pid)
     codes: list[int] = []
     while ranks and not any(codes):  # every rank, or until one fails
@@ -439,14 +443,21 @@ def _fork_stretch(devices: int, configs: list[dict], launcher: int) -> tuple[int
     return (failed[0] if failed[0] > 0 else 128 - failed[0]), (crashes[0] if crashes else None)
 
 
-def _forked_rank(rank: int, world_size: int, port: int, configs: list[dict], launcher: int) -> int:
+def _forked_rank(
+    rank: int,
+    world_size: int,
+    port: int,
+    configs: list[dict],
+    launcher: int,
+    run: Callable[[list[dict]], None],
+) -> int:
     with contextlib.suppress(OSError, AttributeError):  # die with the launch (a test's timeout kills only it)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, Linux
     if os.getppid() != launcher:  # it died before prctl
         return 1
     set_torchrun_environment(rank, world_size, port, "trainer_script_fork")
     try:
-        run_all(configs)
+        run(configs)
         code = 0
     except BaseException:
         traceback.print_exc()

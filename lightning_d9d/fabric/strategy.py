@@ -1,0 +1,369 @@
+"""``Fabric(strategy="d9d")``: the degrees and plans of ``Trainer(strategy="d9d")`` for a loop of one's own.
+
+The model is made parallel in ``fabric.setup`` exactly as the Trainer's strategy does it (``strategies/prepare``);
+``model_loss(fabric, model, inputs, target, loss_fn)`` computes a forward's loss as the Trainer's ``model_loss``
+does (cp split, token-weighted ranks, vocabulary-parallel or fused cross-entropy); ``fabric.backward``,
+``fabric.clip_gradients`` (mesh-aware), ``fabric.save`` / ``fabric.load`` (the Trainer's atomic checkpoint
+format, resumable on another layout) work on every mesh.
+
+Pipelines are refused: a schedule owns forward and backward of every microbatch, which a Fabric loop writes
+itself (``loss = ...; fabric.backward(loss)``); ``Trainer(strategy=D9DStrategy(pp=...))`` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.fabric.strategies import ModelParallelStrategy
+from lightning.fabric.strategies.strategy import Strategy
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_d9d.fabric import checkpoint as fabric_checkpoint
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.context_attention import check_context_attention
+from lightning_d9d.pipeline.runner import LossFn
+from lightning_d9d.plans import (
+    IMPLEMENTED,
+    ParallelOptions,
+    maybe_loss_parallel,
+    require_degrees,
+    split_batch,
+)
+from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
+from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies import prepare, step_loss
+from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
+from lightning_d9d.strategies.guards import check_collective_timeout
+from lightning_d9d.strategies.precision import D9DPrecisionBase
+
+
+def refuse_pipeline(pp: int) -> None:
+    if pp > 1:
+        raise ValueError(
+            f"D9DFabricStrategy(pp={pp}): a pipeline schedule runs forward and backward of every microbatch "
+            "itself, which a Fabric loop writes on its own (fabric.backward); train pipelines with "
+            f"Trainer(strategy=D9DStrategy(pp={pp}, ...)), or use the other degrees (dp_shard, tp, cp, ep) here"
+        )
+
+
+class D9DFabricStrategy(ModelParallelStrategy):
+    """``Fabric(strategy="d9d")`` or ``Fabric(strategy=D9DFabricStrategy(...))``.
+
+    Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
+    loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
+    ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
+    ``fsdp_on_one_rank``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused (module docstring).
+
+    Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
+    parallel parameters, which replace the model's) or the model first (``fabric.setup_module``). A model built
+    on the meta device (``fabric.init_module(empty_init=True)``) is given memory after sharding and initialised
+    from one seed on every rank.
+    """
+
+    strategy_name = "d9d"
+
+    def __init__(
+        self,
+        pp: int = 1,
+        dp_replicate: int = 1,
+        dp_shard: int = -1,
+        cp: int = 1,
+        tp: int = 1,
+        ep: int = 1,
+        *,
+        activation_checkpointing: bool | str = False,
+        compile: bool | str = False,
+        context_attention: str = "auto",
+        reshard_after_forward: bool = True,
+        fsdp_on_one_rank: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        # every check before any process starts
+        check_collective_timeout(timeout)
+        refuse_pipeline(pp)
+        self._requested_dims = ParallelDims(
+            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
+        )
+        require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DFabricStrategy")
+        checkpointing_kind(activation_checkpointing)
+        check_checkpointing_layout(activation_checkpointing, pp=pp, ep=ep)
+        compile_mode(compile)
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        # the precision's part (mp_policy) is known once Fabric handed the strategy its precision plugin
+        self._options = ParallelOptions(
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            context_attention=check_context_attention(context_attention, owner="D9DFabricStrategy"),
+            reshard_after_forward=reshard_after_forward,
+            fsdp_on_one_rank=fsdp_on_one_rank,
+        )
+        self._dims: ParallelDims | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:  # importing twice must not fail
+            strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
+
+    # ----------------------------------------------------------------------------------------- topology
+    @property
+    def parallel_dims(self) -> ParallelDims:
+        """The resolved degrees and the mesh (available once Fabric launched the processes)."""
+        if self._dims is None or self._dims.mesh is None:
+            raise RuntimeError("D9DFabricStrategy.parallel_dims is available after fabric.launch()")
+        return self._dims
+
+    @property
+    @override
+    def device_mesh(self) -> DeviceMesh:
+        mesh = self.parallel_dims.mesh
+        assert mesh is not None
+        return mesh
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # the ranks that hold different samples: pipeline-free, so the data-parallel ranks
+        dp_mesh = self.parallel_dims.mesh_for("dp")
+        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
+
+    def _resolve_dims(self) -> ParallelDims:
+        return self._requested_dims.resolve(self.num_nodes * self.num_processes)
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._resolve_dims()  # a mesh that does not tile the world fails here, before any process starts
+        super()._configure_launcher()
+
+    @override
+    def setup_environment(self) -> None:
+        Strategy.setup_environment(self)  # the device; the mesh below, not ModelParallelStrategy's 2-D one
+        dims = self._resolve_dims()  # again: the cluster environment may have changed the world size
+        self._setup_distributed()
+        self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
+        self._device_mesh = self._dims.mesh
+
+    # ---------------------------------------------------------------------------------------- precision
+    @property  # type: ignore[override]
+    def precision(self) -> D9DPrecisionBase:
+        if not isinstance(self._precision, D9DPrecisionBase):
+            self._precision = _as_d9d_precision(self._precision or FabricPrecision())
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: FabricPrecision | None) -> None:
+        self._precision = None if precision is None else _as_d9d_precision(precision)
+
+    # -------------------------------------------------------------------------------------------- setup
+    def parallel_options(self) -> ParallelOptions:
+        return dataclasses.replace(self._options, mp_policy=self.precision.mixed_precision_policy())
+
+    def _parallelize(self, module: nn.Module, _mesh: DeviceMesh) -> nn.Module:
+        prepare.refuse_fsdp1(module)
+        if not getattr(module, "_d9d_parallelized", False):
+            prepare.broadcast_plain_tensors(module, self.root_device, self.world_size)
+            prepare.parallelize_root(module, self.parallel_dims, self.parallel_options())
+            prepare.materialize(module, self.root_device, self.broadcast)
+            module._d9d_parallelized = True  # type: ignore[assignment]
+        # bf16-mixed casts through FSDP's MixedPrecisionPolicy; a model left without FSDP autocasts instead
+        wrapped = any(isinstance(child, FSDPModule) for child in module.modules())
+        self.precision.autocast_device = None if wrapped else self.root_device.type
+        return module
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        # ModelParallelStrategy's, without its materialization (``_parallelize`` did it, from one seed)
+        return self._parallelize(module, self.device_mesh)
+
+    @override
+    def module_to_device(self, module: nn.Module) -> None:
+        # meta tensors get their memory after sharding (``_parallelize``)
+        if not prepare.has_meta_tensors(module):
+            module.to(self.root_device)
+
+    @override
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """The optimizers were built on the model's parameters before sharding replaced them: each is given the
+        parallel parameter of the same name."""
+        names = {id(param): name for name, param in module.named_parameters()}
+        for optimizer in optimizers:
+            _check_rebindable(optimizer, names)
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            _rebind(optimizer, names, module)
+        return module, optimizers, scheduler
+
+    # --------------------------------------------------------------------------------- loss, backward
+    def model_loss(
+        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+    ) -> torch.Tensor:
+        """``loss_fn(model(*inputs), target)`` on this rank's part of the batch, weighed so that the mean over
+        the data ranks is the global batch's (see ``D9DStrategy.model_loss``; no accumulation is counted here:
+        a loop that accumulates divides by its micro-steps, as with any Fabric strategy)."""
+        module = getattr(model, "_forward_module", model)  # a _FabricModule's: its forward context is below
+        dims = self.parallel_dims
+        split = step_loss.context_split(dims)
+        if split is not None:
+            inputs, target = split_batch(split, inputs, target)
+        count = step_loss.global_count(dims, loss_fn, target, needed=False, pipelined=False)
+        scale = step_loss.item_scale(dims, count, pipelined=False)
+        with self.precision.forward_context():
+            return step_loss.forward_loss(
+                module, inputs, target, loss_fn, tensor_parallel=dims.tp_enabled, scale=scale
+            )
+
+    @override
+    def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        # the vocabulary-sharded cross-entropy's backward runs under loss_parallel too
+        with maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled):
+            super().backward(tensor, module, *args, **kwargs)
+
+    @override
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        """Over every gradient of every mesh (torch's own clip fails on DTensors of several meshes)."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer),
+            float(max_norm),
+            float(norm_type),
+            error_if_nonfinite=error_if_nonfinite,
+        )
+
+    @override
+    def clip_gradients_value(self, module: nn.Module, optimizer: Optimizer, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        clip_grad_value_(self.precision.main_params(optimizer), float(clip_val))
+
+    # ------------------------------------------------------------------------------------- checkpoints
+    @override
+    def save_checkpoint(
+        self,
+        path: Any,
+        state: dict[str, Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """The Trainer's checkpoint format (``lightning_d9d/fabric/checkpoint.py``): atomic, checksummed."""
+        if storage_options is not None:
+            raise TypeError("D9DFabricStrategy.save_checkpoint(..., storage_options=...) is not supported")
+        if filter is not None:
+            raise NotImplementedError(
+                "fabric.save(..., filter=...) is not supported by the d9d strategy: a sharded checkpoint is "
+                "resumed whole; export weights with `python -m lightning_d9d.convert dcp-to-hf`"
+            )
+        directory = Path(self.broadcast(path))  # one path, rank 0's
+        training_checkpoint.save(directory, fabric_checkpoint.to_checkpoint(state))
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        state: nn.Module | Optimizer | dict[str, Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load into ``state`` in place (any layout: DCP reshards) and return what the checkpoint holds beyond
+        it. Every file is checked before the model is touched, on every rank alike."""
+        if not state:
+            raise ValueError(
+                "fabric.load(path, state) under the d9d strategy needs the state to load into, with the model: "
+                "{'model': model, 'optimizer': optimizer, ...}"
+            )
+        if isinstance(state, Optimizer):
+            raise NotImplementedError(
+                "fabric.load(path, optimizer) cannot load an optimizer without its model: pass "
+                "{'model': model, 'optimizer': optimizer}"
+            )
+        directory = Path(self.broadcast(path))
+        if isinstance(state, nn.Module):
+            training_checkpoint.load(directory, state, {}, strict=strict, weights_only=weights_only)
+            return {}
+        values, remainder = fabric_checkpoint.load_into(
+            directory, state, strict=strict, weights_only=weights_only
+        )
+        state.update(values)
+        return remainder
+
+
+def _as_d9d_precision(plugin: FabricPrecision) -> D9DPrecisionBase:
+    if isinstance(plugin, D9DPrecisionBase):
+        return plugin
+    # Fabric's own plugins, chosen from Fabric(precision=...): keep the choice, replace the mechanism
+    name = getattr(plugin, "precision", "32-true")
+    if type(plugin) in (FabricPrecision, MixedPrecision, HalfPrecision) and name in (
+        "32-true",
+        "bf16-mixed",
+        "bf16-true",
+    ):
+        return D9DPrecisionBase(str(name))
+    raise TypeError(
+        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__} "
+        f"(precision={name!r}); pass Fabric(precision='32-true' | 'bf16-mixed' | 'bf16-true')"
+    )
+
+
+def _check_rebindable(optimizer: Optimizer, names: dict[int, str]) -> None:
+    """Before sharding: every parameter of ``optimizer`` is the model's, and it has not stepped yet."""
+    if optimizer.state:
+        raise ValueError(
+            f"{type(optimizer).__name__} has state already (it stepped): fabric.setup(model, optimizer) "
+            "under the d9d strategy gives it the sharded parameters, which its state would not match; set it "
+            "up before its first step"
+        )
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if id(param) not in names:
+                raise ValueError(
+                    f"{type(optimizer).__name__} holds a parameter of shape {tuple(param.shape)} that is not "
+                    "the model's: fabric.setup(model, optimizer) needs an optimizer over the model's parameters"
+                )
+
+
+def _unwrapped_name(name: str) -> str:
+    """A parameter's name without the modules that activation checkpointing and compile wrap blocks in."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
+def _rebind(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:
+    """Point ``optimizer`` at the parameters that now stand under the same names in ``module``."""
+    current = {_unwrapped_name(name): param for name, param in module.named_parameters()}
+    for group in optimizer.param_groups:
+        rebound = []
+        for param in group["params"]:
+            name = _unwrapped_name(names[id(param)])
+            if name not in current:
+                raise ValueError(
+                    f"the parallel plan renamed the parameter {name!r}, so the optimizer cannot follow it: "
+                    "set up the model first (model = fabric.setup_module(model)), then build the optimizer "
+                    "over model.parameters() and set it up (fabric.setup_optimizers(optimizer))"
+                )
+            rebound.append(current[name])
+        group["params"] = rebound
