@@ -73,7 +73,36 @@ def build_model(config: dict) -> nn.Module:
                 rotary_percentage=1.0,
             )
         )
+    if kind == "hf_qwen3":  # a transformers model handed to fabric.setup whole: the adapter's plans
+        import transformers
+
+        config = transformers.Qwen3Config(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+        return transformers.Qwen3ForCausalLM(config).train()
     raise ValueError(f"unknown model {kind!r}")
+
+
+class LogitsLoss:
+    """``causal_lm_loss`` of a transformers output's logits, counted (token-weighted across ranks) as it is."""
+
+    def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss(output.logits, labels)
+
+    def count(self, labels: torch.Tensor) -> torch.Tensor:
+        return causal_lm_loss.count(labels)
+
+
+def loss_for(config: dict) -> Any:
+    return LogitsLoss() if config.get("model") == "hf_qwen3" else causal_lm_loss
 
 
 def corpus(config: dict) -> Dataset:
@@ -129,12 +158,13 @@ def fabric_run(config: dict) -> None:
     if config.get("resume_from"):
         fabric.load(config["resume_from"], state)
     step, losses, norms = int(state["step"]), [], []
+    loss_fn = loss_for(config)
     clip = config.get("clip", NEVER_CLIPS)
     while step < config["steps"]:
         for index, batch in enumerate(loader):
             if index < step % len(loader):  # a resumed run picks up inside the epoch
                 continue
-            loss = model_loss(fabric, model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
+            loss = model_loss(fabric, model, (batch["input_ids"],), batch["labels"], loss_fn)
             fabric.backward(loss)
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))  # before clipping
             optimizer.step()
@@ -189,7 +219,7 @@ def reference_run(config: dict, dp: int) -> dict:
                     [causal_lm_loss(model(ids[r::dp]), labels[r::dp]) for r in range(dp)]
                 ).mean()
             else:
-                loss = causal_lm_loss(model(ids), labels)
+                loss = loss_for(config)(model(ids), labels)
             loss.backward()
             norms.append(
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.get("clip", NEVER_CLIPS)))

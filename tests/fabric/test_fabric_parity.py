@@ -1,6 +1,7 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
-steps, for FSDP, tp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, norm clipping that bites,
+steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
+Qwen3 under tp, norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -32,6 +33,10 @@ CASES: dict[str, dict] = {
     # a threshold below every step's norm: the clipped update must still be the reference's
     "fsdp2_clip": {"devices": 2, "dims": {"dp_shard": 2}, "clip": 0.05},
     "litgpt_fsdp2": {"devices": 2, "dims": {"dp_shard": 2}, "model": "litgpt"},
+    # context parallelism: each rank holds its load-balanced half of every sequence
+    "cp2": {"devices": 2, "dims": {"cp": 2}},
+    # a transformers model handed to fabric.setup whole: the adapter's tp plan from its config
+    "hf_tp2": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3"},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
@@ -40,7 +45,15 @@ CASES: dict[str, dict] = {
     "one": {"devices": 1, "dims": {}},
     "resume_one": {"devices": 1, "dims": {}, "resume_from": "fsdp2"},
 }
-DATA_RANKS = {"tp2": 1, "resume_tp2": 1, "tp2_fsdp2_padded": 2, "ep2_moe": 2, "ep2_fsdp4_moe": 4}
+DATA_RANKS = {
+    "tp2": 1,
+    "cp2": 1,
+    "hf_tp2": 1,
+    "resume_tp2": 1,
+    "tp2_fsdp2_padded": 2,
+    "ep2_moe": 2,
+    "ep2_fsdp4_moe": 4,
+}
 
 
 def placed(tmp: Path) -> list[dict]:
