@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.strategies.hf_record import with_hf_config
 
 FABRIC_NAMES = "fabric_names"  # in meta.pt: {"model": name, "optimizers": [names]}
 
@@ -66,7 +67,8 @@ def to_checkpoint(state: Mapping[str, Any]) -> dict[str, Any]:
     }
     for name, obj in split.rest.items():
         checkpoint[name] = obj.state_dict() if isinstance(obj, _Stateful) else obj
-    return checkpoint
+    # the model's Hugging Face config, when it has one: `convert dcp-to-hf` then needs no --config
+    return with_hf_config(checkpoint, split.model)
 
 
 def load_into(
