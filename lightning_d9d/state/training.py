@@ -22,9 +22,10 @@ checkpoints resolves to the newest complete one (``selection.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -85,8 +87,11 @@ def recorded_hf_config(meta: Mapping[str, Any]) -> dict[str, Any] | None:
     return dict(meta[HF_CONFIG_KEY]) if isinstance(meta.get(HF_CONFIG_KEY), dict) else None
 
 
-def optimizer_state(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    return get_optimizer_state_dict(module, optimizer, options=OPTIMIZER_OPTIONS)
+def optimizer_state(module: nn.Module, optimizer: Optimizer, *, cpu_offload: bool = True) -> dict[str, Any]:
+    """The optimizer's flattened state (see the module docstring); ``cpu_offload``: copied to CPU memory now
+    (a synchronous save), else left where it is (a background save's stager copies it)."""
+    options = OPTIMIZER_OPTIONS if cpu_offload else dataclasses.replace(OPTIMIZER_OPTIONS, cpu_offload=False)
+    return get_optimizer_state_dict(module, optimizer, options=options)
 
 
 # --------------------------------------------------------------------------------------------------- saving
@@ -104,49 +109,70 @@ def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
 
 
 class PendingSave:
-    """A save whose tensors are being written in the background (:func:`save_async`): :meth:`finish` waits for
-    the write, checksums, writes ``meta.pt`` and the manifest and moves the directory into place, as
-    :func:`save` does after its write. Until then the checkpoint does not exist under its name."""
+    """A save whose tensors are being written in the background (:func:`save_async`): each rank's write is followed,
+    in the background too, by the checksums of its share of the files; :meth:`finish` then writes ``meta.pt`` and
+    the manifest and moves the directory into place, as :func:`save` does after its write. Until then the
+    checkpoint does not exist under its name."""
 
     def __init__(
-        self, directory: AtomicDirectory, meta: dict[str, Any], write: Future[Any], rng_state: Any
+        self,
+        directory: AtomicDirectory,
+        meta: dict[str, Any],
+        written: Future[dict[str, manifest.FileEntry]],
+        rng_state: Any,
     ) -> None:
-        self.directory, self.meta, self.write, self.rng_state = directory, meta, write, rng_state
+        self.directory, self.meta, self.written, self.rng_state = directory, meta, written, rng_state
 
     @property
     def final(self) -> Path:
         return self.directory.final
 
     def done(self) -> bool:
-        """Whether this rank's background write has ended (written or failed)."""
-        return self.write.done()
+        """Whether this rank's background write and checksums have ended (done or failed)."""
+        return self.written.done()
+
+    def wait(self) -> None:
+        """Wait for this rank's background work to end; its failure is raised."""
+        self.written.result()
 
     def finish(self) -> Path:
         """A collective of the default group (every rank, in the main thread): see the class docstring."""
-        temp = self.directory.open()
-
-        def wait_and_checksum() -> tuple[dict[str, manifest.FileEntry], Any]:
-            _dcp_result(self.directory, temp, self.write.result)
-            return _checksum_share(self.directory, temp), self.rng_state
-
-        return _commit(self.directory, self.meta, self.directory.gather(wait_and_checksum))
+        self.directory.open()
+        # each rank's failure reaches every rank through gather (all raise, with that rank's reason)
+        return _commit(
+            self.directory, self.meta, self.directory.gather(lambda: (self.written.result(), self.rng_state))
+        )
 
 
 def save_async(
-    path: str | os.PathLike[str], checkpoint: Mapping[str, Any], group: dist.ProcessGroup | None
+    path: str | os.PathLike[str],
+    checkpoint: Mapping[str, Any],
+    group: dist.ProcessGroup | None,
+    stager: AsyncStager | None = None,
 ) -> PendingSave:
     """Start :func:`save` with the tensors copied to CPU memory now and written in a background thread
     (``torch.distributed.checkpoint.async_save``), whose collectives run over ``group`` (a process group of its
-    own: the training thread's collectives on the default group go on meanwhile). The random states are those
-    of now. Every rank calls it, then later :meth:`PendingSave.finish`."""
+    own: the training thread's collectives on the default group go on meanwhile); then, in another background
+    thread, this rank's share of the checksums (``zlib.crc32`` releases the GIL on large buffers). ``stager``:
+    how the tensors are copied to CPU memory (a caller's stager reuses its pinned buffers across saves; the
+    caller must not stage the next save before this one's write ended). The random states are those of now.
+    Every rank calls it, then later :meth:`PendingSave.finish`."""
     directory, sections, meta = _open(path, checkpoint)
     temp = directory.open()
-    write = dcp.async_save(sections, checkpoint_id=temp, process_group=group)
+    write = dcp.async_save(sections, checkpoint_id=temp, process_group=group, async_stager=stager)
     if not isinstance(write, Future):  # a response with two futures comes only with an async stager
         raise TypeError(
             f"torch.distributed.checkpoint.async_save returned {type(write).__name__}, not a Future"
         )
-    return PendingSave(directory, meta, write, rng.collect())
+
+    def write_then_checksum() -> dict[str, manifest.FileEntry]:
+        _dcp_result(directory, temp, write.result)
+        return _checksum_share(directory, temp)
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d9d-checksums")
+    written = executor.submit(write_then_checksum)
+    executor.shutdown(wait=False)  # the thread ends with its one task
+    return PendingSave(directory, meta, written, rng.collect())
 
 
 def _open(

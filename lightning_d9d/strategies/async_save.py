@@ -1,13 +1,16 @@
 """Asynchronous checkpoint saves for ``D9DStrategy(async_save=True)``: training goes on while the tensors are
 written, and the atomic protocol is kept.
 
-A save during training copies the model and optimizer state to CPU memory and hands the write to a background
-thread (:func:`lightning_d9d.state.training.save_async`, on torch's ``async_save``); its collectives run over a
-gloo group of its own, so they never interleave with the training thread's. The checkpoint appears under its
-name only when the write is complete: at the first batch start at which every rank's write has ended (one
-all-reduce of a flag per batch on a second gloo group while a save is pending: a few bytes on the CPU, no GPU
-synchronisation), the ranks finish it together in the main thread: checksums, ``meta.pt``, the manifest last,
-then the move into place (:class:`~lightning_d9d.state.training.PendingSave`). A crash before that leaves the
+A save during training copies the model and optimizer state to CPU memory (on CUDA into pinned buffers kept for
+the next save, copied without a host round trip per tensor: the optimizer state is handed over on the GPU, see
+``D9DStrategy.optimizer_state``) and hands the write to a background thread
+(:func:`lightning_d9d.state.training.save_async`, on torch's ``async_save``), followed by this rank's share of the
+checksums in another; its collectives run over a gloo group of its own, so they never interleave with the
+training thread's. The checkpoint appears under its name only when the write is complete: at the first batch
+start at which every rank's write and checksums have ended (one all-reduce of a flag per batch on a second gloo
+group while a save is pending: a few bytes on the CPU, no GPU synchronisation), the ranks finish it together in
+the main thread: ``meta.pt``, the manifest last, then the move into place
+(:class:`~lightning_d9d.state.training.PendingSave`). A crash before that leaves the
 previous checkpoint complete and the new one a hidden temporary directory, never a candidate for resuming.
 
 The next save waits for the previous one, and so does the end of training. A save outside the training loop (a
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
 from lightning_d9d.state import training as training_checkpoint
 
@@ -38,6 +42,7 @@ class AsyncSaves:
         self.pending: training_checkpoint.PendingSave | None = None
         self._write_group: dist.ProcessGroup | None = None
         self._vote_group: dist.ProcessGroup | None = None
+        self._stager: DefaultStager | None = None  # its pinned buffers serve every save of the run
 
     def setup(self) -> None:
         """Create the groups: a collective of the default group, once, before training."""
@@ -49,9 +54,22 @@ class AsyncSaves:
             self._vote_group = dist.new_group(backend="gloo", timeout=self.timeout)
 
     def save(self, path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
-        """Finish the save in flight, then start this one."""
+        """Finish the save in flight (its write still reads the stager's buffers), then start this one."""
         self.finish()
-        self.pending = training_checkpoint.save_async(Path(path), checkpoint, self._write_group)
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            # synchronous staging (the optimizer steps right after the save changes the tensors in place);
+            # pinned buffers and non-blocking copies make it a device-to-host copy at full speed
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=False,
+                use_non_blocking_copy=cuda,
+            )
+            self._stager = DefaultStager(options)
+        self.pending = training_checkpoint.save_async(
+            Path(path), checkpoint, self._write_group, stager=self._stager
+        )
 
     def poll(self) -> None:
         """Finish the save in flight if every rank's write has ended (every rank calls it at the same point)."""
@@ -72,12 +90,19 @@ class AsyncSaves:
             path = pending.finish()
             log.info("async save: %s is complete", path)
 
+    def close(self) -> None:
+        """Finish the save in flight and free the staging buffers (the end of training)."""
+        self.finish()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
     def abandon(self) -> None:
         """After a failure elsewhere: wait for this rank's write to end (its thread holds the staged tensors),
         and leave the checkpoint unfinished: finishing needs every rank, which may be gone."""
         pending, self.pending = self.pending, None
         if pending is not None:
             try:
-                pending.write.result()
+                pending.wait()
             except Exception as error:  # the run is failing already: this is not its reason
                 log.warning("async save of %s failed too: %s", pending.final, error)

@@ -16,6 +16,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
@@ -524,12 +525,22 @@ class D9DStrategy(ModelParallelStrategy):
 
     # ------------------------------------------------------------------------------------- checkpoints
     @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not (self._async_saves is not None and self._in_training_loop()):
+            return super().lightning_module_state_dict()
+        # a background save stages the tensors into its pinned buffers: no synchronous copy to CPU here first
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         optimizer = unwrap_optimizer(optimizer)
         assert self.model is not None
-        return training_checkpoint.optimizer_state(self.model, optimizer)
+        # a background save stages the state into its pinned buffers: no synchronous copy to CPU here first
+        on_device = self._async_saves is not None and self._in_training_loop()
+        return training_checkpoint.optimizer_state(self.model, optimizer, cpu_offload=not on_device)
 
     @override
     def save_checkpoint(
@@ -562,7 +573,7 @@ class D9DStrategy(ModelParallelStrategy):
     @override
     def on_train_end(self) -> None:
         if self._async_saves is not None:  # the last save in flight completes before fit returns
-            self._async_saves.finish()
+            self._async_saves.close()
         super().on_train_end()
 
     @override

@@ -135,7 +135,7 @@ def scheduler_for(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.
 # ------------------------------------------------------------------------------------------ the Fabric loop
 def fabric_run(config: dict) -> None:
     fabric = L.Fabric(
-        accelerator="cpu",
+        accelerator=config.get("accelerator", "cpu"),
         devices=config["devices"],
         strategy=D9DFabricStrategy(**config.get("dims", {})),
         precision=config.get("precision", "32-true"),
@@ -196,12 +196,12 @@ def run_all(configs: list[dict]) -> None:
 
 
 # ---------------------------------------------------------------------------------------- the reference
-def reference_run(config: dict, dp: int) -> dict:
+def reference_run(config: dict, dp: int, device: str = "cpu") -> dict:
     """One process, global batches, plain PyTorch. ``dp``: how many data ranks the compared run has (an MoE's
     router losses are each rank's own, not linear in the batch: each rank's rows run on their own)."""
     config = {**BASE, **config}
     torch.manual_seed(config["seed"])
-    model = build_model(config)
+    model = build_model(config).to(device)
     optimizer = optimizer_for(model, config)
     scheduler = scheduler_for(optimizer)
     train = corpus(config)
@@ -213,7 +213,7 @@ def reference_run(config: dict, dp: int) -> dict:
     while step < config["steps"]:
         sampler.set_epoch(epoch)
         for batch in DataLoader(train, batch_size=config["global_batch"], sampler=sampler):
-            ids, labels = batch["input_ids"], batch["labels"]
+            ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
             if moe:  # rank r's batch is rows r, r + dp, ... of the global batch (unpadded: equal tokens)
                 loss = torch.stack(
                     [causal_lm_loss(model(ids[r::dp]), labels[r::dp]) for r in range(dp)]
