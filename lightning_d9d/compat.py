@@ -121,6 +121,8 @@ class PrivateName:
 _AUTOMATIC = "lightning.pytorch.loops.optimization.automatic"
 _PIPELINING = ("strategies/pipelining.py",)
 _STRATEGY = ("strategies/d9d.py",)
+_FABRIC = ("fabric/strategy.py",)
+_FABRIC_CHECKPOINT = ("fabric/checkpoint.py",)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # ------------------------------------------------------------------ Lightning: the optimization loop
@@ -229,6 +231,53 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "LightningOptimizer._optimizer",
         _STRATEGY,
         "the torch optimizer inside Lightning's wrapper, for its DCP state dict (unwrap_optimizer)",
+        instance=True,
+    ),
+    # ---------------------------------------------------------------------------- Lightning: Fabric
+    PrivateName(
+        "lightning.fabric.utilities.types",
+        "_Stateful",
+        _FABRIC_CHECKPOINT,
+        "what Fabric saves as its state_dict() and loads in place (a scheduler in fabric.save's state)",
+    ),
+    PrivateName(
+        "lightning.fabric.strategies.model_parallel",
+        "ModelParallelStrategy._setup_distributed",
+        _FABRIC,
+        "creates the process group; setup_environment builds our own mesh after it",
+    ),
+    PrivateName(
+        "lightning.fabric.strategies.model_parallel",
+        "ModelParallelStrategy._configure_launcher",
+        _FABRIC,
+        "overridden to reject a mesh that does not tile the world before any process is launched",
+    ),
+    PrivateName(
+        "lightning.fabric.strategies.model_parallel",
+        "ModelParallelStrategy._device_mesh",
+        _FABRIC,
+        "set to our 6-D mesh",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.fabric.strategies.model_parallel",
+        "ModelParallelStrategy._timeout",
+        _FABRIC,
+        "the collective timeout, handed to the mesh's groups",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.fabric.strategies.strategy",
+        "Strategy._precision",
+        _FABRIC,
+        "the precision property is overridden to store a D9DPrecisionBase",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.fabric.wrappers",
+        "_FabricModule._forward_module",
+        _FABRIC,
+        "model_loss runs the set-up module itself, under the strategy's forward context",
         instance=True,
     ),
     # ------------------------------------------------------------------------ Lightning: precision
@@ -460,6 +509,7 @@ if TYPE_CHECKING:
     from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
     from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
     from lightning.fabric.utilities.types import _PATH as FilePath
+    from lightning.fabric.utilities.types import _Stateful as Stateful
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization as AutomaticOptimization
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FSDPModule  # for an annotation only
@@ -469,6 +519,7 @@ else:
     DtypeContextManager = import_private("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
     StrategyRegistryType = import_private("lightning.fabric.strategies.registry", "_StrategyRegistry")
     FilePath = import_private("lightning.fabric.utilities.types", "_PATH")
+    Stateful = import_private("lightning.fabric.utilities.types", "_Stateful")
     AutomaticOptimization = import_private(_AUTOMATIC, "_AutomaticOptimization")
     checkpoint_wrapper = import_private(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"

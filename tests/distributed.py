@@ -107,14 +107,26 @@ def run_distributed(
     One killed by SIGSEGV, SIGABRT or SIGBUS is forked anew once: ranks forked from a pytest process that ran
     Lightning fits itself have now and then crashed in libc (``pthread_join``, ``malloc(): unaligned tcache
     chunk``) before or while building their first groups (seen on the 2-core CI box; the test process's state,
-    not the code under test), so that crash alone is retried, with a warning."""
+    not the code under test), so that crash alone is retried, with a warning. The retry starts the ranks fresh
+    (``spawn``: they import what ``fn`` needs themselves, seconds more) where ``fn`` and ``args`` can be pickled:
+    a fork of the same process crashed twice in a row once (CI, a fork after threads Lightning's in-process fits
+    left behind), a fresh process does not inherit that state."""
     try:
         return _run_distributed_once(fn, world_size, args, timeout, group_timeout)
     except RankCrashed as crash:
         if -crash.exitcode not in LIBC_CRASHES:
             raise
-        warnings.warn(f"{crash}; forking the ranks again once", stacklevel=2)
-        return _run_distributed_once(fn, world_size, args, timeout, group_timeout)
+        method = "spawn" if _picklable(fn, args) else "fork"
+        warnings.warn(f"{crash}; starting the ranks again once ({method})", stacklevel=2)
+        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, method=method)
+
+
+def _picklable(*objects: Any) -> bool:
+    try:
+        pickle.dumps(objects)
+    except Exception:
+        return False
+    return True
 
 
 def _run_distributed_once(
@@ -123,8 +135,9 @@ def _run_distributed_once(
     args: tuple,
     timeout: float,
     group_timeout: timedelta | None,
+    method: str = "fork",
 ) -> list[Any]:
-    context = mp.get_context("fork")
+    context = mp.get_context(method)
     queue = context.Queue()
     port = free_port()
     processes = [

@@ -18,6 +18,8 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -59,6 +61,13 @@ INSTANCES: dict[str, Callable[[], object]] = {
         torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
     ),
     "torch._dynamo.eval_frame.OptimizedModule": lambda: torch.compile(nn.Linear(2, 2), backend="eager"),
+    "lightning.fabric.strategies.model_parallel.ModelParallelStrategy": lambda: FabricModelParallel(
+        lambda module, mesh: module
+    ),
+    "lightning.fabric.strategies.strategy.Strategy": lambda: FabricModelParallel(lambda module, mesh: module),
+    "lightning.fabric.wrappers._FabricModule": lambda: _FabricModule(
+        nn.Linear(2, 2), FabricModelParallel(lambda module, mesh: module)
+    ),
 }
 
 

@@ -1,5 +1,6 @@
 """The test launcher itself (``tests/distributed.py``): a rank that crashes is reported as the crash, not as the
-closed connection its peers then see, and a libc-style crash is forked anew once before it fails the test."""
+closed connection its peers then see, and a libc-style crash is started anew once (in fresh processes) before it
+fails the test."""
 
 from __future__ import annotations
 
@@ -10,6 +11,17 @@ import signal
 import pytest
 import torch.distributed as dist
 from distributed import RankCrashed, run_distributed
+
+# the process that imported this module: the test process for a forked rank, the rank itself for a spawned one
+_IMPORTED_BY = os.getpid()
+
+
+def _aborts_when_forked() -> int:
+    """Crashes as a forked rank does when the test process's state is bad; a fresh process is fine."""
+    if os.getpid() != _IMPORTED_BY:
+        faulthandler.disable()
+        os.kill(os.getpid(), signal.SIGABRT)
+    return dist.get_rank()
 
 
 def _rank0_aborts() -> int:
@@ -22,11 +34,16 @@ def _rank0_aborts() -> int:
 
 def test_a_crashed_rank_is_reported_as_the_crash_after_one_retry() -> None:
     with (
-        pytest.warns(UserWarning, match="rank 0 died with exit code -6 before reporting a result; forking"),
+        pytest.warns(UserWarning, match="rank 0 died with exit code -6 before reporting a result; starting"),
         pytest.raises(RankCrashed, match="rank 0 died with exit code -6") as crash,
     ):
         run_distributed(_rank0_aborts, 2, timeout=60)
     assert crash.value.exitcode == -signal.SIGABRT
+
+
+def test_the_retry_of_a_crashed_fork_starts_fresh_processes() -> None:
+    with pytest.warns(UserWarning, match=r"exit code -6 .*again once \(spawn\)"):
+        assert run_distributed(_aborts_when_forked, 2, timeout=120) == [0, 1]
 
 
 def test_ranks_that_succeed_report_their_results() -> None:

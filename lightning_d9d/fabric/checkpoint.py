@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning.fabric.utilities.types import _Stateful
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 
+from lightning_d9d.compat import Stateful
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.hf_record import with_hf_config
 
@@ -66,7 +66,7 @@ def to_checkpoint(state: Mapping[str, Any]) -> dict[str, Any]:
         FABRIC_NAMES: {"model": split.model_name, "optimizers": list(split.optimizers)},
     }
     for name, obj in split.rest.items():
-        checkpoint[name] = obj.state_dict() if isinstance(obj, _Stateful) else obj
+        checkpoint[name] = obj.state_dict() if isinstance(obj, Stateful) else obj
     # the model's Hugging Face config, when it has one: `convert dcp-to-hf` then needs no --config
     return with_hf_config(checkpoint, split.model)
 
@@ -99,7 +99,7 @@ def load_into(
     for name, obj in split.rest.items():
         if name not in meta:
             continue
-        if isinstance(obj, _Stateful):
+        if isinstance(obj, Stateful):
             obj.load_state_dict(meta.pop(name))
         else:
             values[name] = meta.pop(name)

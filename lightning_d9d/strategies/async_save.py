@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from lightning_d9d.state import training as training_checkpoint
 
@@ -42,7 +42,7 @@ class AsyncSaves:
         self.pending: training_checkpoint.PendingSave | None = None
         self._write_group: dist.ProcessGroup | None = None
         self._vote_group: dist.ProcessGroup | None = None
-        self._stager: DefaultStager | None = None  # its pinned buffers serve every save of the run
+        self._stager: BlockingAsyncStager | None = None  # its pinned buffers serve every save of the run
 
     def setup(self) -> None:
         """Create the groups: a collective of the default group, once, before training."""
@@ -57,16 +57,10 @@ class AsyncSaves:
         """Finish the save in flight (its write still reads the stager's buffers), then start this one."""
         self.finish()
         if self._stager is None:
-            cuda = torch.cuda.is_available()
-            # synchronous staging (the optimizer steps right after the save changes the tensors in place);
-            # pinned buffers and non-blocking copies make it a device-to-host copy at full speed
-            options = StagingOptions(
-                use_pinned_memory=cuda,
-                use_shared_memory=False,
-                use_async_staging=False,
-                use_non_blocking_copy=cuda,
-            )
-            self._stager = DefaultStager(options)
+            # on CUDA the first save allocates pinned CPU buffers shaped like the state, later saves copy into
+            # them (device-to-host at full speed, no allocation); torch's DefaultStager deep-copies CUDA
+            # DTensors' specs, which failed on the H200 (KeyError: <class 'type'>)
+            self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
         self.pending = training_checkpoint.save_async(
             Path(path), checkpoint, self._write_group, stager=self._stager
         )
