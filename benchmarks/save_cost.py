@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import statistics
 import subprocess
@@ -38,6 +39,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
     from lightning_d9d.models import Qwen3Config
 
     sys.path.insert(0, str(Path(lightning_d9d.__file__).resolve().parents[1] / "examples"))
+    logging.basicConfig(level=logging.INFO)  # the async path logs what the training thread waited for
     from pretrain_qwen3 import Qwen3Pretraining
 
     config = Qwen3Config.qwen3_0_6b()
@@ -79,6 +81,18 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
         use_distributed_sampler=False,
         callbacks=[clock, saver],
     )
+    # how long the strategy's save_checkpoint held the training thread (the rest of a saving step's extra time
+    # is Lightning's: building the checkpoint dict)
+    inside_save: list[float] = []
+    strategy_save = trainer.strategy.save_checkpoint
+
+    def timed_save(*args: Any, **kwargs: Any) -> None:
+        started = time.perf_counter()
+        strategy_save(*args, **kwargs)
+        torch.cuda.synchronize()
+        inside_save.append((time.perf_counter() - started) * 1e3)
+
+    trainer.strategy.save_checkpoint = timed_save  # type: ignore[method-assign]
     module = Qwen3Pretraining(config, lr=1e-4, warmup_steps=0, max_steps=10**9)
     trainer.fit(module, DataLoader(Repeat(), batch_size=4))
     fit_end = time.perf_counter()
@@ -101,6 +115,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "saving_steps_ms": saving,
         "steps_after_save_ms": after,
         "end_of_fit_ms": end_ms,
+        "strategy_save_ms": inside_save,
         "saves": saves,
         "cost_per_save_ms": (wall - len(measured) * median) / saves,
         "complete_checkpoints": complete,
@@ -129,6 +144,9 @@ def main() -> None:
         if done.returncode != 0 or not lines:
             print(done.stdout[-3000:], done.stderr[-6000:], file=sys.stderr)
             raise SystemExit(f"{path} failed ({done.returncode})")
+        for line in done.stderr.splitlines():  # what the async path's training thread waited for
+            if "async save of" in line:
+                print(line, flush=True)
         results.append(json.loads(lines[-1][len("RESULT ") :]))
         print(json.dumps(results[-1]), flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,9 @@ class AsyncSaves:
 
     def save(self, path: str | os.PathLike[str], checkpoint: dict[str, Any]) -> None:
         """Finish the save in flight (its write still reads the stager's buffers), then start this one."""
+        started = time.perf_counter()
         self.finish()
+        finished = time.perf_counter()
         if self._stager is None:
             # on CUDA the first save allocates pinned CPU buffers shaped like the state, later saves copy into
             # them (device-to-host at full speed, no allocation); torch's DefaultStager deep-copies CUDA
@@ -63,6 +66,13 @@ class AsyncSaves:
             self._stager = BlockingAsyncStager(cache_staged_state_dict=torch.cuda.is_available())
         self.pending = training_checkpoint.save_async(
             Path(path), checkpoint, self._write_group, stager=self._stager
+        )
+        # what the training thread paid: waiting for the previous save, copying the state to CPU memory
+        log.info(
+            "async save of %s: waited %.2f s for the previous save, staged in %.2f s",
+            path,
+            finished - started,
+            time.perf_counter() - finished,
         )
 
     def poll(self) -> None:
