@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mesh",),
     ("kernels",),
     ("modules",),
-    ("plans", "pipeline", "state"),
+    ("plans", "pipeline", "state", "data"),
     ("models",),
     ("callbacks",),
     ("strategies",),

@@ -413,6 +413,11 @@ class D9DStrategy(ModelParallelStrategy):
         shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
         mean over its own tokens, weighed like a data-parallel rank's.
         """
+        if self._runner is not None and len(inputs) != 1:  # the first stage would take it for the labels
+            raise ValueError(
+                f"model_loss under pp > 1 takes one input, the token ids; got {len(inputs)}. Packed documents "
+                "(position_ids) do not travel between pipeline stages yet: train packed batches with pp=1"
+            )
         split = self._context_split()
         if split is not None:
             inputs, target = split_batch(split, inputs, target)

@@ -37,6 +37,7 @@ from reference import PaddedCorpus
 from trainer_script import fork_ranks, plain_name
 
 from lightning_d9d import model_loss
+from lightning_d9d.data import PackedDataset
 from lightning_d9d.fabric import D9DFabricStrategy
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
@@ -106,8 +107,27 @@ def loss_for(config: dict) -> Any:
 
 
 def corpus(config: dict) -> Dataset:
+    if config.get("packed"):
+        return packed_corpus(config)
     data = SyntheticCorpus(VOCAB, config["seq_len"], config["samples"])
     return PaddedCorpus(data) if config.get("pad") else data
+
+
+def packed_corpus(config: dict) -> Dataset:
+    """Documents of 2 to 40 tokens (the corpus's sequences cut at random lengths) packed into rows of
+    ``seq_len``: rows hold several documents, long ones continue in the next row."""
+    generator = torch.Generator().manual_seed(5)
+    source = SyntheticCorpus(VOCAB, 63, config["samples"])
+    documents = []
+    for index in range(len(source)):
+        sequence = torch.cat([source[index]["input_ids"][:1], source[index]["labels"]])
+        start = 0
+        while start < sequence.numel() - 1:
+            length = int(torch.randint(2, 41, (1,), generator=generator))
+            documents.append(sequence[start : start + length])
+            start += length
+    rows = PackedDataset(documents, config["seq_len"])
+    return torch.utils.data.Subset(rows, range(config["samples"]))
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
@@ -130,6 +150,13 @@ def scheduler_for(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - 2) / 6)))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
+
+
+def model_inputs(batch: dict) -> tuple[torch.Tensor, ...]:
+    """The ids, and for packed rows the positions that restart per document."""
+    if "position_ids" in batch:
+        return batch["input_ids"], batch["position_ids"]
+    return (batch["input_ids"],)
 
 
 # ------------------------------------------------------------------------------------------ the Fabric loop
@@ -164,7 +191,7 @@ def fabric_run(config: dict) -> None:
         for index, batch in enumerate(loader):
             if index < step % len(loader):  # a resumed run picks up inside the epoch
                 continue
-            loss = model_loss(fabric, model, (batch["input_ids"],), batch["labels"], loss_fn)
+            loss = model_loss(fabric, model, model_inputs(batch), batch["labels"], loss_fn)
             fabric.backward(loss)
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))  # before clipping
             optimizer.step()
@@ -213,13 +240,14 @@ def reference_run(config: dict, dp: int, device: str = "cpu") -> dict:
     while step < config["steps"]:
         sampler.set_epoch(epoch)
         for batch in DataLoader(train, batch_size=config["global_batch"], sampler=sampler):
-            ids, labels = batch["input_ids"].to(device), batch["labels"].to(device)
-            if moe:  # rank r's batch is rows r, r + dp, ... of the global batch (unpadded: equal tokens)
-                loss = torch.stack(
-                    [causal_lm_loss(model(ids[r::dp]), labels[r::dp]) for r in range(dp)]
-                ).mean()
+            inputs = tuple(tensor.to(device) for tensor in model_inputs(batch))
+            labels = batch["labels"].to(device)
+            if moe:  # rank r's batch is rows r, r + dp, ... of the global batch
+                counts = torch.stack([(labels[r::dp] != -100).sum() for r in range(dp)])
+                parts = [causal_lm_loss(model(*(t[r::dp] for t in inputs)), labels[r::dp]) for r in range(dp)]
+                loss = (torch.stack(parts) * counts).sum() / counts.sum()  # the token mean over the ranks
             else:
-                loss = loss_for(config)(model(ids), labels)
+                loss = loss_for(config)(model(*inputs), labels)
             loss.backward()
             norms.append(
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.get("clip", NEVER_CLIPS)))

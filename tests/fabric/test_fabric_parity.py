@@ -1,7 +1,7 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
-Qwen3 under tp, norm clipping that bites,
+Qwen3 under tp, packed rows of several documents (FSDP, tp, ep), norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -37,6 +37,10 @@ CASES: dict[str, dict] = {
     "cp2": {"devices": 2, "dims": {"cp": 2}},
     # a transformers model handed to fabric.setup whole: the adapter's tp plan from its config
     "hf_tp2": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3"},
+    # packed rows (several documents each, position_ids restarting per document): attention per document
+    "fsdp2_packed": {"devices": 2, "dims": {"dp_shard": 2}, "packed": True},
+    "tp2_packed": {"devices": 2, "dims": {"tp": 2}, "packed": True},
+    "ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "moe", "packed": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
@@ -86,9 +90,8 @@ _references: dict[str, dict] = {}
 def reference(name: str) -> dict:
     case = CASES[name]
     dp = DATA_RANKS.get(name, case["devices"])
-    key = repr(
-        (case.get("model"), case.get("pad"), case.get("clip"), dp if case.get("model") == "moe" else 0)
-    )
+    moe_dp = dp if case.get("model") == "moe" else 0
+    key = repr((case.get("model"), case.get("pad"), case.get("packed"), case.get("clip"), moe_dp))
     if key not in _references:
         _references[key] = reference_run(case, dp)
     return _references[key]

@@ -1,0 +1,133 @@
+"""Documents packed into fixed-length rows, for a data pipeline: no padding between documents, and attention and
+labels that never cross a boundary.
+
+Each document of ``n`` tokens gives ``n - 1`` training positions: inputs ``tokens[:-1]``, labels ``tokens[1:]``
+(the next token of the same document), positions ``0 .. n - 2`` (restarting at 0 is the boundary: see
+:mod:`lightning_d9d.modules.documents`). Documents fill the rows in order. One that does not fit the rest of a
+row continues in the next row as a new document (positions restart; ``whole_documents=True`` pads the row
+instead and starts the next one with it). A document longer than a row is cut into row-long pieces, each its
+own document (``long_documents="refuse"`` raises instead, naming it). The last row is padded: pad tokens with
+labels ``ignore_index`` (no loss), positions restarting at 0 (a document of their own, attending nothing else).
+
+For supervised fine-tuning give each document its ``prompt_length``: the prompt's tokens are context only,
+their predictions get ``ignore_index`` and contribute nothing to the loss or the gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch.utils.data import Dataset
+
+LongDocuments = Literal["split", "refuse"]
+Row = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document's token ids; its first ``prompt_length`` tokens are a prompt (not predicted)."""
+
+    tokens: Sequence[int] | torch.Tensor
+    prompt_length: int = 0
+
+
+def _segment(document: Document, index: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.as_tensor(document.tokens, dtype=torch.long).flatten()
+    if not 0 <= document.prompt_length <= tokens.numel():
+        raise ValueError(
+            f"document {index}: prompt_length={document.prompt_length} must lie in 0..{tokens.numel()} (its "
+            "number of tokens)"
+        )
+    inputs, labels = tokens[:-1], tokens[1:].clone()
+    # label j is token j + 1: a prompt token's prediction is not trained
+    labels[: max(document.prompt_length - 1, 0)] = ignore_index
+    return inputs, labels
+
+
+def pack_documents(
+    documents: Iterable[Document | Sequence[int] | torch.Tensor],
+    seq_len: int,
+    *,
+    pad_id: int = 0,
+    ignore_index: int = -100,
+    long_documents: LongDocuments = "split",
+    whole_documents: bool = False,
+) -> Iterator[Row]:
+    """Rows ``{"input_ids", "labels", "position_ids"}`` of ``seq_len`` tokens each (module docstring)."""
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    if long_documents not in ("split", "refuse"):
+        raise ValueError(f"long_documents={long_documents!r}: choose 'split' or 'refuse'")
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current row's pieces
+    filled = 0
+
+    def emit() -> Row:
+        nonlocal parts, filled
+        if filled < seq_len:  # padding: a document of its own, nothing to predict
+            pad = seq_len - filled
+            parts.append((torch.full((pad,), pad_id), torch.full((pad,), ignore_index)))
+        row = {
+            "input_ids": torch.cat([ids for ids, _ in parts]),
+            "labels": torch.cat([labels for _, labels in parts]),
+            "position_ids": torch.cat([torch.arange(ids.numel()) for ids, _ in parts]),
+        }
+        parts, filled = [], 0
+        return row
+
+    for index, item in enumerate(documents):
+        document = item if isinstance(item, Document) else Document(item)
+        inputs, labels = _segment(document, index, ignore_index)
+        if inputs.numel() == 0:
+            continue  # one token: nothing to predict
+        if inputs.numel() > seq_len and long_documents == "refuse":
+            raise ValueError(
+                f"document {index} has {inputs.numel() + 1} tokens, {inputs.numel()} training positions: more "
+                f"than a row of seq_len={seq_len}. Cut it yourself, raise seq_len, or pack with "
+                "long_documents='split' (row-long pieces, each attending only itself)"
+            )
+        if whole_documents and filled and filled + inputs.numel() > seq_len:
+            yield emit()  # it starts the next row whole (a longer-than-row one is cut below anyway)
+        start = 0
+        while start < inputs.numel():
+            take = min(seq_len - filled, inputs.numel() - start)
+            parts.append((inputs[start : start + take], labels[start : start + take]))
+            filled, start = filled + take, start + take
+            if filled == seq_len:
+                yield emit()
+    if filled:
+        yield emit()
+
+
+class PackedDataset(Dataset[Row]):
+    """The rows of :func:`pack_documents` over a finite collection of documents, packed once, indexable: a
+    ``DataLoader`` over it gets a distributed sampler under the strategy like any map-style dataset."""
+
+    def __init__(
+        self,
+        documents: Iterable[Document | Sequence[int] | torch.Tensor],
+        seq_len: int,
+        *,
+        pad_id: int = 0,
+        ignore_index: int = -100,
+        long_documents: LongDocuments = "split",
+        whole_documents: bool = False,
+    ) -> None:
+        self.rows = list(
+            pack_documents(
+                documents,
+                seq_len,
+                pad_id=pad_id,
+                ignore_index=ignore_index,
+                long_documents=long_documents,
+                whole_documents=whole_documents,
+            )
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self.rows[index]

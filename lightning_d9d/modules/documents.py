@@ -1,0 +1,61 @@
+"""Packed rows: several documents in one row of tokens, told apart by ``position_ids`` that restart at 0.
+
+The boundary format is the one RoPE needs anyway: each document's tokens count ``0, 1, 2, ...`` and the next
+document starts at 0 again (``[0 1 2 3 0 1 0 1 2]`` is three documents of 4, 2 and 3 tokens). From it
+:func:`document_ids` numbers the documents of a row (``[0 0 0 0 1 1 2 2 2]``) on the device, with no host
+synchronisation, and attention lets a token see only the earlier tokens of its own document
+(:func:`document_causal_mask`). Cumulative sequence lengths convert with :func:`position_ids_from_lengths`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` positions -> ``[..., T]`` int32 document numbers: how many documents started up to each token,
+    minus one (a row whose first position is not 0 continues a document from elsewhere: its first tokens are
+    document -1, a document of their own)."""
+    return (position_ids == 0).cumsum(-1, dtype=torch.int32) - 1
+
+
+def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` document numbers -> ``[B, 1, T, T]`` bool: query ``i`` may attend key ``j`` when ``j <= i`` and
+    both lie in the same document (SDPA's boolean ``attn_mask``: True attends)."""
+    length = documents.shape[-1]
+    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
+    same = documents[:, :, None] == documents[:, None, :]
+    return (same & causal)[:, None]
+
+
+def check_position_ids(position_ids: torch.Tensor) -> None:
+    """Refuse positions that are not the boundary format: within a row each position is 0 (a document starts)
+    or the previous one plus 1. A host check (it reads the tensor): for data pipelines and tests, not the
+    training step."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [batch, sequence], got shape {tuple(position_ids.shape)}")
+    previous, current = position_ids[:, :-1], position_ids[:, 1:]
+    wrong = ~((current == 0) | (current == previous + 1))
+    if bool(wrong.any()):
+        row, index = (int(i) for i in wrong.nonzero()[0])
+        raise ValueError(
+            f"position_ids[{row}, {index + 1}] = {int(current[row, index])} after {int(previous[row, index])}: "
+            "within a packed row positions count up by one inside a document and restart at 0 for the next "
+            "(lightning_d9d.data.pack_documents writes them so)"
+        )
+
+
+def position_ids_from_lengths(lengths: Sequence[int], row_length: int) -> torch.Tensor:
+    """The ``[row_length]`` positions of a row holding documents of ``lengths`` tokens, in order (the
+    cumulative-sequence-lengths format of varlen kernels, ``cu_seqlens = [0, *cumsum(lengths)]``)."""
+    lengths = [int(n) for n in lengths]
+    if any(n <= 0 for n in lengths):
+        raise ValueError(f"document lengths must be positive, got {lengths}")
+    if sum(lengths) != row_length:
+        raise ValueError(
+            f"document lengths {lengths} sum to {sum(lengths)}, not to the row's length {row_length}: pad the "
+            "row with a last document (labels -100), or cut the last document"
+        )
+    return torch.cat([torch.arange(n) for n in lengths])
