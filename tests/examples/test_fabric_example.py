@@ -1,5 +1,6 @@
 """``examples/fabric_pretrain_qwen3.py``, launched as a user would (Fabric's own launcher, 2 CPU processes): FSDP
-for 20 steps, then resumed from its checkpoint under tp=2 for 10 more, then converted to Hugging Face files."""
+for 20 steps, then converted to Hugging Face files. (Resuming a Fabric checkpoint on other layouts is
+``tests/fabric/test_fabric_parity.py``'s; its launches are cheaper than this script's own launcher.)"""
 
 from __future__ import annotations
 
@@ -28,16 +29,13 @@ def _losses(stdout: str) -> dict[int, float]:
     return {int(s): float(v) for s, v in re.findall(r"^step +(\d+) +loss ([\d.]+)", stdout, re.MULTILINE)}
 
 
-def test_the_fabric_example_trains_saves_and_resumes_on_another_layout(tmp_path: Path) -> None:
-    first = _losses(_run(tmp_path, "--max-steps", "20"))
+def test_the_fabric_example_trains_saves_and_converts(tmp_path: Path) -> None:
+    losses = _losses(_run(tmp_path, "--max-steps", "20"))
     checkpoint = tmp_path / "run" / "ckpt"
     assert (checkpoint / "manifest.json").is_file()  # the atomic format's last file
-    resumed_out = _run(tmp_path, "--max-steps", "30", "--tp", "2", "--resume", str(checkpoint))
-    assert f"resumed at step 20 from {checkpoint}" in resumed_out
-    resumed = _losses(resumed_out)
-    assert sorted(first) == [10, 20] and sorted(resumed) == [30]
-    # it learns the corpus's bigrams: from about ln(256) = 5.5 at the start, well down by step 30
-    assert first[10] > first[20] > resumed[30] and resumed[30] < 4.0
+    assert sorted(losses) == [10, 20]
+    # it learns the corpus's bigrams: from about ln(256) = 5.5 at the start, down by step 20
+    assert losses[10] > losses[20] and losses[20] < 4.5
 
     # the Fabric checkpoint records the model's HF config: converted without --config, loaded by transformers
     export = tmp_path / "hf"

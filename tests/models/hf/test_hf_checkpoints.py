@@ -34,7 +34,8 @@ def saved_pretrained(family: str, directory: Path) -> torch.nn.Module:
 RUNS: dict[str, dict[str, Any]] = {
     # nothing trains (lr 0): what comes out is what went in
     "qwen3_tp2_dp2_roundtrip": {"family": "qwen3", "devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "lr": 0.0},
-    "llama_tp2_dp2_roundtrip": {"family": "llama", "devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "lr": 0.0},
+    # (Llama's files go through the same adapter path: its round trip is the pipelined run below, which keeps
+    # the suite inside CI's time; a 4-process Llama round trip beside Qwen3's added ~25 s)
     "qwen3_moe_ep2_roundtrip": {"family": "qwen3_moe", "devices": 2, "dims": {"ep": 2}, "lr": 0.0},
     # trained in between, under pipeline stages (each rank loads and exports its stage)
     "llama_pp2_trained": {
