@@ -48,6 +48,7 @@ from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.precision import D9DPrecisionBase
+from lightning_d9d.strategies.topology import MeshTopology
 
 
 def refuse_pipeline(pp: int) -> None:
@@ -59,7 +60,7 @@ def refuse_pipeline(pp: int) -> None:
         )
 
 
-class D9DFabricStrategy(ModelParallelStrategy):
+class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     """``Fabric(strategy="d9d")`` or ``Fabric(strategy=D9DFabricStrategy(...))``.
 
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
@@ -74,6 +75,7 @@ class D9DFabricStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "d9d"
+    _mesh_ready_after = "fabric.launch()"
 
     def __init__(
         self,
@@ -125,27 +127,6 @@ class D9DFabricStrategy(ModelParallelStrategy):
             strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
 
     # ----------------------------------------------------------------------------------------- topology
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        """The resolved degrees and the mesh (available once Fabric launched the processes)."""
-        if self._dims is None or self._dims.mesh is None:
-            raise RuntimeError("D9DFabricStrategy.parallel_dims is available after fabric.launch()")
-        return self._dims
-
-    @property
-    @override
-    def device_mesh(self) -> DeviceMesh:
-        mesh = self.parallel_dims.mesh
-        assert mesh is not None
-        return mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # the ranks that hold different samples: pipeline-free, so the data-parallel ranks
-        dp_mesh = self.parallel_dims.mesh_for("dp")
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
-
     def _resolve_dims(self) -> ParallelDims:
         return self._requested_dims.resolve(self.num_nodes * self.num_processes)
 

@@ -17,7 +17,6 @@ from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -66,6 +65,7 @@ from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
+from lightning_d9d.strategies.topology import MeshTopology
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -86,7 +86,7 @@ def check_checkpoint_format(save_distributed_checkpoint: bool, *, pp: int) -> No
         )
 
 
-class D9DStrategy(ModelParallelStrategy):
+class D9DStrategy(MeshTopology, ModelParallelStrategy):
     """Composable N-D parallel training: ``Trainer(strategy="d9d")`` or ``Trainer(strategy=D9DStrategy(...))``.
 
     Args:
@@ -128,6 +128,7 @@ class D9DStrategy(ModelParallelStrategy):
     """
 
     strategy_name = "d9d"
+    _mesh_ready_after = "the Trainer set up the processes"
 
     def __init__(
         self,
@@ -194,27 +195,6 @@ class D9DStrategy(ModelParallelStrategy):
             strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
 
     # ----------------------------------------------------------------------------------------- topology
-    @property
-    def parallel_dims(self) -> ParallelDims:
-        """The resolved degrees and the mesh (available once the processes are set up)."""
-        if self._dims is None or self._dims.mesh is None:
-            raise RuntimeError(
-                "D9DStrategy.parallel_dims is available after the Trainer set up the processes"
-            )
-        return self._dims
-
-    @property
-    def device_mesh(self) -> DeviceMesh:
-        mesh = self.parallel_dims.mesh
-        assert mesh is not None
-        return mesh
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        dp_mesh = self.parallel_dims.mesh_for("dp")
-        return {"num_replicas": dp_mesh.size(), "rank": dp_mesh.get_local_rank()}
-
     def _resolve_dims(self) -> ParallelDims:
         return self._requested_dims.resolve(self.num_nodes * self.num_processes)
 
