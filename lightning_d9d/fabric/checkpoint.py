@@ -82,7 +82,9 @@ def load_into(
     optimizers = dict(enumerate(split.optimizers.values()))
     meta = training_checkpoint.load(path, split.model, optimizers, strict=strict, weights_only=weights_only)
     names = meta.pop(FABRIC_NAMES, None)
-    saved_optimizers = list(names["optimizers"]) if isinstance(names, dict) else None
+    # read from the file: used only if it is the list of names this module writes
+    saved = names.get("optimizers") if isinstance(names, dict) else None
+    saved_optimizers = [str(n) for n in saved] if isinstance(saved, list) else None
     if saved_optimizers is not None and saved_optimizers[: len(optimizers)] != list(split.optimizers):
         raise KeyError(
             f"{path} holds the optimizers {saved_optimizers} in this order, the state passed to fabric.load "

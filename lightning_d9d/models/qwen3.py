@@ -38,7 +38,7 @@ from lightning_d9d.modules import (
 )
 from lightning_d9d.modules.autocast import to_autocast_dtype
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
-from lightning_d9d.modules.documents import document_ids
+from lightning_d9d.modules.documents import document_causal_mask, document_ids
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans import (
@@ -256,12 +256,12 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        if documents is None:  # a keyword only when given: tp's input styles see (x, cos, sin) alone
+        if document_mask is None:  # a keyword only when given: tp's input styles see (x, cos, sin) alone
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         else:
-            x = x + self.self_attn(self.input_layernorm(x), cos, sin, documents=documents)
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, document_mask=document_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -326,7 +326,7 @@ def run_decoder(
         x = to_autocast_dtype(embed_tokens(inputs))  # bf16 residual stream under autocast too
     else:
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
-    documents = None
+    document_mask = None
     if (
         position_ids is not None
     ):  # a packed batch: positions restart per document, attention stays inside each
@@ -335,12 +335,12 @@ def run_decoder(
                 "position_ids under context parallelism: packed documents are not supported with cp > 1 yet "
                 "(cp computes each rank's global positions itself); train packed batches with cp=1"
             )
-        documents = document_ids(position_ids)
+        document_mask = document_causal_mask(document_ids(position_ids))  # once per forward, every layer's
     elif context_split is not None:
         position_ids = context_split.local_positions(seq_len, device=inputs.device)
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)
     for layer in layers.values():
-        x = layer(x, cos, sin) if documents is None else layer(x, cos, sin, documents=documents)
+        x = layer(x, cos, sin) if document_mask is None else layer(x, cos, sin, document_mask=document_mask)
     return norm(x) if norm is not None else x
 
 

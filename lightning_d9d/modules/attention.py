@@ -27,7 +27,6 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_d9d.kernels.registry import BackendRegistry
-from lightning_d9d.modules.documents import document_causal_mask
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import apply_rotary
 
@@ -166,13 +165,15 @@ register_attention_backend(AttentionBackend("sdpa", _sdpa_with(None), _can_alway
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor
 ) -> torch.Tensor:
-    """Causal attention within each document of a packed row (``documents``: ``[B, T]`` document numbers):
-    SDPA with the boolean block-diagonal causal mask, exact on every device (torch picks the kernel that takes
-    a mask: on CPU its fused kernel, on CUDA the memory-efficient one)."""
-    mask = document_causal_mask(documents)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    """Causal attention within each document of a packed row (``document_mask``: ``[B, 1, T, T]`` from
+    :func:`~lightning_d9d.modules.documents.document_causal_mask`, built once per forward): SDPA with that
+    boolean mask, exact on every device (torch picks the kernel that takes a mask: on CPU its fused kernel, on
+    CUDA the memory-efficient one)."""
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_mask, enable_gqa=q.shape[1] != k.shape[1]
+    )
 
 
 class Attention(nn.Module):
@@ -219,11 +220,11 @@ class Attention(nn.Module):
         self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, documents: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``x``: ``[B, T, hidden]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``. Returns ``[B, T, hidden]``.
-        ``documents``: ``[B, T]`` document numbers of a packed batch (:func:`~lightning_d9d.modules.documents.
-        document_ids`): each token attends only the earlier tokens of its own document."""
+        ``document_mask``: a packed batch's ``[B, 1, T, T]`` mask (:func:`~lightning_d9d.modules.documents.
+        document_causal_mask`): each token attends only the earlier tokens of its own document."""
         b, t, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank holds only some heads.
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
@@ -233,13 +234,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
-        if documents is not None:
+        if document_mask is not None:
             if self.context is not None or self.repeat_kv_heads:
                 raise ValueError(
                     "packed documents (position_ids that restart per document) under context parallelism are "
                     "not supported yet: train packed batches with cp=1"
                 )
-            return self.o_proj(document_attention(q, k, v, documents).transpose(1, 2).reshape(b, t, -1))
+            return self.o_proj(document_attention(q, k, v, document_mask).transpose(1, 2).reshape(b, t, -1))
         if self.context is not None:
             return self.o_proj(self.context(q, k, v).transpose(1, 2).reshape(b, t, -1))
         groups = q.shape[1] // k.shape[1]
