@@ -36,9 +36,9 @@ from lightning_d9d.modules import (
     ones_fill,
     zeros_fill,
 )
+from lightning_d9d.modules.attention import DocumentMask, document_attention_mask
 from lightning_d9d.modules.autocast import to_autocast_dtype
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
-from lightning_d9d.modules.documents import document_causal_mask, document_ids
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans import (
@@ -256,7 +256,7 @@ class Qwen3DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: DocumentMask | None = None
     ) -> torch.Tensor:
         if document_mask is None:  # a keyword only when given: tp's input styles see (x, cos, sin) alone
             x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -335,7 +335,7 @@ def run_decoder(
                 "position_ids under context parallelism: packed documents are not supported with cp > 1 yet "
                 "(cp computes each rank's global positions itself); train packed batches with cp=1"
             )
-        document_mask = document_causal_mask(document_ids(position_ids))  # once per forward, every layer's
+        document_mask = document_attention_mask(position_ids)  # once per forward, every layer's
     elif context_split is not None:
         position_ids = context_split.local_positions(seq_len, device=inputs.device)
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)

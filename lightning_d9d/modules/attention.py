@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from lightning_d9d.kernels.registry import BackendRegistry
+from lightning_d9d.modules.documents import BLOCK, document_block_mask, document_causal_mask, document_ids
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import apply_rotary
 
@@ -164,13 +167,84 @@ register_attention_backend(AttentionBackend("sdpa_math", _sdpa_with(SDPBackend.M
 register_attention_backend(AttentionBackend("sdpa", _sdpa_with(None), _can_always, _never))
 
 
+DOCUMENT_ENV_VAR = "LIGHTNING_D9D_DOCUMENT_ATTENTION"
+#: The attention paths for packed rows: ``flex`` (FlexAttention on the block-sparse mask), ``sdpa`` (SDPA with the
+#: dense ``[B, 1, T, T]`` mask), ``auto``.
+DOCUMENT_ATTENTION = ("auto", "flex", "sdpa")
+DocumentMask = torch.Tensor | BlockMask
+_document_logged: set[str] = set()
+
+
+def document_attention_path(position_ids: torch.Tensor, name: str | None = None) -> str:
+    """``flex`` or ``sdpa`` for packed rows of ``position_ids`` (``name``, else ``$LIGHTNING_D9D_DOCUMENT_ATTENTION``,
+    else ``auto``), refusing with the reason a path that cannot run them. ``auto`` takes FlexAttention on CUDA for
+    rows whose length is a multiple of its block (it skips the tiles that cross no document and needs no
+    ``[T, T]`` mask: faster on an H200, docs/packing.md) and the dense mask elsewhere (CPU: torch has no
+    FlexAttention backward there)."""
+    asked = name or os.environ.get(DOCUMENT_ENV_VAR) or "auto"
+    if asked not in DOCUMENT_ATTENTION:
+        raise ValueError(
+            f"document attention {asked!r} (${DOCUMENT_ENV_VAR} or the name given): choose one of "
+            f"{', '.join(map(repr, DOCUMENT_ATTENTION))}"
+        )
+    length = position_ids.shape[-1]
+    if asked == "flex":
+        if length % BLOCK != 0:
+            raise ValueError(
+                f"document attention 'flex' needs rows whose length is a multiple of {BLOCK}, got {length}: pad "
+                f"the rows (pack_documents(seq_len=...)) to a multiple of {BLOCK}, or choose 'sdpa'"
+            )
+        if position_ids.device.type == "cpu" and torch.is_grad_enabled():
+            raise ValueError(
+                "document attention 'flex' cannot train on CPU (torch's FlexAttention has no CPU backward): "
+                "choose 'sdpa' (or 'auto')"
+            )
+    chosen = asked
+    if asked == "auto":
+        chosen = "flex" if position_ids.is_cuda and length % BLOCK == 0 else "sdpa"
+    if chosen not in _document_logged:
+        _document_logged.add(chosen)
+        log.info("attention for packed rows: %s (%s)", chosen, "asked for" if asked != "auto" else "auto")
+    return chosen
+
+
+def document_attention_mask(position_ids: torch.Tensor, name: str | None = None) -> DocumentMask:
+    """The mask every layer of one forward attends packed rows with (built once per forward): FlexAttention's
+    :class:`BlockMask` or SDPA's dense ``[B, 1, T, T]`` boolean mask (:func:`document_attention_path`)."""
+    if position_ids.dim() != 2 or position_ids.is_floating_point():
+        raise ValueError(
+            f"position_ids of a packed batch must be an integer [batch, sequence] tensor, got "
+            f"{position_ids.dtype} of shape {tuple(position_ids.shape)}"
+        )
+    documents = document_ids(position_ids)
+    if document_attention_path(position_ids, name) == "flex":
+        return document_block_mask(documents)
+    return document_causal_mask(documents)
+
+
+# FlexAttention runs fused only compiled; a compiled block traces it itself, an eager one calls this.
+_compiled_flex_attention: Callable[..., torch.Tensor] | None = None
+
+
+def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+    global _compiled_flex_attention
+    gqa = q.shape[1] != k.shape[1]
+    if torch.compiler.is_compiling() or not q.is_cuda:  # on CPU: torch's unfused reference (forward only)
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)  # type: ignore[return-value]
+    if _compiled_flex_attention is None:
+        _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+
+
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask
 ) -> torch.Tensor:
-    """Causal attention within each document of a packed row (``document_mask``: ``[B, 1, T, T]`` from
-    :func:`~lightning_d9d.modules.documents.document_causal_mask`, built once per forward): SDPA with that
-    boolean mask, exact on every device (torch picks the kernel that takes a mask: on CPU its fused kernel, on
-    CUDA the memory-efficient one)."""
+    """Causal attention within each document of a packed row, ``document_mask`` from
+    :func:`document_attention_mask`: FlexAttention on its block mask, or SDPA with the dense boolean mask, exact
+    on every device (torch picks the kernel that takes a mask: on CPU its fused kernel, on CUDA the
+    memory-efficient one)."""
+    if isinstance(document_mask, BlockMask):
+        return _flex(q, k, v, document_mask)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=document_mask, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -220,11 +294,11 @@ class Attention(nn.Module):
         self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: DocumentMask | None = None
     ) -> torch.Tensor:
         """``x``: ``[B, T, hidden]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``. Returns ``[B, T, hidden]``.
-        ``document_mask``: a packed batch's ``[B, 1, T, T]`` mask (:func:`~lightning_d9d.modules.documents.
-        document_causal_mask`): each token attends only the earlier tokens of its own document."""
+        ``document_mask``: a packed batch's mask (:func:`document_attention_mask`): each token attends only the
+        earlier tokens of its own document."""
         b, t, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank holds only some heads.
         q = self.q_proj(x).view(b, t, -1, self.head_dim)

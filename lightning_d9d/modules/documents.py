@@ -5,6 +5,11 @@ document starts at 0 again (``[0 1 2 3 0 1 0 1 2]`` is three documents of 4, 2 a
 :func:`document_ids` numbers the documents of a row (``[0 0 0 0 1 1 2 2 2]``) on the device, with no host
 synchronisation, and attention lets a token see only the earlier tokens of its own document
 (:func:`document_causal_mask`). Cumulative sequence lengths convert with :func:`position_ids_from_lengths`.
+
+On CUDA the same mask goes to FlexAttention as a block-sparse :func:`document_block_mask`: blocks of 128 queries x
+128 keys that hold no pair of one document are skipped, blocks inside one document run without a mask, and only
+the blocks on a boundary evaluate it per element. It is built from the document numbers with a few tensor ops per
+forward (``[B, T/128, T/128]`` work, no ``[T, T]`` tensor, no host synchronisation).
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -28,6 +34,59 @@ def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
     same = documents[:, :, None] == documents[:, None, :]
     return (same & causal)[:, None]
+
+
+#: FlexAttention's block: the mask is described per ``BLOCK`` x ``BLOCK`` tile of (queries, keys).
+BLOCK = 128
+
+
+def document_block_mask(documents: torch.Tensor, block: int = BLOCK) -> BlockMask:
+    """``[B, T]`` document numbers (:func:`document_ids`: non-decreasing along each row, +1 at each start) ->
+    FlexAttention's :class:`BlockMask` of :func:`document_causal_mask`, for a ``T`` divisible by ``block``.
+
+    Tile (query block ``i``, key block ``j``) is *full* (every pair attends, no mask evaluated) when ``j < i`` and
+    both blocks lie inside one and the same document; *partial* (the element mask decides) when ``j <= i`` and the
+    two blocks share a document but are not full; else empty (skipped). Document numbers inside a block are
+    consecutive integers, so two blocks share a document exactly when their ``[first, last]`` ranges overlap.
+    """
+    batch, length = documents.shape
+    if length % block != 0:
+        raise ValueError(
+            f"document_block_mask: the sequence length {length} must be a multiple of the block {block}; pad the "
+            "rows to a multiple of it, or use the dense mask (document_causal_mask)"
+        )
+    blocks = length // block
+    first = documents[:, ::block]  # [B, blocks]: the lowest document number of each block
+    last = documents[:, block - 1 :: block]  # the highest
+    q_first, q_last = first[:, :, None], last[:, :, None]  # query block i along dim 1
+    k_first, k_last = first[:, None, :], last[:, None, :]  # key block j along dim 2
+    index = torch.arange(blocks, device=documents.device)
+    below, on_or_below = index[None, :] < index[:, None], index[None, :] <= index[:, None]
+    shared = (k_first <= q_last) & (k_last >= q_first)
+    full = below & (q_first == q_last) & (k_first == k_last) & (q_first == k_first)
+    partial = on_or_below & shared & ~full
+
+    def ordered(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # [B, 1, blocks] counts and [B, 1, blocks, blocks] key-block indices, the present ones first
+        counts = tiles.sum(-1, dtype=torch.int32)
+        indices = torch.argsort((~tiles).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None].contiguous(), indices[:, None].contiguous()
+
+    def same_document(b: torch.Tensor, h: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return (documents[b, q] == documents[b, k]) & (q >= k)
+
+    partial_counts, partial_indices = ordered(partial)
+    full_counts, full_indices = ordered(full)
+    del batch
+    return BlockMask.from_kv_blocks(
+        partial_counts,
+        partial_indices,
+        full_counts,
+        full_indices,
+        BLOCK_SIZE=block,
+        mask_mod=same_document,
+        seq_lengths=(length, length),
+    )
 
 
 def check_position_ids(position_ids: torch.Tensor) -> None:

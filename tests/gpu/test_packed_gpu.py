@@ -1,5 +1,6 @@
-"""Packed rows on CUDA: the document-masked attention (SDPA with the block-diagonal causal mask, whichever kernel
-torch takes for a mask there) against the CPU-exact path, fp32 and bf16."""
+"""Packed rows on CUDA against the CPU-exact path (SDPA with the dense block-diagonal causal mask), fp32 and bf16:
+SDPA with that mask on CUDA (rows that are not whole 128-blocks), and FlexAttention on its block mask (rows of
+whole blocks: ``auto``'s choice on CUDA), eager and compiled per block."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 from test_packed_documents import build, documents, packed_batch
 
+from lightning_d9d.data import pack_documents
+from lightning_d9d.modules.attention import document_attention_path
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import apply_compile
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,3 +51,54 @@ def test_packed_rows_on_cuda_match_the_cpu_path(kind: str) -> None:
     relative = abs(float(bf16) - reference) / reference
     print(f"packed {kind}: bf16 loss {float(bf16):.5f} vs fp32 {reference:.5f} ({relative:.1e} relative)")
     assert relative < 1e-3
+
+
+def _rows_of(length: int, rows: int, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+    """``rows`` packed rows of ``length`` tokens from documents of 2 to 150 tokens (some rows of one block hold
+    a single document: FlexAttention's unmasked tiles run too)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(2, 150, (4 * rows * length // 75,), generator=generator).tolist()
+    lengths[:3] = [length + 1, 2, 2 * length]  # whole rows of one document, and a document cut over two rows
+    docs = [torch.randint(1, vocab, (n,), generator=generator) for n in lengths]
+    return torch.utils.data.default_collate(list(pack_documents(docs, length))[:rows])
+
+
+def test_flex_attention_on_cuda_matches_the_cpu_path_in_training_and_compiles_once() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = build("qwen3")
+    batch = _rows_of(256, 4, model.config.vocab_size, seed=5)
+    inputs = (batch["input_ids"], batch["position_ids"])
+    cpu_loss = causal_lm_loss(model(*inputs), batch["labels"])  # the dense mask on CPU
+    cpu_loss.backward()
+    cpu_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.cuda()
+    cuda_inputs = tuple(t.cuda() for t in inputs)
+    labels = batch["labels"].cuda()
+    assert document_attention_path(cuda_inputs[1]) == "flex"  # auto on CUDA, rows of whole 128-blocks
+    loss = causal_lm_loss(model(*cuda_inputs), labels)
+    loss.backward()
+    torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-5, atol=1e-5)
+    for name, grad in cpu_grads.items():
+        torch.testing.assert_close(model.get_parameter(name).grad.cpu(), grad, rtol=1e-4, atol=1e-5, msg=name)
+    model.zero_grad()
+
+    # compiled blocks trace FlexAttention into their graph; a new batch's mask (same shapes) must not recompile
+    apply_compile(model.model.layers)
+    eager = [float(loss.detach())]
+    compiled = [float(causal_lm_loss(model(*cuda_inputs), labels))]
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        for seed in (6, 7):
+            other = {k: v.cuda() for k, v in _rows_of(256, 4, model.config.vocab_size, seed).items()}
+            compiled.append(
+                float(causal_lm_loss(model(other["input_ids"], other["position_ids"]), other["labels"]))
+            )
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    torch.testing.assert_close(compiled[0], eager[0], rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        bf16 = float(causal_lm_loss(model(*cuda_inputs), labels))
+    relative = abs(bf16 - eager[0]) / eager[0]
+    print(f"flex: fp32 {eager[0]:.5f}, compiled {compiled[0]:.5f}, bf16 {bf16:.5f} ({relative:.1e} relative)")
+    assert relative < 1e-3  # as the dense path's band above: ~1e3 tokens average their bf16 rounding

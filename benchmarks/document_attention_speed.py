@@ -1,0 +1,118 @@
+"""Attention alone (forward + backward) on packed rows, one GPU: the candidates for the CUDA path of packed
+documents, on the same rows and the Qwen3-0.6B attention shape (16 query heads, 8 key/value heads, head dim 128,
+bf16), to pick ``auto``'s choice by measurement.
+
+    causal_nomask   SDPA causal without a document mask (cuDNN): the speed of no mask, wrong across documents
+    sdpa_dense      SDPA with the dense [B, 1, T, T] boolean mask (torch's memory-efficient kernel)
+    flex            FlexAttention on lightning_d9d's block mask (modules.documents.document_block_mask), compiled
+    varlen          torch.nn.attention.varlen.varlen_attn (flash) on cumulative sequence lengths; the lengths are
+                    read on the host (nonzero), which a training step would pay once per forward
+
+Rows come from benchmarks/packed_throughput.py's length mix. Run from the repository root on a GPU machine:
+
+    PYTHONPATH=. python benchmarks/document_attention_speed.py --out runs/attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+
+def time_ms(function: Callable[[], torch.Tensor], repeats: int) -> float:
+    for _ in range(3):
+        function().sum().backward()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        function().sum().backward()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    from benchmarks.packed_throughput import make_batches
+    from lightning_d9d.modules.attention import document_attention
+    from lightning_d9d.modules.documents import document_block_mask, document_causal_mask, document_ids
+
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--median-length", type=int, default=600)
+    parser.add_argument("--sigma", type=float, default=1.2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    args.warmup, args.steps, args.seed = 0, 1, 0
+    positions = make_batches(args, 1000)["packed"][0]["position_ids"].cuda()
+    b, t = positions.shape
+    heads, kv_heads, dim = 16, 8, 128
+    generator = torch.Generator(device="cuda").manual_seed(0)
+
+    def leaf(h: int) -> torch.Tensor:
+        x = torch.randn(b, h, t, dim, device="cuda", dtype=torch.bfloat16, generator=generator)
+        return x.requires_grad_()
+
+    q, k, v = leaf(heads), leaf(kv_heads), leaf(kv_heads)
+    documents = document_ids(positions)
+    block_mask = document_block_mask(documents)
+    dense = document_causal_mask(documents)
+    flat = positions.flatten()
+
+    def varlen() -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        starts = torch.nonzero(flat == 0).flatten()
+        cu = torch.cat([starts, torch.tensor([flat.numel()], device="cuda")]).to(torch.int32)
+        longest = int((cu[1:] - cu[:-1]).max())  # a host read
+        qf, kf, vf = (x.transpose(1, 2).reshape(b * t, x.shape[1], dim) for x in (q, k, v))
+        out = varlen_attn(qf, kf, vf, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
+        return out  # type: ignore[return-value]
+
+    candidates: dict[str, Callable[[], torch.Tensor]] = {
+        "causal_nomask": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
+        "sdpa_dense": lambda: document_attention(q, k, v, dense),
+        "flex": lambda: document_attention(q, k, v, block_mask),
+        "varlen": varlen,
+    }
+    reference = document_attention(q, k, v, dense).float()
+    results: dict[str, dict[str, float | str]] = {}
+    for name, function in candidates.items():
+        try:
+            with torch.no_grad():
+                out = function()
+            if name == "varlen":
+                out = out.reshape(b, t, heads, dim).transpose(1, 2)
+            error = float((out.float() - reference).abs().max()) if name != "causal_nomask" else float("nan")
+            ms = time_ms(function, args.repeats)
+            results[name] = {"fwd_bwd_ms": ms, "max_abs_diff_vs_sdpa_dense": error}
+            print(f"{name:14s} {ms:8.2f} ms fwd+bwd   max |diff| vs dense-mask SDPA {error:.2e}", flush=True)
+        except Exception as failure:  # a candidate this torch cannot run: say so and go on
+            results[name] = {"error": f"{type(failure).__name__}: {failure}"[:400]}
+            print(f"{name:14s} failed: {results[name]['error']}", flush=True)
+    sparsity = float(dense.float().mean())
+    print(f"mask density (attending pairs / T^2): {sparsity:.4f}; block mask: {block_mask}".splitlines()[0])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        record = {
+            "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0),
+            "shape": [b, t],
+            "results": results,
+        }
+        (args.out / "document_attention_speed.json").write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main()
