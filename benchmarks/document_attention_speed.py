@@ -76,8 +76,10 @@ def main() -> None:
         starts = torch.nonzero(flat == 0).flatten()
         cu = torch.cat([starts, torch.tensor([flat.numel()], device="cuda")]).to(torch.int32)
         longest = int((cu[1:] - cu[:-1]).max())  # a host read
-        qf, kf, vf = (x.transpose(1, 2).reshape(b * t, x.shape[1], dim) for x in (q, k, v))
-        out = varlen_attn(qf, kf, vf, cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=True)
+        # torch 2.11's varlen_attn takes no enable_gqa (2.13's does): the key/value heads repeated for it
+        kr, vr = (x.repeat_interleave(heads // kv_heads, dim=1) for x in (k, v))
+        qf, kf, vf = (x.transpose(1, 2).reshape(b * t, heads, dim) for x in (q, kr, vr))
+        out = varlen_attn(qf, kf, vf, cu, cu, longest, longest, window_size=(-1, 0))
         return out  # type: ignore[return-value]
 
     candidates: dict[str, Callable[[], torch.Tensor]] = {
@@ -86,7 +88,8 @@ def main() -> None:
         "flex": lambda: document_attention(q, k, v, block_mask),
         "varlen": varlen,
     }
-    reference = document_attention(q, k, v, dense).float()
+    with torch.no_grad():
+        reference = document_attention(q, k, v, dense).float()
     results: dict[str, dict[str, float | str]] = {}
     for name, function in candidates.items():
         try:
