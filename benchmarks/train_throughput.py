@@ -108,6 +108,11 @@ PATHS: dict[str, str] = {
     # The Trainer paths run the example's GarbageCollection callback (collector every 50 steps, as the example);
     # this one leaves Python's automatic collector on, to measure that lever.
     "ours_trainer_compiled_nofsdp_autogc": "ours_trainer_compiled_nofsdp without the GarbageCollection callback",
+    # FP8 training of the decoder blocks' linear layers through torchao (issue 25): D9DStrategy(fp8=...)
+    "ours_trainer_compiled_fp8_tensorwise": 'ours_trainer_compiled with fp8="tensorwise" (float8 FSDP all-gather)',
+    "ours_trainer_compiled_fp8_rowwise": 'ours_trainer_compiled with fp8="rowwise"',
+    "ours_trainer_compiled_nofsdp_fp8_tensorwise": 'ours_trainer_compiled_nofsdp with fp8="tensorwise"',
+    "ours_trainer_compiled_nofsdp_fp8_rowwise": 'ours_trainer_compiled_nofsdp with fp8="rowwise"',
     # The strongest peer: torchtitan's own Qwen3 through its own parallelize_qwen3 on one device (its
     # single-device path: no FSDP, bf16 autocast, per-block compile; activation checkpointing off, as ours).
     # Needs torchtitan 0.2.2 and its pure-Python dependencies on the path (benchmarks/README.md).
@@ -133,6 +138,10 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp_autotune",
         "ours_trainer_compiled_nofsdp_autogc",
         "titan_compiled",
+        "ours_trainer_compiled_fp8_tensorwise",
+        "ours_trainer_compiled_fp8_rowwise",
+        "ours_trainer_compiled_nofsdp_fp8_tensorwise",
+        "ours_trainer_compiled_nofsdp_fp8_rowwise",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
@@ -159,7 +168,34 @@ def _config(args: argparse.Namespace) -> Any:
 
     if args.model in ("moe", "moe_tiny"):
         return _moe_config(args.model)
+    if args.model in QWEN3_SHAPES:
+        return Qwen3Config.qwen3_0_6b(**QWEN3_SHAPES[args.model])
     return Qwen3Config.qwen3_0_6b() if args.model == "0.6b" else Qwen3Config.tiny()
+
+
+# Qwen3's released dense shapes beyond 0.6B (their config.json: hidden, MLP width, layers, heads; head_dim 128,
+# 8 key-value heads, tied embeddings, vocabulary 151,936 as 0.6B)
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    "1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+    },
+    "4b": {
+        "hidden_size": 2560,
+        "intermediate_size": 9728,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+    },
+    "8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "tie_word_embeddings": False,
+    },
+}
 
 
 def _moe_config(model: str) -> Any:
@@ -702,6 +738,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         else False,
         fsdp_on_one_rank="nofsdp" not in path,
         activation_checkpointing=next((k for k in ("selective", "full") if path.endswith(f"_{k}")), False),
+        fp8=next((recipe for recipe in ("tensorwise", "rowwise") if path.endswith(f"_fp8_{recipe}")), None),
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -1082,7 +1119,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma list; repeats allowed")
-    parser.add_argument("--model", choices=["0.6b", "tiny", "moe", "moe_tiny"], default="0.6b")
+    parser.add_argument(
+        "--model", choices=["0.6b", "1.7b", "4b", "8b", "tiny", "moe", "moe_tiny"], default="0.6b"
+    )
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (micro-batch)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -1137,6 +1176,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 MODEL_NAMES = {
     "0.6b": "Qwen3-0.6B shape",
+    "1.7b": "Qwen3-1.7B shape",
+    "4b": "Qwen3-4B shape",
+    "8b": "Qwen3-8B shape",
     "tiny": "Qwen3 tiny",
     "moe": "Qwen3-MoE 16 layers, hidden 1024, 64 experts of 384, top-8 (active-parameter MFU)",
     "moe_tiny": "Qwen3-MoE tiny",

@@ -43,6 +43,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -66,7 +67,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
     loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
     ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
-    ``fsdp_on_one_rank``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused (module docstring).
+    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused
+    (module docstring).
 
     Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
     parallel parameters, which replace the model's) or the model first (``fabric.setup_module``). A model built
@@ -91,6 +93,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         context_attention: str = "auto",
         reshard_after_forward: bool = True,
         fsdp_on_one_rank: bool = True,
+        fp8: str | None = None,
+        fp8_filter: Fp8Filter | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -117,6 +121,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             context_attention=check_context_attention(context_attention, owner="D9DFabricStrategy"),
             reshard_after_forward=reshard_after_forward,
             fsdp_on_one_rank=fsdp_on_one_rank,
+            fp8=check_fp8(fp8, owner="D9DFabricStrategy", tp=tp),
+            fp8_filter=fp8_filter,
         )
         self._dims: ParallelDims | None = None
 

@@ -1,4 +1,5 @@
-"""The part of every model's plan that follows TP/CP/EP: activation checkpointing, compile, data parallelism."""
+"""The part of every model's plan that follows TP/CP/EP: float8 linears, activation checkpointing, compile, data
+parallelism."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing, checkpointing_kind
 from lightning_d9d.plans.compile import apply_compile, compile_mode
 from lightning_d9d.plans.data_parallel import parallelize_data
+from lightning_d9d.plans.fp8 import apply_fp8
 from lightning_d9d.plans.options import ParallelOptions
 
 BlockList = nn.ModuleList | nn.ModuleDict
@@ -35,6 +37,12 @@ def parallelize_blocks(
     whose blocks draw no random numbers (no dropout) may pass it; otherwise recompute draws other dropout
     masks than forward did and the gradients are silently wrong.
     """
+    if options.fp8 is not None:  # swaps modules: before checkpointing wraps and compile traces them
+        # float8 all-gathers pay where FSDP gathers shards; on one rank they only add a cast per block (measured:
+        # tensorwise at 0.54x bf16 on the 0.6B shape on an H200 with them)
+        fsdp = dims.fsdp > 1
+        every_block = [block for blocks in block_lists for block in _blocks_of(blocks)]
+        apply_fp8(every_block, options.fp8, dims, module_filter=options.fp8_filter, fsdp=fsdp)
     kind = checkpointing_kind(options.activation_checkpointing)
     mode = compile_mode(options.compile)
     # Inside one compiled graph, full recompute of tensor-parallel blocks fails in AOTAutograd on torch 2.13

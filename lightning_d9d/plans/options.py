@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
@@ -26,6 +28,10 @@ class ParallelOptions:
         fsdp_on_one_rank: wrap the model in FSDP2 also when the whole world is one rank (parameters are then
             ``DTensor``s as on every other layout). ``False`` leaves plain parameters there: no all-gather
             copies, casts or hooks around each block (the mixed precision then comes from autocast).
+        fp8: train the blocks' linear layers in float8 through torchao: ``"tensorwise"`` or ``"rowwise"``
+            (:mod:`lightning_d9d.plans.fp8`); ``None`` (default) keeps them as they are.
+        fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
+            :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -34,3 +40,5 @@ class ParallelOptions:
     compile: bool | str = False
     context_attention: str = "auto"
     fsdp_on_one_rank: bool = True
+    fp8: str | None = None
+    fp8_filter: Callable[[nn.Module, str], bool] | None = None

@@ -53,6 +53,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -119,6 +120,12 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         async_save: checkpoints saved during training are written in the background while training goes on
             (the state copied to CPU memory first), complete under their name once every rank's write ended
             (``strategies/async_save.py``); the next save and the end of training wait for the previous one.
+        fp8: train the transformer blocks' linear layers in float8 through torchao (``pip install
+            'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8) or
+            ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
+            (:mod:`lightning_d9d.plans.fp8`); refused with tp > 1 for now. ``None`` (default): off.
+        fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
+            :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -154,6 +161,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         async_save: bool = False,
+        fp8: str | None = None,
+        fp8_filter: Fp8Filter | None = None,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         check_checkpoint_format(save_distributed_checkpoint, pp=pp)
@@ -184,6 +193,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._context_attention = check_context_attention(context_attention, owner="D9DStrategy")
         self._reshard_after_forward = reshard_after_forward
         self._fsdp_on_one_rank = fsdp_on_one_rank
+        self._fp8 = check_fp8(fp8, owner="D9DStrategy", tp=tp)
+        self._fp8_filter = fp8_filter
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
         self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
@@ -313,6 +324,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             compile=self._compile,
             context_attention=self._context_attention,
             fsdp_on_one_rank=self._fsdp_on_one_rank,
+            fp8=self._fp8,
+            fp8_filter=self._fp8_filter,
         )
 
     @override
