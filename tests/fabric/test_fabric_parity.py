@@ -52,6 +52,7 @@ CASES: dict[str, dict] = {
     },
     "hf_tp2_packed": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3", "packed": True},
     "hf_ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "hf_qwen3_moe", "packed": True},
+    "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
@@ -65,6 +66,7 @@ DATA_RANKS = {
     "cp2": 1,
     "hf_tp2": 1,
     "hf_tp2_packed": 1,
+    "hf_cp2_packed": 1,
     "resume_tp2": 1,
     "tp2_fsdp2_padded": 2,
     "ep2_moe": 2,

@@ -18,7 +18,9 @@ from torch import nn
 from lightning_d9d import model_loss
 from lightning_d9d.data import PackedDataset
 from lightning_d9d.models.hf.attention import causal_attention_without_mask_sync
+from lightning_d9d.models.hf.context import _GlobalPositions
 from lightning_d9d.models.hf.plan import train_without_cache
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.strategies.step_loss import forward_loss
 
@@ -155,3 +157,19 @@ def test_positions_as_a_second_positional_input_are_refused() -> None:
             ValueError, match=r"2 positional inputs for Qwen3ForCausalLM.*'position_ids': positions"
         ):
             run()
+
+
+def test_packed_rows_under_cp_with_ring_kernels_or_a_mask_are_refused_before_any_collective() -> None:
+    model = tiny_causal_lm("qwen3")
+    split = LoadBalancedSplit(2, 0)
+    ids, positions = torch.zeros(2, 6, dtype=torch.long), torch.tensor([[0, 1, 0, 1, 2, 3]]).expand(2, -1)
+    ring = _GlobalPositions(model.base_model, split, None, all_gather=False)  # type: ignore[arg-type]
+    with pytest.raises(
+        NotImplementedError, match=r"cp=2: position_ids .*ring kernels.*context_attention='all_gather'"
+    ):
+        ring(model.base_model, (), {"input_ids": ids, "position_ids": positions})
+    gather = _GlobalPositions(model.base_model, split, None, all_gather=True)  # type: ignore[arg-type]
+    with pytest.raises(
+        NotImplementedError, match=r"cp=2: position_ids together with an attention_mask; pass one"
+    ):
+        gather(model.base_model, (), {"input_ids": ids, "position_ids": positions, "attention_mask": ids + 1})
