@@ -19,6 +19,7 @@ from lightning_d9d import model_loss
 from lightning_d9d.data import PackedDataset
 from lightning_d9d.models.hf.attention import causal_attention_without_mask_sync
 from lightning_d9d.models.hf.context import _GlobalPositions
+from lightning_d9d.models.hf.pipeline import TransformersPipeline
 from lightning_d9d.models.hf.plan import train_without_cache
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
@@ -173,3 +174,25 @@ def test_packed_rows_under_cp_with_ring_kernels_or_a_mask_are_refused_before_any
         NotImplementedError, match=r"cp=2: position_ids together with an attention_mask; pass one"
     ):
         gather(model.base_model, (), {"input_ids": ids, "position_ids": positions, "attention_mask": ids + 1})
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_two_pipeline_stages_in_sequence_attend_per_document(family: str) -> None:
+    # what the pipeline runner does once it hands every stage position_ids= (microbatched), on one process
+    batch = packed_rows()
+    model = tiny_causal_lm(family, layers=2)
+    pipeline = TransformersPipeline(model)
+    first = pipeline.pipeline_stage([0], first=True, last=False)
+    last = pipeline.pipeline_stage([1], first=False, last=True)
+    ids, positions = batch["input_ids"], batch["position_ids"]
+    staged = last(first(ids, position_ids=positions), position_ids=positions)
+    loss = causal_lm_loss(staged, batch["labels"])
+    loss.backward()
+    staged_grads = grads(model)
+    expected = per_document_loss(model, batch)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-5)
+    for name, grad in grads(model).items():
+        torch.testing.assert_close(staged_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
+    with torch.no_grad():  # without positions: the plain causal forward, as before
+        torch.testing.assert_close(last(first(ids)), model(input_ids=ids, use_cache=False).logits)
