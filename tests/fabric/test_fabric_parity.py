@@ -52,7 +52,7 @@ CASES: dict[str, dict] = {
     },
     "hf_tp2_packed": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3", "packed": True},
     "hf_ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "hf_qwen3_moe", "packed": True},
-    "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True},
+    "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True, "fused": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
