@@ -2,7 +2,7 @@
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
 Qwen3 under tp, packed rows of several documents (FSDP, tp, ep; on transformers' Qwen3 under FSDP with the fused
-head + loss and under tp, on its Qwen3-MoE under ep), norm clipping that bites,
+head + loss and under tp and cp, on its Qwen3-MoE under ep and on one process), norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -59,6 +59,8 @@ CASES: dict[str, dict] = {
     "ep2_fsdp4_moe": {"devices": 4, "dims": {"ep": 2}, "model": "moe"},
     "resume_fsdp4": {"devices": 4, "dims": {"dp_shard": 4}, "resume_from": "fsdp2"},
     "one": {"devices": 1, "dims": {}},
+    # packed rows on one process through the whole adapter (transformers' Qwen3-MoE, fused head + loss)
+    "hf_one_packed_moe": {"devices": 1, "dims": {}, "model": "hf_qwen3_moe", "packed": True, "fused": True},
     "resume_one": {"devices": 1, "dims": {}, "resume_from": "fsdp2"},
 }
 DATA_RANKS = {
