@@ -44,11 +44,3 @@ def check_inputs(model: nn.Module, inputs: ModelInputs) -> None:
         "instead: model_loss(module, model, {'input_ids': ids, 'position_ids': positions}, labels, loss_fn)"
     )
 
-
-def input_ids_of(inputs: ModelInputs) -> torch.Tensor:
-    """The token ids: ``inputs["input_ids"]`` of a dict, the first element of a tuple."""
-    if isinstance(inputs, Mapping):
-        if "input_ids" not in inputs:
-            raise ValueError(f"model_loss's inputs dict has no 'input_ids' (keys: {sorted(inputs)})")
-        return inputs["input_ids"]
-    return inputs[0]
