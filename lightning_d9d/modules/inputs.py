@@ -43,4 +43,3 @@ def check_inputs(model: nn.Module, inputs: ModelInputs) -> None:
         "(input_ids, position_ids) would be read as an attention mask. Pass a dict of keyword arguments "
         "instead: model_loss(module, model, {'input_ids': ids, 'position_ids': positions}, labels, loss_fn)"
     )
-
