@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_d9d.fabric import checkpoint as fabric_checkpoint
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.context_attention import check_context_attention
+from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
@@ -203,9 +204,9 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
 
     # --------------------------------------------------------------------------------- loss, backward
     def model_loss(
-        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+        self, model: nn.Module, inputs: ModelInputs, target: torch.Tensor, loss_fn: LossFn
     ) -> torch.Tensor:
-        """``loss_fn(model(*inputs), target)`` on this rank's part of the batch, weighed so that the mean over
+        """``loss_fn(model(*inputs), target)`` (``model(**inputs)`` for a dict) on this rank's part of the batch, weighed so that the mean over
         the data ranks is the global batch's (see ``D9DStrategy.model_loss``; no accumulation is counted here:
         a loop that accumulates divides by its micro-steps, as with any Fabric strategy)."""
         module = getattr(model, "_forward_module", model)  # a _FabricModule's: its forward context is below

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from typing_extensions import Self
 
 from lightning_d9d.kernels.linear_cross_entropy import linear_cross_entropy
 from lightning_d9d.modules.hf_init import is_transformers_model
+from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.modules.loss import CausalLMLoss
 
 FUSED_LOSS_ENV = "LIGHTNING_D9D_FUSED_LOSS"
@@ -180,7 +181,7 @@ def _fused_ignore_index(model: nn.Module, loss_fn: object, tensor_parallel: bool
 
 def fused_causal_lm_loss(
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: ModelInputs,
     labels: torch.Tensor,
     loss_fn: object,
     *,
@@ -195,6 +196,14 @@ def fused_causal_lm_loss(
     (``model.fuse_head_loss`` if set, ``$LIGHTNING_D9D_FUSED_LOSS``, CUDA by default, not under tp)."""
     if is_transformers_model(model):
         return _fused_transformers_loss(model, inputs, labels, loss_fn, tensor_parallel)
+    if isinstance(inputs, Mapping):  # our forward's keywords; anything else keeps the logits path
+        if not {"input_ids"} <= set(inputs) <= {"input_ids", "position_ids"}:
+            return None
+        inputs = (
+            (inputs["input_ids"], inputs["position_ids"])
+            if "position_ids" in inputs
+            else (inputs["input_ids"],)
+        )
     if not isinstance(model, CausalLM) or model.lm_head is None or not 1 <= len(inputs) <= 2:
         return None
     ignore_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tensor_parallel)
@@ -210,7 +219,7 @@ def fused_causal_lm_loss(
 
 def _fused_transformers_loss(
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: ModelInputs,
     labels: torch.Tensor,
     loss_fn: object,
     tensor_parallel: bool,

@@ -11,6 +11,7 @@ over the ``loss`` view (which includes cp) into the global token mean; FSDP shar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.modules.attention import Attention
 from lightning_d9d.modules.context_attention import LoadBalancedSplit, context_attention
+from lightning_d9d.modules.inputs import ModelInputs
 
 
 @runtime_checkable
@@ -58,11 +60,12 @@ def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh, attention: str =
 
 
 def split_batch(
-    split: LoadBalancedSplit, inputs: tuple[torch.Tensor, ...], target: torch.Tensor
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """This cp rank's part of a batch: ``target`` (``[B, T, ...]``) and every input tensor whose first two
-    dims are the target's ``[B, T]`` (token ids, explicit position ids) cut along the sequence dim alike;
-    other inputs pass unchanged. A ``T`` not divisible by ``2 * cp`` raises ``ValueError`` with the numbers."""
+    split: LoadBalancedSplit, inputs: ModelInputs, target: torch.Tensor
+) -> tuple[ModelInputs, torch.Tensor]:
+    """This cp rank's part of a batch: ``target`` (``[B, T, ...]``) and every input tensor (of a tuple or a dict)
+    whose first two dims are the target's ``[B, T]`` (token ids, explicit position ids) cut along the sequence dim
+    alike; other inputs pass unchanged. A ``T`` not divisible by ``2 * cp`` raises ``ValueError`` with the
+    numbers."""
     if target.dim() < 2:
         raise ValueError(
             f"context parallelism splits the target along its sequence dim (1), but it is {target.dim()}-D "
@@ -75,4 +78,6 @@ def split_batch(
         same = isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == batch_and_sequence
         return split.split(value, dim=1) if same else value
 
+    if isinstance(inputs, Mapping):
+        return {name: cut(value) for name, value in inputs.items()}, split.split(target, dim=1)
     return tuple(cut(value) for value in inputs), split.split(target, dim=1)

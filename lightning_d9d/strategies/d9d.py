@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -33,6 +33,7 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_loss_ignore_index
 from lightning_d9d.models.hf import hf_pipeline_for
 from lightning_d9d.modules.context_attention import LoadBalancedSplit, check_context_attention
+from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -387,9 +388,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
 
     # --------------------------------------------------------------------------------------- the loss
     def model_loss(
-        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+        self, model: nn.Module, inputs: ModelInputs, target: torch.Tensor, loss_fn: LossFn
     ) -> torch.Tensor:
-        """``loss_fn(model(*inputs), target)``; with pp > 1, run through the pipeline schedule instead.
+        """``loss_fn(model(*inputs), target)`` (``model(**inputs)`` for a dict); with pp > 1, run through the
+        pipeline schedule instead.
 
         In training (gradients enabled) the pipelined loss comes back detached, with the gradients already
         computed; the strategy's ``backward`` then does nothing. Every pipeline rank gets the same value.
@@ -406,7 +408,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
         mean over its own tokens, weighed like a data-parallel rank's.
         """
-        if self._runner is not None and len(inputs) != 1:  # the first stage would take it for the labels
+        if self._runner is not None and isinstance(inputs, Mapping) and set(inputs) == {"input_ids"}:
+            inputs = (inputs["input_ids"],)  # the schedule hands its stages positional token ids
+        if self._runner is not None and (isinstance(inputs, Mapping) or len(inputs) != 1):
+            # a second positional input would reach the first stage as the labels
             raise ValueError(
                 f"model_loss under pp > 1 takes one input, the token ids; got {len(inputs)}. Packed documents "
                 "(position_ids) do not travel between pipeline stages yet: train packed batches with pp=1"
@@ -444,7 +449,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             assert self.lightning_module is not None
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
             return self._runner.train_step(
-                inputs,
+                _positional(inputs),
                 target,
                 loss_fn,
                 accumulate=accumulate,
@@ -452,7 +457,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
                 grad_factor=grad_factor,
                 fused_ignore_index=fused_index,
             )
-        loss = self._runner.eval_step(inputs, target, loss_fn, fused_ignore_index=fused_index)
+        loss = self._runner.eval_step(_positional(inputs), target, loss_fn, fused_ignore_index=fused_index)
         return step_loss.weighed(loss, loss_fn, target, item_scale)
 
     def _context_split(self) -> LoadBalancedSplit | None:
@@ -619,3 +624,10 @@ def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
         f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__}; pass "
         "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true') instead of a plugin"
     )
+
+
+def _positional(inputs: ModelInputs) -> tuple[torch.Tensor, ...]:
+    """The pipeline's inputs, a tuple (``model_loss`` has turned a dict of token ids alone into one)."""
+    if isinstance(inputs, Mapping):
+        raise TypeError(f"the pipeline schedule takes positional inputs, got the keywords {sorted(inputs)}")
+    return inputs

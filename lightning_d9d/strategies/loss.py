@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from lightning_d9d.compat import trainer_of
+from lightning_d9d.modules.inputs import ModelInputs, call_model
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.strategies.d9d import D9DStrategy
 
@@ -19,14 +20,14 @@ class ComputesModelLoss(Protocol):
     """A strategy that computes a forward's loss on its mesh itself (the d9d strategies)."""
 
     def model_loss(
-        self, model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, loss_fn: LossFn
+        self, model: nn.Module, inputs: ModelInputs, target: torch.Tensor, loss_fn: LossFn
     ) -> torch.Tensor: ...
 
 
 def model_loss(
     module: L.LightningModule | L.Fabric,
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: ModelInputs,
     target: torch.Tensor,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:
@@ -39,6 +40,11 @@ def model_loss(
     weigh the same. Works with any strategy, and outside a Trainer (then it is just ``loss_fn(model(*inputs),
     target)``).
 
+    ``inputs`` is a tuple (``model(*inputs)``) or a dict of keyword arguments (``model(**inputs)``). A
+    ``transformers`` model takes more than its token ids only as a dict (``{"input_ids": ids, "position_ids":
+    positions}`` for packed rows): its forward's second parameter is ``attention_mask``, so a longer tuple is
+    refused (:func:`~lightning_d9d.modules.inputs.call_model`).
+
     In a Fabric loop pass the ``Fabric`` as ``module``: under ``Fabric(strategy="d9d")`` the loss is computed as
     the Trainer's (cp split, token-weighted ranks, vocabulary-parallel or fused cross-entropy), see
     :meth:`~lightning_d9d.fabric.D9DFabricStrategy.model_loss`.
@@ -46,8 +52,8 @@ def model_loss(
     if isinstance(module, L.Fabric):
         if isinstance(module.strategy, ComputesModelLoss):  # D9DFabricStrategy (a layer above this one)
             return module.strategy.model_loss(model, inputs, target, loss_fn)
-        return loss_fn(model(*inputs), target)
+        return loss_fn(call_model(model, inputs), target)
     trainer = trainer_of(module)
     if trainer is not None and isinstance(trainer.strategy, D9DStrategy):
         return trainer.strategy.model_loss(model, inputs, target, loss_fn)
-    return loss_fn(model(*inputs), target)
+    return loss_fn(call_model(model, inputs), target)

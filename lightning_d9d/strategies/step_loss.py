@@ -17,6 +17,7 @@ from torch import nn
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_causal_lm_loss
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
+from lightning_d9d.modules.inputs import ModelInputs, call_model, check_inputs
 from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import local_loss, maybe_loss_parallel
@@ -70,19 +71,20 @@ def weighed(
 
 def forward_loss(
     model: nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: ModelInputs,
     target: torch.Tensor,
     loss_fn: LossFn,
     *,
     tensor_parallel: bool,
     scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    """``loss_fn(model(*inputs), target)`` weighed by ``scale``: the head fused with the loss where the model
-    offers it, else under ``loss_parallel`` when tp shards the logits."""
+    """``loss_fn(model(*inputs), target)`` (``model(**inputs)`` for a dict) weighed by ``scale``: the head fused
+    with the loss where the model offers it, else under ``loss_parallel`` when tp shards the logits."""
+    check_inputs(model, inputs)  # before the fused path binds them to the forward's parameters
     fused = fused_causal_lm_loss(model, inputs, target, loss_fn, tensor_parallel=tensor_parallel)
     if fused is not None:  # the same loss without [tokens, vocab] logits
         return weighed(fused, loss_fn, target, scale)
-    output = model(*inputs)
+    output = call_model(model, inputs)
     with maybe_loss_parallel(tensor_parallel):
         loss = local_loss(loss_fn(output, target))
     return weighed(loss, loss_fn, target, scale)

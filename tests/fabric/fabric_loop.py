@@ -6,7 +6,9 @@ configs with the same ``devices`` are forked from this process (``trainer_script
 environment, and run the configs one after the other. Rank 0 writes ``{"losses", "grad_norms", "params"}`` to
 ``config["out"]``.
 
-A config: ``devices``, ``dims`` (the strategy's degrees), ``model`` ("qwen3", "moe" or "litgpt"), ``pad`` (labels
+A config: ``devices``, ``dims`` (the strategy's degrees), ``model`` ("qwen3", "moe", "litgpt", or the
+``transformers`` "hf_qwen3" / "hf_qwen3_moe"), ``packed`` (rows of several documents), ``fused`` (the head fused
+with the loss, off on CPU by default), ``pad`` (labels
 partly ignored: ranks hold different numbers of tokens), ``clip`` (max norm; default a bound that never bites,
 so that the norm is recorded and the gradient scale seen), ``meta_init`` (built under
 ``fabric.init_module(empty_init=True)``), ``setup`` ("joint": ``fabric.setup(model, optimizer)``; "module_first":
@@ -74,21 +76,27 @@ def build_model(config: dict) -> nn.Module:
                 rotary_percentage=1.0,
             )
         )
-    if kind == "hf_qwen3":  # a transformers model handed to fabric.setup whole: the adapter's plans
+    if kind in ("hf_qwen3", "hf_qwen3_moe"):  # a transformers model handed to fabric.setup whole: the adapter
         import transformers
 
-        config = transformers.Qwen3Config(
-            vocab_size=VOCAB,
-            hidden_size=64,
-            intermediate_size=128,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            max_position_embeddings=64,
-            tie_word_embeddings=False,
-        )
-        return transformers.Qwen3ForCausalLM(config).train()
+        fields: dict[str, Any] = {
+            "vocab_size": VOCAB,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "max_position_embeddings": 64,
+            "tie_word_embeddings": False,
+            # the reference runs the model as it is: with its default KV cache transformers skips the
+            # packed-sequence check and documents would attend each other (the adapter turns it off itself)
+            "use_cache": False,
+        }
+        if kind == "hf_qwen3":
+            return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**fields)).train()
+        moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields, **moe)).train()
     raise ValueError(f"unknown model {kind!r}")
 
 
@@ -103,7 +111,9 @@ class LogitsLoss:
 
 
 def loss_for(config: dict) -> Any:
-    return LogitsLoss() if config.get("model") == "hf_qwen3" else causal_lm_loss
+    # causal_lm_loss itself reads a transformers output's logits; "fused" needs it (the head fused with the loss)
+    hf = str(config.get("model", "")).startswith("hf_")
+    return LogitsLoss() if hf and not config.get("fused") else causal_lm_loss
 
 
 def corpus(config: dict) -> Dataset:
@@ -152,11 +162,18 @@ def scheduler_for(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.
     return torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
 
 
-def model_inputs(batch: dict) -> tuple[torch.Tensor, ...]:
-    """The ids, and for packed rows the positions that restart per document."""
+def model_inputs(batch: dict, config: dict) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """The ids, and for packed rows the positions that restart per document: by keyword for a transformers
+    model (its forward's second parameter is attention_mask)."""
+    if "position_ids" in batch and str(config.get("model", "")).startswith("hf_"):
+        return {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
     if "position_ids" in batch:
         return batch["input_ids"], batch["position_ids"]
     return (batch["input_ids"],)
+
+
+def call(model: nn.Module, inputs: tuple[torch.Tensor, ...] | dict[str, torch.Tensor]) -> Any:
+    return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
 # ------------------------------------------------------------------------------------------ the Fabric loop
@@ -171,6 +188,8 @@ def fabric_run(config: dict) -> None:
     fabric.seed_everything(config["seed"], verbose=False)
     with fabric.init_module(empty_init=bool(config.get("meta_init"))):
         model = build_model(config)
+    if config.get("fused"):  # the fused head + loss, which CPU leaves off by default
+        model.fuse_head_loss = True
     if config.get("setup", "joint") == "joint":
         model, optimizer = fabric.setup(model, optimizer_for(model, config))
     else:
@@ -191,7 +210,7 @@ def fabric_run(config: dict) -> None:
         for index, batch in enumerate(loader):
             if index < step % len(loader):  # a resumed run picks up inside the epoch
                 continue
-            loss = model_loss(fabric, model, model_inputs(batch), batch["labels"], loss_fn)
+            loss = model_loss(fabric, model, model_inputs(batch, config), batch["labels"], loss_fn)
             fabric.backward(loss)
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))  # before clipping
             optimizer.step()
@@ -240,14 +259,14 @@ def reference_run(config: dict, dp: int, device: str = "cpu") -> dict:
     while step < config["steps"]:
         sampler.set_epoch(epoch)
         for batch in DataLoader(train, batch_size=config["global_batch"], sampler=sampler):
-            inputs = tuple(tensor.to(device) for tensor in model_inputs(batch))
+            inputs = model_inputs({key: value.to(device) for key, value in batch.items()}, config)
             labels = batch["labels"].to(device)
             if moe:  # rank r's batch is rows r, r + dp, ... of the global batch
                 counts = torch.stack([(labels[r::dp] != -100).sum() for r in range(dp)])
                 parts = [causal_lm_loss(model(*(t[r::dp] for t in inputs)), labels[r::dp]) for r in range(dp)]
                 loss = (torch.stack(parts) * counts).sum() / counts.sum()  # the token mean over the ranks
             else:
-                loss = loss_for(config)(model(*inputs), labels)
+                loss = loss_for(config)(call(model, inputs), labels)
             loss.backward()
             norms.append(
                 float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.get("clip", NEVER_CLIPS)))

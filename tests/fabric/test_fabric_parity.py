@@ -1,7 +1,8 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
-Qwen3 under tp, packed rows of several documents (FSDP, tp, ep), norm clipping that bites,
+Qwen3 under tp, packed rows of several documents (FSDP, tp, ep; on transformers' Qwen3 under FSDP with the fused
+head + loss and under tp and cp, on its Qwen3-MoE under ep and on one process), norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -41,18 +42,33 @@ CASES: dict[str, dict] = {
     "fsdp2_packed": {"devices": 2, "dims": {"dp_shard": 2}, "packed": True},
     "tp2_packed": {"devices": 2, "dims": {"tp": 2}, "packed": True},
     "ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "moe", "packed": True},
+    # packed rows on transformers models (positions by keyword): their own per-document masks under the adapter
+    "hf_fsdp2_packed": {
+        "devices": 2,
+        "dims": {"dp_shard": 2},
+        "model": "hf_qwen3",
+        "packed": True,
+        "fused": True,
+    },
+    "hf_tp2_packed": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3", "packed": True},
+    "hf_ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "hf_qwen3_moe", "packed": True},
+    "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True, "fused": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
     "ep2_fsdp4_moe": {"devices": 4, "dims": {"ep": 2}, "model": "moe"},
     "resume_fsdp4": {"devices": 4, "dims": {"dp_shard": 4}, "resume_from": "fsdp2"},
     "one": {"devices": 1, "dims": {}},
+    # packed rows on one process through the whole adapter (transformers' Qwen3-MoE, fused head + loss)
+    "hf_one_packed_moe": {"devices": 1, "dims": {}, "model": "hf_qwen3_moe", "packed": True, "fused": True},
     "resume_one": {"devices": 1, "dims": {}, "resume_from": "fsdp2"},
 }
 DATA_RANKS = {
     "tp2": 1,
     "cp2": 1,
     "hf_tp2": 1,
+    "hf_tp2_packed": 1,
+    "hf_cp2_packed": 1,
     "resume_tp2": 1,
     "tp2_fsdp2_padded": 2,
     "ep2_moe": 2,

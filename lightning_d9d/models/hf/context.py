@@ -15,6 +15,11 @@ the model runs on the local tokens unchanged, except for three things :func:`par
 - positions: a forward pre-hook on the base model (the decoder) gives it ``position_ids`` of this rank's chunks by
   global position when the caller passes none (RoPE, ``rotary_emb(x, position_ids)``, then rotates by the global position).
 
+Packed rows: ``position_ids`` of the caller's (restarting at 0 per document; the strategy cuts them like the ids)
+stay the RoPE positions, and the same pre-hook gathers them over cp once per forward into each rank's documents'
+mask (``[B, 1, T / cp, T]``, 4-D, which ``transformers`` hands on unchanged); the all-gather path only (the
+ring kernels are refused, by name, before any collective).
+
 A 2-D ``attention_mask`` (``[B, T / cp]``, padding: 1 keep, 0 pad; the strategy cuts it like the inputs) is
 all-gathered over cp by the same pre-hook into the whole sequence's key mask, handed on as ``[B, 1, 1, T]``
 (``transformers`` passes a 4-D mask through unchanged) and combined with the causal mask; a padded query that
@@ -111,7 +116,10 @@ def parallelize_hf_context(
     # and so does the fused head + loss (models/hf/loss.py), which runs the base model without the head.
     base = getattr(model, "base_model", None)
     base = base if isinstance(base, nn.Module) else model
-    base.register_forward_pre_hook(_GlobalPositions(base, split, cp_mesh.get_group()), with_kwargs=True)
+    hook = _GlobalPositions(
+        base, split, cp_mesh.get_group(), all_gather=isinstance(attend, AllGatherAttention)
+    )
+    base.register_forward_pre_hook(hook, with_kwargs=True)
     return split
 
 
@@ -155,7 +163,7 @@ def context_attention_forward(
     if attention_mask is None:
         out = attend(query, key, value)
     elif isinstance(attend, AllGatherAttention):
-        out = _padded_attention(attend, query, key, value, attention_mask)
+        out = _masked_attention(attend, query, key, value, attention_mask)
     else:
         raise NotImplementedError(
             f"an attention_mask under {attend!r}: torch's ring kernels know only the causal mask; pass no "
@@ -164,13 +172,20 @@ def context_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _padded_attention(
+def _masked_attention(
     attend: AllGatherAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """All-gather attention with the global causal mask and the key padding mask ``keys`` (``[B, 1, 1, T]``)."""
+    """All-gather attention with the global causal mask and ``keys``: the key padding mask (``[B, 1, 1, T]``) or
+    the packed documents' mask of this rank's queries (``[B, 1, T / cp, T]``), both from :class:`_GlobalPositions`.
+    A query always sees itself: a padded one would otherwise see nothing (its output reaches no counted label)."""
     local_len = q.shape[2]
     seq_len = local_len * attend.split.cp
-    if keys.dim() != 4 or keys.shape[1:3] != (1, 1) or keys.shape[-1] != seq_len:
+    if (
+        keys.dim() != 4
+        or keys.shape[1] != 1
+        or keys.shape[2] not in (1, local_len)
+        or keys.shape[-1] != seq_len
+    ):
         raise NotImplementedError(
             f"context-parallel attention takes a 2-D padding attention_mask ([batch, sequence]), not a prepared "
             f"{keys.dim()}-D mask {tuple(keys.shape)}"
@@ -186,11 +201,17 @@ def _padded_attention(
 
 class _GlobalPositions:
     """The model's forward pre-hook: ``position_ids`` of this rank's chunks (global positions) when the caller
-    passes none, and a 2-D padding ``attention_mask`` gathered over cp into the whole sequence's key mask."""
+    passes none, and a 2-D padding ``attention_mask`` gathered over cp into the whole sequence's key mask.
 
-    def __init__(self, model: nn.Module, split: LoadBalancedSplit, group: dist.ProcessGroup) -> None:
+    ``position_ids`` of the caller's (packed rows: restarting at 0 per document, cut by the strategy like the
+    ids) stay this rank's RoPE positions and give the attention the documents' mask (:meth:`document_mask`)."""
+
+    def __init__(
+        self, model: nn.Module, split: LoadBalancedSplit, group: dist.ProcessGroup, *, all_gather: bool
+    ) -> None:
         self.split = split
         self.group = group
+        self.all_gather = all_gather
         names = [
             p.name
             for p in inspect.signature(model.forward).parameters.values()
@@ -222,13 +243,51 @@ class _GlobalPositions:
             raise ValueError(
                 f"{type(module).__name__} under cp: pass input_ids ([batch, sequence / cp]) or inputs_embeds"
             )
-        if self._get("position_ids", args, kwargs) is None:
+        given = self._get("position_ids", args, kwargs)
+        mask = self._get("attention_mask", args, kwargs)
+        if given is None:
             positions = self.split.local_positions(tokens.shape[1], device=tokens.device).unsqueeze(0)
             args, kwargs = self._set("position_ids", positions, args, kwargs)
-        mask = self._get("attention_mask", args, kwargs)
+        elif mask is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} under cp={self.split.cp}: position_ids together with an attention_mask; "
+                "pass one: position_ids restarting per document (packed rows), or a 2-D padding mask"
+            )
+        elif not self.all_gather:  # before any collective: every cp rank refuses alike
+            raise NotImplementedError(
+                f"{type(module).__name__} under cp={self.split.cp}: position_ids of the caller's (packed rows) with "
+                "torch's ring kernels, which know only the causal mask; use "
+                "D9DStrategy(context_attention='all_gather'), or pass no position_ids"
+            )
+        else:  # one gather per forward; every layer's attention takes the same mask
+            args, kwargs = self._set(
+                "attention_mask", self.document_mask(given, tokens.shape[0]), args, kwargs
+            )
+            return args, kwargs
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             args, kwargs = self._set("attention_mask", self.gather_keys(mask), args, kwargs)
         return args, kwargs
+
+    def document_mask(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        """``[B, 1, T / cp, T]``: this rank's query ``i`` may see key ``j`` iff ``j <= i`` and both are in one
+        document, by global index. For positions restarting at 0 per document, ``i - position[i]`` is the index
+        where ``i``'s document starts, so for ``j <= i``: one document iff ``i - position[i] == j - position[j]``
+        (without a host sync; positions of one document counting on from 0, a plain ``arange`` included, make
+        this the causal mask). Every rank's positions are gathered once per forward."""
+        local = positions.to(torch.int64).expand(batch, -1).contiguous()  # [B, T / cp]
+        local_len = local.shape[1]
+        parts = local.new_empty((self.split.cp * batch, local_len))
+        dist.all_gather_into_tensor(parts, local, group=self.group)
+        whole = torch.cat(parts.view(self.split.cp, batch, local_len).unbind(0), dim=1)
+        seq_len = whole.shape[1]
+        whole = whole.index_select(1, self.split.gather_order(seq_len, device=whole.device))
+        key_index = torch.arange(seq_len, device=whole.device)
+        query_index = self.split.local_positions(local_len, device=whole.device)
+        key_start = key_index[None, :] - whole  # [B, T]
+        query_start = query_index[None, :] - local  # [B, T / cp]
+        same = query_start[:, :, None] == key_start[:, None, :]
+        causal = query_index[:, None] >= key_index[None, :]
+        return (same & causal)[:, None]
 
     def gather_keys(self, mask: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, T / cp]`` padding mask -> the whole sequence's ``[B, 1, 1, T]`` (bool, in order)."""

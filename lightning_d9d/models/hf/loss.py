@@ -38,7 +38,7 @@ import inspect
 import textwrap
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -82,9 +82,9 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     return head
 
 
-def decoder_inputs(model: nn.Module, inputs: Sequence[Any]) -> dict[str, Any] | None:
-    """The keyword arguments that hand the base model what ``model(*inputs)`` hands it, when ``model``'s head
-    can be fused (:func:`plain_head`); else ``None``."""
+def decoder_inputs(model: nn.Module, inputs: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any] | None:
+    """The keyword arguments that hand the base model what ``model(*inputs)`` (``model(**inputs)`` for a dict)
+    hands it, when ``model``'s head can be fused (:func:`plain_head`); else ``None``."""
     if plain_head(model) is None:
         return None
     model_class: Any = type(model)
@@ -92,7 +92,9 @@ def decoder_inputs(model: nn.Module, inputs: Sequence[Any]) -> dict[str, Any] | 
     if signature is None:
         return None
     try:
-        bound = signature.bind(model, *inputs)
+        bound = (
+            signature.bind(model, **inputs) if isinstance(inputs, Mapping) else signature.bind(model, *inputs)
+        )
     except TypeError:
         return None
     first = next(iter(signature.parameters))  # self

@@ -132,13 +132,21 @@ def train_without_cache(model: nn.Module) -> None:
     activation checkpointing recomputes the layer, so the recompute attends over twice the positions (selective
     recompute fails: "aten.slice.Tensor invocation index 4 encountered during backward but not found in
     storage"). ``transformers`` itself turns the cache off only under its own gradient checkpointing.
+
+    Out of training too (validation) when ``position_ids`` come without a cache of the caller's: with a cache,
+    ``transformers`` skips its packed-sequence check (``masking_utils``), so packed rows would attend across their
+    documents. Generation hands its own cache (``past_key_values`` / ``cache``) and keeps it.
     """
     parameters = inspect.signature(model.forward).parameters
     if "use_cache" not in parameters:
         return
 
     def no_cache(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
-        if module.training and "use_cache" not in kwargs:
+        # "cache" is transformers' newer name for past_key_values (5.x)
+        packed = kwargs.get("position_ids") is not None and all(
+            kwargs.get(name) is None for name in ("past_key_values", "cache")
+        )
+        if (module.training or packed) and "use_cache" not in kwargs:
             kwargs = {**kwargs, "use_cache": False}
         return args, kwargs
 
