@@ -1,7 +1,7 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
-Qwen3 under tp, packed rows of several documents (FSDP, tp, ep), norm clipping that bites,
+Qwen3 under tp, packed rows of several documents (FSDP, tp, ep, cp, ep x cp), norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -41,6 +41,9 @@ CASES: dict[str, dict] = {
     "fsdp2_packed": {"devices": 2, "dims": {"dp_shard": 2}, "packed": True},
     "tp2_packed": {"devices": 2, "dims": {"tp": 2}, "packed": True},
     "ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "moe", "packed": True},
+    # under cp each rank's queries attend every rank's keys of their own document: rows of 16, chunks of 4
+    "cp2_packed": {"devices": 2, "dims": {"cp": 2}, "packed": True},
+    "cp2_ep2_moe_packed": {"devices": 2, "dims": {"cp": 2, "ep": 2}, "model": "moe", "packed": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
@@ -52,6 +55,8 @@ CASES: dict[str, dict] = {
 DATA_RANKS = {
     "tp2": 1,
     "cp2": 1,
+    "cp2_packed": 1,
+    "cp2_ep2_moe_packed": 1,
     "hf_tp2": 1,
     "resume_tp2": 1,
     "tp2_fsdp2_padded": 2,
