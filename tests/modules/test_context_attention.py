@@ -14,7 +14,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
 
-from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit, gather_positions
+from lightning_d9d.modules.context_attention import (
+    AllGatherAttention,
+    LoadBalancedSplit,
+    TorchRingAttention,
+    gather_positions,
+)
 from lightning_d9d.modules.documents import document_causal_mask, document_ids
 
 TOLERANCE = 1e-5
@@ -137,6 +142,22 @@ def test_context_attention_picks_all_gather_off_cuda_and_names_what_it_refuses()
         errors = chosen["errors"]
         assert "needs a CUDA mesh" in errors["torch_ring"] and "'cpu' mesh" in errors["torch_ring"]
         assert "context_attention='ring_of_fire'" in errors["ring_of_fire"]
+
+
+def test_torch_ring_attention_hands_packed_batches_to_its_fallback_or_refuses_them() -> None:
+    # torch's ring path cannot be built off CUDA (its constructor refuses a CPU mesh and switches torch's SDPA
+    # dispatcher on): its dispatch of a packed batch is checked on a bare instance; tests/gpu builds a real one
+    ring = TorchRingAttention.__new__(TorchRingAttention)
+    ring.split = LoadBalancedSplit(2, 0)
+    calls = []
+    ring.packed = lambda q, k, v, mask: calls.append(mask) or q  # type: ignore[assignment,func-returns-value]
+    q, mask = torch.zeros(1, 2, 4, 8), torch.ones(1, 1, 4, 8, dtype=torch.bool)
+    assert ring(q, q, q, mask) is q and calls == [mask]
+    ring.packed = None  # "torch_ring" by name: no fallback
+    with pytest.raises(
+        ValueError, match=r"under context_attention='torch_ring'.*use context_attention='auto'"
+    ):
+        ring(q, q, q, mask)
 
 
 def test_the_strategy_refuses_an_unknown_context_attention_when_built() -> None:
