@@ -1,7 +1,7 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
-Qwen3 under tp, packed rows of several documents (FSDP, tp, ep, cp, ep x cp), norm clipping that bites,
+Qwen3 under tp, packed rows of several documents (FSDP, tp, ep, cp, ep x cp, tp x cp), norm clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -48,6 +48,8 @@ CASES: dict[str, dict] = {
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
     "ep2_fsdp4_moe": {"devices": 4, "dims": {"ep": 2}, "model": "moe"},
+    # cp x tp: this cp rank's queries' document mask handed to tp's sharded heads
+    "tp2_cp2_packed": {"devices": 4, "dims": {"tp": 2, "cp": 2}, "packed": True},
     "resume_fsdp4": {"devices": 4, "dims": {"dp_shard": 4}, "resume_from": "fsdp2"},
     "one": {"devices": 1, "dims": {}},
     "resume_one": {"devices": 1, "dims": {}, "resume_from": "fsdp2"},
@@ -57,6 +59,7 @@ DATA_RANKS = {
     "cp2": 1,
     "cp2_packed": 1,
     "cp2_ep2_moe_packed": 1,
+    "tp2_cp2_packed": 1,
     "hf_tp2": 1,
     "resume_tp2": 1,
     "tp2_fsdp2_padded": 2,
