@@ -101,7 +101,14 @@ def reference(name: str) -> dict:
     moe_dp = dp if case.get("model") == "moe" else 0
     key = repr((case.get("model"), case.get("pad"), case.get("packed"), case.get("clip"), moe_dp))
     if key not in _references:
-        _references[key] = reference_run(case, dp)
+        # one intra-op thread, as the ranks have: the tiny MoE's many small ops ran 25-100x slower on two threads
+        # of a busy 2-core box (OpenMP's waiting threads; ep2_moe_packed's reference 24 s against 0.1 s)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _references[key] = reference_run(case, dp)
+        finally:
+            torch.set_num_threads(threads)
     return _references[key]
 
 
