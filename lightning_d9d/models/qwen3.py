@@ -337,9 +337,7 @@ def run_decoder(
     else:
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
     document_mask = None
-    if (
-        position_ids is not None
-    ):  # a packed batch: positions restart per document, attention stays inside each
+    if position_ids is not None:  # packed rows: attention stays inside each document
         document_mask = packed_document_mask(position_ids, context_split, context_group, seq_len)
     elif context_split is not None:
         position_ids = context_split.local_positions(seq_len, device=inputs.device)

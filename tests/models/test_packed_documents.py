@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_d9d.data import Document, pack_documents
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import parallelize_context, split_batch
 from lightning_d9d.strategies import D9DStrategy
@@ -181,6 +182,16 @@ def test_packed_rows_under_context_parallelism_are_the_whole_model(kind: str) ->
         assert outside <= (0.0 if kind == "qwen3" else 1e-6), f"rank {rank}: moved by {outside:.3g}"
         for name, difference in differences.items():
             assert difference <= 1e-5, f"rank {rank}: {name} differs by {difference:.3g}"
+
+
+def test_a_split_without_the_cp_group_names_parallelize_context() -> None:
+    model = build("qwen3")
+    model.model.context_split = LoadBalancedSplit(2, 0)  # set by hand: parallelize_context sets the group too
+    batch = packed_batch(documents(model.config.vocab_size))
+    with pytest.raises(
+        ValueError, match=r"context_group is None\): parallelize the model with parallelize_context"
+    ):
+        model(batch["input_ids"][:, :12], batch["position_ids"][:, :12])
 
 
 def test_packed_rows_under_a_pipeline_are_refused_naming_pp() -> None:
