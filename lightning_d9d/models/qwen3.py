@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
@@ -38,7 +39,8 @@ from lightning_d9d.modules import (
 )
 from lightning_d9d.modules.attention import DocumentMask, document_attention_mask
 from lightning_d9d.modules.autocast import to_autocast_dtype
-from lightning_d9d.modules.context_attention import LoadBalancedSplit
+from lightning_d9d.modules.context_attention import LoadBalancedSplit, gather_positions
+from lightning_d9d.modules.documents import document_causal_mask, document_ids
 from lightning_d9d.modules.init import Fill
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans import (
@@ -285,8 +287,10 @@ class Qwen3Model(nn.Module):
         # holds T / sequence_shards positions per rank, RoPE needs all T.
         self.sequence_shards = 1
         # Under context parallelism (set by parallelize_context): which positions of each sequence this rank
-        # holds, so that RoPE rotates each token by its global position.
+        # holds, so that RoPE rotates each token by its global position; the cp group, over which a packed
+        # batch's positions are gathered for its document mask.
         self.context_split: LoadBalancedSplit | None = None
+        self.context_group: dist.ProcessGroup | None = None
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return run_decoder(
@@ -298,6 +302,7 @@ class Qwen3Model(nn.Module):
             position_ids,
             sequence_shards=self.sequence_shards,
             context_split=self.context_split,
+            context_group=self.context_group,
         )
 
 
@@ -311,6 +316,7 @@ def run_decoder(
     *,
     sequence_shards: int = 1,
     context_split: LoadBalancedSplit | None = None,
+    context_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm).
 
@@ -318,6 +324,11 @@ def run_decoder(
     rank's ``T / sequence_shards`` positions; the RoPE tables cover the whole sequence either way (attention
     gathers it). Under context parallelism (``context_split``) the rank holds its ``T / cp`` positions of each
     sequence and, unless ``position_ids`` are given, RoPE rotates them by their global positions.
+
+    ``position_ids`` (a packed batch: restarting at 0 per document) make attention stay inside each document,
+    through the mask built here once per forward and handed to every layer. Under cp they are this rank's part
+    (``split_batch`` cut them with the ids): RoPE rotates by them as they are, and the mask of this rank's
+    queries against every key comes from the whole rows' positions, all-gathered over ``context_group``.
     """
     if embed_tokens is not None:
         seq_len = inputs.shape[1]
@@ -327,21 +338,37 @@ def run_decoder(
     else:
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
     document_mask = None
-    if (
-        position_ids is not None
-    ):  # a packed batch: positions restart per document, attention stays inside each
-        if context_split is not None:
-            raise ValueError(
-                "position_ids under context parallelism: packed documents are not supported with cp > 1 yet "
-                "(cp computes each rank's global positions itself); train packed batches with cp=1"
-            )
-        document_mask = document_attention_mask(position_ids)  # once per forward, every layer's
+    if position_ids is not None:  # packed rows: attention stays inside each document
+        document_mask = packed_document_mask(position_ids, context_split, context_group, seq_len)
     elif context_split is not None:
         position_ids = context_split.local_positions(seq_len, device=inputs.device)
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)
     for layer in layers.values():
         x = layer(x, cos, sin) if document_mask is None else layer(x, cos, sin, document_mask=document_mask)
     return norm(x) if norm is not None else x
+
+
+def packed_document_mask(
+    position_ids: torch.Tensor,
+    context_split: LoadBalancedSplit | None,
+    context_group: dist.ProcessGroup | None,
+    seq_len: int,
+) -> DocumentMask:
+    """A packed batch's document mask, once per forward: FlexAttention's block mask or the dense ``[B, 1, T, T]``
+    one (:func:`~lightning_d9d.modules.attention.document_attention_mask`); under cp the dense rows of this rank's
+    ``T / cp`` queries (``seq_len`` of them) against all ``T`` keys: the rows of the whole batch's mask that one
+    process builds, so the documents are those one process sees (numbered over the whole row, gathered
+    positions)."""
+    if context_split is None:
+        return document_attention_mask(position_ids)
+    if context_group is None:
+        raise ValueError(
+            "packed position_ids under context parallelism need the cp group to gather every rank's positions "
+            "(context_group is None): parallelize the model with parallelize_context, which sets it"
+        )
+    whole = gather_positions(position_ids, context_split, context_group)  # [B, T]: a few bytes per token
+    queries = context_split.local_positions(seq_len, device=position_ids.device)
+    return document_causal_mask(document_ids(whole), queries)
 
 
 class DecoderParts(Protocol):
@@ -473,6 +500,7 @@ class DecoderStage(CausalLMStage):
         self._config = model.config
         self.sequence_shards = 1  # as the model's: hidden states between stages hold T / tp positions
         self.context_split: LoadBalancedSplit | None = None  # as the model's: set by parallelize_context
+        self.context_group: dist.ProcessGroup | None = None
 
     def forward(
         self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
@@ -487,6 +515,7 @@ class DecoderStage(CausalLMStage):
             inputs,
             sequence_shards=self.sequence_shards,
             context_split=self.context_split,
+            context_group=self.context_group,
         )
         return self.head(hidden, labels, ignore_index)
 

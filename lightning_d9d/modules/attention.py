@@ -21,6 +21,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,15 @@ def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
 ENV_VAR = "LIGHTNING_D9D_ATTENTION"
 log = logging.getLogger("lightning_d9d.modules")
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class ContextAttentionFn(Protocol):
+    """What :attr:`Attention.context` holds: ``(q, k, v)`` or ``(q, k, v, document_mask)`` -> out (the
+    context-parallel paths of :mod:`~lightning_d9d.modules.context_attention`, which imports this module)."""
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -290,15 +300,17 @@ class Attention(nn.Module):
         # A registered backend's name, or None for $LIGHTNING_D9D_ATTENTION / automatic selection.
         self.attention_backend: str | None = None
         # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values
-        # (``AllGatherAttention``); None attends within the local sequence.
-        self.context: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # (``context_attention.ContextAttention``, which also takes a packed batch's document mask); None attends
+        # within the local sequence.
+        self.context: ContextAttentionFn | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: DocumentMask | None = None
     ) -> torch.Tensor:
         """``x``: ``[B, T, hidden]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``. Returns ``[B, T, hidden]``.
         ``document_mask``: a packed batch's mask (:func:`document_attention_mask`): each token attends only the
-        earlier tokens of its own document."""
+        earlier tokens of its own document. Under context parallelism ``T`` is this rank's part and the mask the
+        dense ``[B, 1, T, T * cp]``: its queries' rows of the one-process mask."""
         b, t, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank holds only some heads.
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
@@ -308,15 +320,20 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
+        if self.context is not None:
+            if isinstance(document_mask, BlockMask):  # run_decoder builds the dense rows under cp
+                raise TypeError("context-parallel attention takes the dense document mask, not a BlockMask")
+            # keyword only when given: a path registered elsewhere may take (q, k, v) alone
+            out = self.context(q, k, v) if document_mask is None else self.context(q, k, v, document_mask)
+            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
         if document_mask is not None:
-            if self.context is not None or self.repeat_kv_heads:
+            if self.repeat_kv_heads:
                 raise ValueError(
-                    "packed documents (position_ids that restart per document) under context parallelism are "
-                    "not supported yet: train packed batches with cp=1"
+                    "packed documents (position_ids that restart per document) with repeat_kv_heads=True (torch's "
+                    "context-parallel SDPA, which takes no mask): use lightning_d9d's context parallelism "
+                    "(parallelize_context), which takes the document mask, or cp=1"
                 )
             return self.o_proj(document_attention(q, k, v, document_mask).transpose(1, 2).reshape(b, t, -1))
-        if self.context is not None:
-            return self.o_proj(self.context(q, k, v).transpose(1, 2).reshape(b, t, -1))
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and self.repeat_kv_heads:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)

@@ -7,19 +7,25 @@ a causal mask early chunks attend to few keys and late chunks to many, so pairin
 :class:`AllGatherAttention` attends this rank's queries to the keys and values of the whole sequence: it
 all-gathers K and V over the cp group (the backward reduce-scatters their gradients: each rank's keys serve
 every rank's queries), puts them back in sequence order and runs ``scaled_dot_product_attention`` with an
-explicit causal mask from the global positions of this rank's queries. Memory for K/V grows with the whole
-sequence, which is fine for the moderate cp degrees this path is for.
+explicit causal mask from the global positions of this rank's queries, or with a packed batch's document mask
+(this rank's queries against every key, ``[B, 1, T / cp, T]``, built once per forward by the model from the
+positions :func:`gather_positions` collects). Memory for K/V grows with the whole sequence, which is fine for
+the moderate cp degrees this path is for.
 
 :class:`TorchRingAttention` is torch's own context-parallel attention (the DTensor SDPA dispatcher of
 ``torch.distributed.tensor.experimental``): flash / memory-efficient / cuDNN kernels per K/V block, merged by their
-log-sum-exp, with the same head-and-tail layout. It has CUDA kernels only. :func:`context_attention` picks one
-(``"auto"``: torch's on CUDA meshes, all-gather elsewhere) and logs the choice once.
+log-sum-exp, with the same head-and-tail layout. It has CUDA kernels only and takes no mask: chosen by ``"auto"``
+it hands packed batches to the all-gather path (logged once); asked for by name it refuses them.
+:func:`context_attention` picks one (``"auto"``: torch's on CUDA meshes, all-gather elsewhere) and logs the
+choice once.
+
+:func:`context_attention_work` counts the (query, key) pairs each rank's queries attend in a packed batch: how
+evenly the head-and-tail split shares the work of a kernel that skips masked pairs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +35,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_d9d.compat import import_private
-from lightning_d9d.modules.attention import repeat_kv
+from lightning_d9d.modules.attention import ContextAttentionFn, repeat_kv
+from lightning_d9d.modules.documents import attended_keys
 
 log = logging.getLogger("lightning_d9d.modules")
 
@@ -96,6 +103,41 @@ class LoadBalancedSplit:
         return torch.argsort(held)
 
 
+def gather_positions(local: torch.Tensor, split: LoadBalancedSplit, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's ``[B, T / cp]`` part of a ``[B, T]`` integer tensor (a packed batch's ``position_ids``) ->
+    the whole ``[B, T]``, in sequence order, on every rank of the cp ``group`` (no autograd: ids, not activations).
+
+    A packed row's document mask needs every key's document, and keys come from every rank; the positions are
+    a few bytes per token, so the model gathers them once per forward instead of a mask per layer."""
+    if dist.get_world_size(group) != split.cp:
+        raise ValueError(
+            f"gather_positions: the cp group has {dist.get_world_size(group)} ranks, the split {split.cp}"
+        )
+    local = local.contiguous()
+    parts = local.new_empty((split.cp * local.shape[0], *local.shape[1:]))
+    dist.all_gather_into_tensor(parts, local, group=group)
+    whole = torch.cat(parts.view(split.cp, *local.shape).unbind(0), dim=1)
+    return whole.index_select(1, split.gather_order(whole.shape[1], device=whole.device))
+
+
+def context_attention_work(position_ids: torch.Tensor, split: LoadBalancedSplit) -> torch.Tensor:
+    """``[cp]`` int64: the (query, key) pairs the queries of each cp rank attend under the document mask of the
+    packed batch ``position_ids`` (``[B, T]``, the whole rows, before the split), summed over the batch.
+
+    That is the work of a kernel that skips masked pairs (flash-style varlen or block-sparse attention); the
+    all-gather path's dense masked SDPA does ``T / cp x T`` per row on every rank whatever the mask. With one
+    document per row the head-and-tail split makes the ranks' work equal up to the chunk's diagonal."""
+    if position_ids.dim() != 2:
+        raise ValueError(f"position_ids must be [batch, sequence], got shape {tuple(position_ids.shape)}")
+    per_query = attended_keys(position_ids).sum(
+        0
+    )  # [T]: summed over the rows, which every rank holds a part of
+    seq_len = per_query.shape[0]
+    return torch.stack(
+        [per_query[split.positions(seq_len, rank=r, device=per_query.device)].sum() for r in range(split.cp)]
+    )
+
+
 class _GatherParts(torch.autograd.Function):
     """``x`` of every rank of ``group`` stacked on a new leading dim (rank order); the backward sums each
     rank's gradient over the group and hands every rank its own part (a reduce-scatter).
@@ -128,7 +170,9 @@ class AllGatherAttention:
     """Exact causal attention of this rank's queries against the whole sequence's keys and values.
 
     ``__call__(q, k, v)`` takes ``[B, heads, T / cp, head_dim]`` tensors holding this rank's positions (see
-    :class:`LoadBalancedSplit`); ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention).
+    :class:`LoadBalancedSplit`); ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention). With
+    ``document_mask`` (``[B, 1, T / cp, T]``, its queries' rows of a packed batch's document mask) that mask
+    replaces the causal one.
     """
 
     def __init__(self, split: LoadBalancedSplit, group: dist.ProcessGroup) -> None:
@@ -151,9 +195,17 @@ class AllGatherAttention:
         key_positions = torch.arange(local_len * self.split.cp, device=device)
         return query_positions[:, None] >= key_positions[None, :]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         k_all, v_all = self.gather_sequence(k), self.gather_sequence(v)
-        mask = self.causal_mask(q.shape[2], q.device)
+        mask = self.causal_mask(q.shape[2], q.device) if document_mask is None else document_mask
+        if mask.shape[-2:] != (q.shape[2], k_all.shape[2]):
+            raise ValueError(
+                f"AllGatherAttention: a mask of shape {tuple(mask.shape)} for {q.shape[2]} local queries and "
+                f"{k_all.shape[2]} keys; a packed batch's mask under cp is [B, 1, T / cp, T] "
+                "(documents.document_causal_mask of the gathered positions, this rank's queries)"
+            )
         gqa = q.shape[1] != k.shape[1]
         return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
 
@@ -170,9 +222,14 @@ class TorchRingAttention:
 
     torch's kernels need as many K/V heads as query heads, so grouped K/V heads are repeated first. Its
     load balancing must be on: it then assumes exactly the head-and-tail layout of :class:`LoadBalancedSplit`.
+
+    torch's kernels take no mask: a packed batch (``document_mask`` given) goes to ``packed`` (the all-gather
+    path, which ``"auto"`` sets; logged once), and is refused when there is none (``"torch_ring"`` by name).
     """
 
-    def __init__(self, split: LoadBalancedSplit, mesh: DeviceMesh) -> None:
+    def __init__(
+        self, split: LoadBalancedSplit, mesh: DeviceMesh, packed: AllGatherAttention | None = None
+    ) -> None:
         if mesh.device_type != "cuda":
             raise ValueError(
                 f"context_attention='torch_ring' needs a CUDA mesh (torch has CUDA kernels only), got a "
@@ -189,8 +246,25 @@ class TorchRingAttention:
         import_private(_TORCH_CP, "_enable_context_parallel_dispatcher")()
         self.split = split
         self.mesh = mesh
+        self.packed = packed
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        if document_mask is not None:
+            if self.packed is None:
+                raise ValueError(
+                    "a packed batch (position_ids restarting per document) under context_attention='torch_ring': "
+                    "torch's ring kernels take no document mask; use context_attention='auto' (the all-gather "
+                    "path for packed batches, torch's ring for the others) or 'all_gather'"
+                )
+            _log_once(
+                "packed",
+                "context-parallel attention: packed batches take all_gather (torch's ring "
+                "kernels take no document mask), cp=%d",
+                self.split.cp,
+            )
+            return self.packed(q, k, v, document_mask)
         groups = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         placements = [Shard(2)]
@@ -209,24 +283,28 @@ class TorchRingAttention:
 _logged: set[str] = set()
 
 
-def context_attention(
-    split: LoadBalancedSplit, mesh: DeviceMesh, name: str = "auto"
-) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+def _log_once(key: str, message: str, *args: object) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.info(message, *args)
+
+
+def context_attention(split: LoadBalancedSplit, mesh: DeviceMesh, name: str = "auto") -> ContextAttentionFn:
     """The context-parallel attention called ``name`` (one of :data:`CONTEXT_ATTENTION`) over the 1-D cp
-    ``mesh``; ``"auto"`` is torch's ring kernels on CUDA and the portable all-gather path elsewhere. The
-    choice is logged once per process (INFO, ``lightning_d9d.modules``)."""
+    ``mesh``; ``"auto"`` is torch's ring kernels on CUDA (packed batches on the all-gather path, which takes
+    their document mask) and the portable all-gather path elsewhere. The choice is logged once per process
+    (INFO, ``lightning_d9d.modules``)."""
     if name not in CONTEXT_ATTENTION:
         raise ValueError(
             f"context_attention={name!r}: choose one of {', '.join(map(repr, CONTEXT_ATTENTION))}"
         )
     chosen = name if name != "auto" else ("torch_ring" if mesh.device_type == "cuda" else "all_gather")
-    attention: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+    attention: ContextAttentionFn
     if chosen == "torch_ring":
-        attention = TorchRingAttention(split, mesh)
+        packed = AllGatherAttention(split, mesh.get_group()) if name == "auto" else None
+        attention = TorchRingAttention(split, mesh, packed)
     else:
         attention = AllGatherAttention(split, mesh.get_group())
-    if chosen not in _logged:
-        _logged.add(chosen)
-        why = "asked for" if name != "auto" else f"auto on a {mesh.device_type} mesh"
-        log.info("context-parallel attention: %s (%s), cp=%d", chosen, why, split.cp)
+    why = "asked for" if name != "auto" else f"auto on a {mesh.device_type} mesh"
+    _log_once(chosen, "context-parallel attention: %s (%s), cp=%d", chosen, why, split.cp)
     return attention

@@ -27,12 +27,17 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return (position_ids == 0).cumsum(-1, dtype=torch.int32) - 1
 
 
-def document_causal_mask(documents: torch.Tensor) -> torch.Tensor:
+def document_causal_mask(documents: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:
     """``[B, T]`` document numbers -> ``[B, 1, T, T]`` bool: query ``i`` may attend key ``j`` when ``j <= i`` and
-    both lie in the same document (SDPA's boolean ``attn_mask``: True attends)."""
+    both lie in the same document (SDPA's boolean ``attn_mask``: True attends).
+
+    ``queries`` (``[Tq]`` indices into the row) keeps only those queries' rows, ``[B, 1, Tq, T]``: a context-parallel
+    rank's share of the same mask (its queries against every key), built without the other ranks' rows."""
     length = documents.shape[-1]
-    causal = torch.ones(length, length, dtype=torch.bool, device=documents.device).tril()
-    same = documents[:, :, None] == documents[:, None, :]
+    if queries is None:
+        queries = torch.arange(length, device=documents.device)
+    causal = queries[:, None] >= torch.arange(length, device=documents.device)[None, :]
+    same = documents.index_select(-1, queries)[:, :, None] == documents[:, None, :]
     return (same & causal)[:, None]
 
 
@@ -87,6 +92,18 @@ def document_block_mask(documents: torch.Tensor, block: int = BLOCK) -> BlockMas
         mask_mod=same_document,
         seq_lengths=(length, length),
     )
+
+
+def attended_keys(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` positions -> ``[B, T]`` int64: how many keys each query attends under
+    :func:`document_causal_mask` (itself and the earlier tokens of its document): the work a kernel that skips
+    masked pairs does for it. Counted from where each token's document starts in the row, not from the
+    positions' values (a row may start inside a document whose positions do not start at 0)."""
+    documents = document_ids(position_ids).contiguous()
+    index = torch.arange(documents.shape[-1], device=documents.device).expand_as(documents)
+    # document numbers never decrease along a row: a document starts at the first index holding its number
+    starts = torch.searchsorted(documents, documents, side="left")
+    return index - starts + 1
 
 
 def check_position_ids(position_ids: torch.Tensor) -> None:

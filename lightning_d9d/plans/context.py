@@ -4,7 +4,8 @@ cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` (see
 :class:`~lightning_d9d.modules.context_attention.LoadBalancedSplit`). Everything but attention is position-wise,
 so it runs on the local tokens unchanged; attention sees the whole sequence's keys and values through
 :class:`~lightning_d9d.modules.context_attention.AllGatherAttention`, the portable exact path (CPU/gloo and
-GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
+GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`; packed batches, whose document mask it
+cannot take, on the all-gather path). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
 and labels alike) before the model. The loss of each rank is its local tokens' mean, weighed by the strategy
 over the ``loss`` view (which includes cp) into the global token mean; FSDP shards over ``dp_shard * cp``.
 """
@@ -15,6 +16,7 @@ from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -25,14 +27,19 @@ from lightning_d9d.modules.inputs import ModelInputs
 
 @runtime_checkable
 class ContextSplitAware(Protocol):
-    """A module that derives its RoPE positions from the split it runs under (``None``: the whole sequence)."""
+    """A module that derives its RoPE positions from the split it runs under (``None``: the whole sequence),
+    and gathers a packed batch's positions over the cp group (``context_group``) into the document mask of its
+    queries against every key, once per forward
+    (:func:`~lightning_d9d.modules.context_attention.gather_positions`)."""
 
     context_split: LoadBalancedSplit | None
+    context_group: dist.ProcessGroup | None
 
 
 def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto") -> LoadBalancedSplit:
     """Switch every :class:`~lightning_d9d.modules.Attention` in ``module`` to context-parallel attention over the
-    1-D ``cp_mesh`` and hand the split to every :class:`ContextSplitAware` submodule (for its positions), in place.
+    1-D ``cp_mesh`` and hand the split and the cp group to every :class:`ContextSplitAware` submodule (for its
+    positions and a packed batch's document mask), in place.
 
     ``attention`` names the path (:func:`~lightning_d9d.modules.context_attention.context_attention`):
     ``"auto"`` (torch's ring kernels on CUDA, all-gather elsewhere), ``"all_gather"`` or ``"torch_ring"``.
@@ -51,6 +58,7 @@ def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh, attention: str =
             switched += 1
         if isinstance(submodule, ContextSplitAware):
             submodule.context_split = split
+            submodule.context_group = cp_mesh.get_group()
     if switched == 0:
         raise ValueError(
             f"parallelize_context: {type(module).__name__} has no lightning_d9d Attention module to split the "

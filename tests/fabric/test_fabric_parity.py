@@ -1,8 +1,9 @@
 """``Fabric(strategy=D9DFabricStrategy(...))`` loops on 1, 2 and 4 CPU processes against one plain PyTorch process
 (fp32, 1e-5): losses, gradient norms (before clipping: a wrong gradient scale shows) and parameters after 5 AdamW
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
-Qwen3 under tp, packed rows of several documents (FSDP, tp, ep; on transformers' Qwen3 under FSDP with the fused
-head + loss and under tp and cp, on its Qwen3-MoE under ep and on one process), norm clipping that bites,
+Qwen3 under tp, packed rows of several documents (FSDP, tp, ep, cp, ep x cp, tp x cp; on transformers' Qwen3 under
+FSDP with the fused head + loss and under tp and cp, on its Qwen3-MoE under ep and on one process), norm
+clipping that bites,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -53,10 +54,15 @@ CASES: dict[str, dict] = {
     "hf_tp2_packed": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3", "packed": True},
     "hf_ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "hf_qwen3_moe", "packed": True},
     "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True, "fused": True},
+    # under cp each rank's queries attend every rank's keys of their own document: rows of 16, chunks of 4
+    "cp2_packed": {"devices": 2, "dims": {"cp": 2}, "packed": True},
+    "cp2_ep2_moe_packed": {"devices": 2, "dims": {"cp": 2, "ep": 2}, "model": "moe", "packed": True},
     "resume_tp2": {"devices": 2, "dims": {"tp": 2}, "resume_from": "fsdp2"},
     # padded labels: the two data ranks hold different numbers of tokens and weigh by them
     "tp2_fsdp2_padded": {"devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "pad": True},
     "ep2_fsdp4_moe": {"devices": 4, "dims": {"ep": 2}, "model": "moe"},
+    # cp x tp: this cp rank's queries' document mask handed to tp's sharded heads
+    "tp2_cp2_packed": {"devices": 4, "dims": {"tp": 2, "cp": 2}, "packed": True},
     "resume_fsdp4": {"devices": 4, "dims": {"dp_shard": 4}, "resume_from": "fsdp2"},
     "one": {"devices": 1, "dims": {}},
     # packed rows on one process through the whole adapter (transformers' Qwen3-MoE, fused head + loss)
@@ -66,6 +72,9 @@ CASES: dict[str, dict] = {
 DATA_RANKS = {
     "tp2": 1,
     "cp2": 1,
+    "cp2_packed": 1,
+    "cp2_ep2_moe_packed": 1,
+    "tp2_cp2_packed": 1,
     "hf_tp2": 1,
     "hf_tp2_packed": 1,
     "hf_cp2_packed": 1,
@@ -109,7 +118,14 @@ def reference(name: str) -> dict:
     moe_dp = dp if case.get("model") == "moe" else 0
     key = repr((case.get("model"), case.get("pad"), case.get("packed"), case.get("clip"), moe_dp))
     if key not in _references:
-        _references[key] = reference_run(case, dp)
+        # one intra-op thread, as the ranks have: the tiny MoE's many small ops ran 25-100x slower on two threads
+        # of a busy 2-core box (OpenMP's waiting threads; ep2_moe_packed's reference 24 s against 0.1 s)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            _references[key] = reference_run(case, dp)
+        finally:
+            torch.set_num_threads(threads)
     return _references[key]
 
 

@@ -1,9 +1,14 @@
 """Packed rows on CUDA against the CPU-exact path (SDPA with the dense block-diagonal causal mask), fp32 and bf16:
-SDPA with that mask on CUDA (rows that are not whole 128-blocks), and FlexAttention on its block mask (rows of
-whole blocks: ``auto``'s choice on CUDA), eager and compiled per block."""
+SDPA with that mask on CUDA (rows that are not whole 128-blocks), FlexAttention on its block mask (rows of
+whole blocks: ``auto``'s choice on CUDA), eager and compiled per block; on two GPUs a Fabric loop at cp=2
+(``context_attention="auto"``: torch's ring kernels, packed batches on the all-gather path over NCCL) against
+one GPU's plain loop, fp32."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +16,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fabric"))
+from fabric_loop import BASE, reference_run
 from test_packed_documents import build, documents, packed_batch
 
 from lightning_d9d.data import pack_documents
@@ -102,3 +109,37 @@ def test_flex_attention_on_cuda_matches_the_cpu_path_in_training_and_compiles_on
     relative = abs(bf16 - eager[0]) / eager[0]
     print(f"flex: fp32 {eager[0]:.5f}, compiled {compiled[0]:.5f}, bf16 {bf16:.5f} ({relative:.1e} relative)")
     assert relative < 1e-3  # as the dense path's band above: ~1e3 tokens average their bf16 rounding
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_packed_rows_at_cp2_on_two_gpus_match_one_gpu(tmp_path: Path) -> None:
+    config = {
+        **BASE,
+        "devices": 2,
+        "accelerator": "cuda",
+        "dims": {"cp": 2},  # context_attention="auto": torch's ring kernels, which hand packed rows on
+        "packed": True,
+        "out": str(tmp_path / "run.pt"),
+    }
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", "NVIDIA_TF32_OVERRIDE": "0"}
+    script = Path(__file__).resolve().parents[1] / "fabric" / "fabric_loop.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), "--fork", json.dumps([config])],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    actual = torch.load(tmp_path / "run.pt", weights_only=False)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    expected = reference_run(config, dp=1, device="cuda")
+    loss_diff = max(abs(a - e) / e for a, e in zip(actual["losses"], expected["losses"], strict=True))
+    param_diff = max(float((actual["params"][n] - v).abs().max()) for n, v in expected["params"].items())
+    print(f"cp2 packed on 2 GPUs: relative loss difference {loss_diff:.2e}, parameters {param_diff:.2e}")
+    # fp32, the same bands as the one-GPU Fabric test (tests/gpu/test_fabric_gpu.py)
+    torch.testing.assert_close(
+        torch.tensor(actual["losses"]), torch.tensor(expected["losses"]), rtol=1e-5, atol=0
+    )
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(actual["params"][name], value, rtol=0, atol=2e-5, msg=name)

@@ -5,7 +5,9 @@ allows degree 1 only; degree 2 belongs to the two-GPU runs). Run on the GPU mach
   path against fp32 causal attention of the whole sequence, forward and the gradients of q, k and v, at the
   benchmark's attention shape (grouped-query heads 16/8, head dim 128, sequence 4096);
 - Qwen3 with the tensor plan (DTensor parameters, sequence parallelism, vocabulary-parallel head and loss
-  parallel) and the context plan with torch's ring attention, against the same model without plans.
+  parallel) and the context plan with torch's ring attention, against the same model without plans;
+- packed rows under the context plan's ``"auto"`` (torch's ring kernels take no mask: the all-gather path takes
+  them) against the plain model, fp32; ``"torch_ring"`` by name refuses them.
 
 Errors are ``||out - ref|| / ||ref||``. bf16 keeps 8 bits of mantissa (a rounding error of 2^-9 = 2e-3 per
 element); sums over 128-4096 terms and the softmax of bf16 scores put whole-tensor errors near 1e-2 at most, so
@@ -29,12 +31,14 @@ from distributed import free_port
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.models.qwen3 import tensor_plan
+from lightning_d9d.modules.attention import document_attention
 from lightning_d9d.modules.context_attention import (
     AllGatherAttention,
     LoadBalancedSplit,
     TorchRingAttention,
     context_attention,
 )
+from lightning_d9d.modules.documents import document_causal_mask, document_ids
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import local_loss, maybe_loss_parallel, parallelize_context, parallelize_tensor
 
@@ -134,3 +138,26 @@ def test_qwen3_with_tensor_and_ring_context_plans_equals_the_plain_model_in_bf16
         worst = max(worst, relative_error(full, param.grad))
     print(f"largest relative gradient error {worst:.2e}")
     assert worst <= BF16_BAND
+
+
+def test_packed_rows_under_auto_context_attention_take_the_all_gather_path(nccl: ParallelDims) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cp_mesh = nccl.mesh_for("cp")
+    split = LoadBalancedSplit(1, 0)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1]], device="cuda")
+    mask = document_causal_mask(document_ids(positions))
+    q, k, v = (torch.randn(1, heads, 16, 64, device="cuda") for heads in (8, 4, 4))
+    auto = context_attention(split, cp_mesh, "auto")
+    assert isinstance(auto, TorchRingAttention) and isinstance(auto.packed, AllGatherAttention)
+    torch.testing.assert_close(auto(q, k, v, mask), document_attention(q, k, v, mask), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"context_attention='torch_ring'.*'auto'.*'all_gather'"):
+        context_attention(split, cp_mesh, "torch_ring")(q, k, v, mask)
+
+    config = Qwen3Config.tiny(num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        plain = Qwen3ForCausalLM(config)
+    planned = copy.deepcopy(plain)
+    parallelize_context(planned, cp_mesh, "auto")  # run_decoder gathers the positions over NCCL
+    ids = torch.randint(0, config.vocab_size, positions.shape, device="cuda")
+    torch.testing.assert_close(planned(ids, positions), plain(ids, positions), rtol=1e-5, atol=1e-5)

@@ -1,5 +1,6 @@
-"""Packed rows on our models (fp32, one process): the same loss and gradients as each document run alone, no
-attention across a boundary (bitwise), prompts out of the loss, and the degrees that refuse packed rows."""
+"""Packed rows on our models (fp32): the same loss and gradients as each document run alone, no attention across
+a boundary (bitwise for Qwen3), prompts out of the loss; under cp=2 (2 forked gloo ranks) the whole model's
+logits and gradients and the same isolation; the degree that refuses packed rows (pp)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
+from distributed import run_distributed
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from lightning_d9d.data import Document, pack_documents
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import parallelize_context, split_batch
 from lightning_d9d.strategies import D9DStrategy
 
 SEQ_LEN = 24
@@ -118,11 +123,74 @@ def test_prompt_tokens_do_not_count_in_the_loss_or_the_gradients() -> None:
         torch.testing.assert_close(sft_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_packed_rows_under_context_parallelism_are_refused_before_attention() -> None:
+def _under_context_parallelism(kind: str) -> dict[str, float]:
+    """cp=2 (this rank's load-balanced half of each row, rows of 24 cut into 4 chunks of 6, documents crossing
+    the chunks' edges) against the whole model in one process: this rank's logits, the gradients summed over the
+    ranks, and the outputs moved outside a changed document (bitwise for Qwen3)."""
+    model = build(kind)
+    whole_model = build(kind)  # the same seed: the same weights
+    docs = documents(model.config.vocab_size)
+    batch = packed_batch(docs)
+    changed_docs = list(docs)
+    changed_docs[1] = torch.flip(docs[1], (0,)) % (model.config.vocab_size - 1) + 1  # document 1 (row 0)
+    changed = packed_batch(changed_docs)
+    generator = torch.Generator().manual_seed(3)  # the same weights on both ranks
+    weights = torch.randn(*batch["input_ids"].shape, model.config.vocab_size, generator=generator)
+    whole_logits = whole_model(batch["input_ids"], batch["position_ids"])
+    (whole_logits * weights).sum().backward()
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+    split = parallelize_context(model, mesh)
+    (ids, positions), local_weights = split_batch(split, (batch["input_ids"], batch["position_ids"]), weights)
+    logits = model(ids, positions)
+    (logits * local_weights).sum().backward()
+    differences = {"logits": (logits - split.split(whole_logits.detach())).abs().max().item()}
+    for (name, param), whole_param in zip(model.named_parameters(), whole_model.parameters(), strict=True):
+        assert param.grad is not None and whole_param.grad is not None
+        grad = param.grad.clone()
+        dist.all_reduce(grad)  # each rank's sum covers its tokens: the whole gradient is their sum
+        differences[name] = ((grad - whole_param.grad).abs().max() / whole_param.grad.abs().max()).item()
+
+    with torch.no_grad():
+        (changed_ids, changed_positions), _ = split_batch(
+            split, (changed["input_ids"], changed["position_ids"]), weights
+        )
+        after = model(changed_ids, changed_positions)
+        crossing = model(ids)  # the same rows attended across documents
+    start, end = LENGTHS[0] - 1, LENGTHS[0] - 1 + LENGTHS[1] - 1  # document 1's positions in row 0
+    outside = torch.ones(batch["input_ids"].shape, dtype=torch.bool)
+    outside[0, start:end] = False
+    outside = split.split(outside)
+    differences["moved outside the changed document"] = (after - logits.detach())[outside].abs().max().item()
+    inside = (after - logits.detach())[~outside]  # rank 0 holds none of it: its queries see it only as keys
+    differences["moved inside it"] = inside.abs().max().item() if inside.numel() else 0.0
+    differences["attended across documents"] = (crossing - logits.detach()).abs().max().item()
+    return differences
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "moe"])
+def test_packed_rows_under_context_parallelism_are_the_whole_model(kind: str) -> None:
+    ranks = run_distributed(_under_context_parallelism, 2, kind)
+    inside = max(differences.pop("moved inside it") for differences in ranks)
+    assert inside > 1e-3, f"the changed document's outputs did not move ({inside:.3g})"
+    for rank, differences in enumerate(ranks):
+        crossing = differences.pop("attended across documents")
+        outside = differences.pop("moved outside the changed document")
+        assert crossing > 1e-3, f"rank {rank}: the document mask changed nothing ({crossing:.3g})"
+        # as on one process: bitwise for Qwen3; the experts' GEMMs over another number of routed tokens round
+        # the last bit differently for Qwen3-MoE
+        assert outside <= (0.0 if kind == "qwen3" else 1e-6), f"rank {rank}: moved by {outside:.3g}"
+        for name, difference in differences.items():
+            assert difference <= 1e-5, f"rank {rank}: {name} differs by {difference:.3g}"
+
+
+def test_a_split_without_the_cp_group_names_parallelize_context() -> None:
     model = build("qwen3")
-    model.model.context_split = LoadBalancedSplit(2, 0)  # what parallelize_context sets
+    model.model.context_split = LoadBalancedSplit(2, 0)  # set by hand: parallelize_context sets the group too
     batch = packed_batch(documents(model.config.vocab_size))
-    with pytest.raises(ValueError, match=r"position_ids under context parallelism.*cp=1"):
+    with pytest.raises(
+        ValueError, match=r"context_group is None\): parallelize the model with parallelize_context"
+    ):
         model(batch["input_ids"][:, :12], batch["position_ids"][:, :12])
 
 

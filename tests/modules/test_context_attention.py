@@ -2,7 +2,8 @@
 
 The split is checked against positions written out by hand; the attention on 2 and 3 forked gloo ranks (fp32)
 against ``scaled_dot_product_attention(is_causal=True)`` on the whole sequence, forward and the gradients of
-q, k and v, with odd chunk lengths and grouped-query heads.
+q, k and v, with odd chunk lengths and grouped-query heads; and with packed rows (documents crossing the chunks'
+edges) against SDPA under the whole document mask, the rank's mask built from gathered positions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_distributed
 
-from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit
+from lightning_d9d.modules.context_attention import (
+    AllGatherAttention,
+    LoadBalancedSplit,
+    TorchRingAttention,
+    gather_positions,
+)
+from lightning_d9d.modules.documents import document_causal_mask, document_ids
 
 TOLERANCE = 1e-5
 
@@ -42,7 +49,9 @@ def test_a_sequence_length_not_divisible_by_twice_cp_names_the_numbers() -> None
 
 
 def _attention_parity(seq_len: int, q_heads: int, kv_heads: int) -> dict[str, float]:
-    """On each rank: its part of all-gather attention vs the same positions of full causal attention."""
+    """On each rank: its part of all-gather attention vs the same positions of full causal attention, and with
+    a packed batch's document mask (from the gathered positions, as the model builds it) vs full attention
+    under the whole mask."""
     world, rank = dist.get_world_size(), dist.get_rank()
     generator = torch.Generator().manual_seed(0)  # the same full tensors on every rank
     batch, head_dim = 2, 8
@@ -50,18 +59,44 @@ def _attention_parity(seq_len: int, q_heads: int, kv_heads: int) -> dict[str, fl
     k = torch.randn(batch, kv_heads, seq_len, head_dim, generator=generator, requires_grad=True)
     v = torch.randn(batch, kv_heads, seq_len, head_dim, generator=generator, requires_grad=True)
     grad_out = torch.randn(batch, q_heads, seq_len, head_dim, generator=generator)
-    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q_heads != kv_heads)
-    full.backward(grad_out)
-
+    # documents of 1 to 7 tokens, crossing the chunks' edges; row 1 starts inside a document (positions from 3)
+    positions = torch.stack(
+        [
+            torch.cat([torch.arange(n) for n in _lengths(seq_len, generator)]),
+            torch.cat([torch.arange(3, 3 + 5), *(torch.arange(n) for n in _lengths(seq_len - 5, generator))]),
+        ]
+    )
+    whole_mask = document_causal_mask(document_ids(positions))
     split = LoadBalancedSplit(world, rank)
-    local = [split.split(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
-    out = AllGatherAttention(split, dist.group.WORLD)(*local)
-    out.backward(split.split(grad_out, dim=2))
-    differences = {"out": (out - split.split(full.detach(), dim=2)).abs().max().item()}
-    for name, mine, whole in zip("qkv", local, (q, k, v), strict=True):
-        assert mine.grad is not None and whole.grad is not None
-        differences[f"grad_{name}"] = (mine.grad - split.split(whole.grad, dim=2)).abs().max().item()
+    gathered = gather_positions(split.split(positions), split, dist.group.WORLD)
+    assert torch.equal(gathered, positions)
+    local_mask = document_causal_mask(document_ids(gathered), split.positions(seq_len))
+    differences = {}
+    for case, mask in (("causal", None), ("packed", whole_mask)):
+        whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        if mask is None:
+            full = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=q_heads != kv_heads)
+        else:
+            full = F.scaled_dot_product_attention(*whole, attn_mask=mask, enable_gqa=q_heads != kv_heads)
+        full.backward(grad_out)
+        local = [split.split(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
+        out = AllGatherAttention(split, dist.group.WORLD)(*local, None if mask is None else local_mask)
+        out.backward(split.split(grad_out, dim=2))
+        differences[f"{case}_out"] = (out - split.split(full.detach(), dim=2)).abs().max().item()
+        for name, mine, tensor in zip("qkv", local, whole, strict=True):
+            assert mine.grad is not None and tensor.grad is not None
+            differences[f"{case}_grad_{name}"] = (
+                (mine.grad - split.split(tensor.grad, dim=2)).abs().max().item()
+            )
     return differences
+
+
+def _lengths(total: int, generator: torch.Generator) -> list[int]:
+    """Random document lengths of 1 to 7 tokens summing to ``total``."""
+    lengths: list[int] = []
+    while sum(lengths) < total:
+        lengths.append(min(int(torch.randint(1, 8, (1,), generator=generator)), total - sum(lengths)))
+    return lengths
 
 
 @pytest.mark.parametrize(
@@ -107,6 +142,22 @@ def test_context_attention_picks_all_gather_off_cuda_and_names_what_it_refuses()
         errors = chosen["errors"]
         assert "needs a CUDA mesh" in errors["torch_ring"] and "'cpu' mesh" in errors["torch_ring"]
         assert "context_attention='ring_of_fire'" in errors["ring_of_fire"]
+
+
+def test_torch_ring_attention_hands_packed_batches_to_its_fallback_or_refuses_them() -> None:
+    # torch's ring path cannot be built off CUDA (its constructor refuses a CPU mesh and switches torch's SDPA
+    # dispatcher on): its dispatch of a packed batch is checked on a bare instance; tests/gpu builds a real one
+    ring = TorchRingAttention.__new__(TorchRingAttention)
+    ring.split = LoadBalancedSplit(2, 0)
+    calls = []
+    ring.packed = lambda q, k, v, mask: calls.append(mask) or q  # type: ignore[assignment,func-returns-value]
+    q, mask = torch.zeros(1, 2, 4, 8), torch.ones(1, 1, 4, 8, dtype=torch.bool)
+    assert ring(q, q, q, mask) is q and calls == [mask]
+    ring.packed = None  # "torch_ring" by name: no fallback
+    with pytest.raises(
+        ValueError, match=r"under context_attention='torch_ring'.*use context_attention='auto'"
+    ):
+        ring(q, q, q, mask)
 
 
 def test_the_strategy_refuses_an_unknown_context_attention_when_built() -> None:

@@ -1,6 +1,7 @@
 """The boundary format of packed rows: document numbers from restarting positions, the block-diagonal causal
-mask (dense, and FlexAttention's block-sparse one), the refusals of positions or lengths that are not that
-format, and the choice of the attention path for packed rows."""
+mask (dense, FlexAttention's block-sparse one, or a context-parallel rank's queries), the attended keys per
+query and each cp rank's share of them (against the mask summed by brute force), the refusals of positions or
+lengths that are not that format, and the choice of the attention path for packed rows."""
 
 from __future__ import annotations
 
@@ -13,13 +14,24 @@ from lightning_d9d.modules.attention import (
     document_attention_mask,
     document_attention_path,
 )
+from lightning_d9d.modules.context_attention import LoadBalancedSplit, context_attention_work
 from lightning_d9d.modules.documents import (
     BLOCK,
+    attended_keys,
     check_position_ids,
     document_block_mask,
     document_causal_mask,
     document_ids,
     position_ids_from_lengths,
+)
+
+# a row starting inside a document (positions from 5), long and short documents, a one-token document last
+ROWS = torch.tensor(
+    [
+        [0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5],
+        [5, 6, 0, 1, 2, 3, 4, 0, 1, 0, 1, 0],
+        list(range(12)),  # one document: plain causal
+    ]
 )
 
 
@@ -42,6 +54,33 @@ def test_the_mask_is_causal_inside_each_document_only() -> None:
         dtype=torch.bool,
     )
     assert torch.equal(mask, expected)
+
+
+def test_a_context_parallel_ranks_mask_is_its_queries_rows_of_the_whole_mask() -> None:
+    documents = document_ids(ROWS)
+    whole = document_causal_mask(documents)
+    split = LoadBalancedSplit(3, 1)  # queries 2, 3 and 8, 9 of 12
+    mine = document_causal_mask(documents, split.positions(12))
+    assert mine.shape == (3, 1, 4, 12)
+    assert torch.equal(mine, whole[:, :, split.positions(12)])
+
+
+def test_attended_keys_are_the_rows_of_the_mask_summed() -> None:
+    expected = document_causal_mask(document_ids(ROWS)).sum(-1)[:, 0]
+    assert torch.equal(attended_keys(ROWS), expected)
+    assert attended_keys(ROWS)[1].tolist() == [1, 2, 1, 2, 3, 4, 5, 1, 2, 1, 2, 1]
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_each_cp_ranks_attention_work_is_the_mask_summed_over_its_queries(cp: int) -> None:
+    mask = document_causal_mask(document_ids(ROWS))[:, 0]  # [B, T, T]
+    split = LoadBalancedSplit(cp, 0)
+    by_brute_force = [int(mask[:, split.positions(12, rank=r)].sum()) for r in range(cp)]
+    assert context_attention_work(ROWS, split).tolist() == by_brute_force
+    assert sum(by_brute_force) == int(mask.sum())
+    # one document per row: the head-and-tail split gives every rank the same work
+    causal = context_attention_work(ROWS[2:], split)
+    assert (causal == causal[0]).all(), causal.tolist()
 
 
 def test_positions_from_lengths_and_their_refusals() -> None:
