@@ -45,6 +45,14 @@ from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.metrics import CausalLMPerplexity
 
 
+def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The model's inputs of a batch: the ids, and for packed rows (``lightning_d9d.data.PackedDataset``) the
+    positions that restart per document, so that attention stays inside each document (docs/packing.md)."""
+    if "position_ids" in batch:
+        return batch["input_ids"], batch["position_ids"]
+    return (batch["input_ids"],)
+
+
 class SyntheticCorpus(Dataset):
     """Sequences from a fixed random bigram model; sample ``i`` is the same on every rank and every run."""
 
@@ -145,7 +153,7 @@ class Qwen3Pretraining(L.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
         # model_loss is causal_lm_loss(self.model(input_ids), labels), run through the schedule when pp > 1.
-        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
+        loss = model_loss(self, self.model, model_inputs(batch), batch["labels"], self.loss_fn)
         # The mean over all ranks; no prog_bar: it would read the value back to the host on every step.
         self.log("train/loss", loss, sync_dist=True)
         if isinstance(self.model, Qwen3MoeForCausalLM):
@@ -158,7 +166,7 @@ class Qwen3Pretraining(L.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         assert self.model is not None
-        loss = model_loss(self, self.model, (batch["input_ids"],), batch["labels"], self.loss_fn)
+        loss = model_loss(self, self.model, model_inputs(batch), batch["labels"], self.loss_fn)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         tokens = causal_lm_loss.count(batch["labels"])
         self.val_perplexity.update(rank_loss_sum(self, loss, tokens), tokens)

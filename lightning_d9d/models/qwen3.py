@@ -503,16 +503,22 @@ class DecoderStage(CausalLMStage):
         self.context_group: dist.ProcessGroup | None = None
 
     def forward(
-        self, inputs: torch.Tensor, labels: torch.Tensor | None = None, ignore_index: int = -100
+        self,
+        inputs: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        ignore_index: int = -100,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states; on the last stage logits, or with ``labels`` their loss (see :class:`CausalLMStage`).
-        Ids on the first stage, ``[B, T / (cp * tp), hidden]`` states after it."""
+        Ids on the first stage, ``[B, T / (cp * tp), hidden]`` states after it. ``position_ids``: a packed
+        microbatch's ``[B, T / cp]`` positions, handed to every stage (each builds its layers' document mask)."""
         hidden = run_decoder(
             self.embed_tokens,
             self.layers,
             self.norm,
             self._rotary[0],
             inputs,
+            position_ids,
             sequence_shards=self.sequence_shards,
             context_split=self.context_split,
             context_group=self.context_group,

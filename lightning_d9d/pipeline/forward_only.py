@@ -46,12 +46,14 @@ def pipeline_forward_loss(
     device: torch.device,
     *,
     last_stage_kwargs: Mapping[str, Any] | None = None,
+    stage_kwargs: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Run all stages on the batch and return the loss, the same fp32 scalar on every pipeline rank.
 
     ``stage_owner(s)`` is the group rank that holds stage ``s``; ``inputs`` matter on the owner of stage 0,
     ``target`` on the owner of the last stage, and so do ``last_stage_kwargs`` (its forward's keyword arguments:
-    the labels of a stage that computes the loss itself).
+    the labels of a stage that computes the loss itself). ``stage_kwargs`` reach every stage's forward (a packed
+    batch's ``position_ids``).
     """
     my_rank = dist.get_rank(group)
     hidden: torch.Tensor | tuple[torch.Tensor, ...] = inputs
@@ -64,7 +66,8 @@ def pipeline_forward_loss(
             hidden = _recv(dist.get_global_rank(group, stage_owner(stage - 1)), group, device)
         args = hidden if isinstance(hidden, tuple) else (hidden,)
         last = stage == num_stages - 1
-        output = local_stages[stage](*args, **((last_stage_kwargs or {}) if last else {}))
+        keywords = {**(stage_kwargs or {}), **((last_stage_kwargs or {}) if last else {})}
+        output = local_stages[stage](*args, **keywords)
         if last:
             if target is None:
                 raise ValueError("the last pipeline stage needs the target")

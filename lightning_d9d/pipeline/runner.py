@@ -12,6 +12,10 @@ With ``fused_ignore_index`` the last stage computes the loss itself: it gets eac
 inputs) and returns the mean loss instead of logits, so the head's ``[tokens, vocab]`` logits never exist and
 the head weight is used inside the stage's forward, where FSDP has gathered it. The loss function then only
 weighs that loss.
+
+``stage_kwargs`` (a packed batch's ``position_ids``) reach every stage's forward by the same mechanism, split into
+microbatches with the inputs: each stage builds its own layers' document mask from its microbatch's positions.
+A stage whose forward does not take them is refused before the schedule runs (:meth:`check_stage_kwargs`).
 """
 
 from __future__ import annotations
@@ -147,6 +151,21 @@ class PipelineRunner:
             self._schedule = build_schedule(self.config, self._torch_stages, self._scaled_loss)
         return self._schedule
 
+    def check_stage_kwargs(self, stage_kwargs: Mapping[str, Any]) -> None:
+        """Refuse keyword inputs a local stage's forward does not take, naming the stage and the keyword (before
+        any collective: the other ranks check their own stages alike)."""
+        for index, stage in sorted(self.stages.items()):
+            parameters = inspect.signature(stage.forward).parameters
+            if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+                continue
+            missing = sorted(set(stage_kwargs) - set(parameters))
+            if missing:
+                raise ValueError(
+                    f"pipeline stage {index} ({type(stage).__name__}) takes no {', '.join(missing)}: every stage "
+                    f"gets them (a packed batch's positions build each stage's document mask). Give its forward "
+                    f"a keyword argument {missing[0]}=None, or train without it (pp=1 takes any input)"
+                )
+
     def check_same_batch(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, mode: str) -> None:
         """Every pipeline rank must hold the same batch: stage 0 reads the inputs on one rank and the last stage
         the targets on another. Checked on the first batch of each ``mode`` (one small all-gather, one host
@@ -178,6 +197,7 @@ class PipelineRunner:
         item_scale: torch.Tensor | None = None,
         grad_factor: torch.Tensor | None = None,
         fused_ignore_index: int | None = None,
+        stage_kwargs: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of one batch through the schedule; returns the batch loss on every rank.
 
@@ -191,9 +211,12 @@ class PipelineRunner:
         :class:`~lightning_d9d.strategies.accumulation.StepTokens`); None: 1.
 
         ``fused_ignore_index``: the last stage computes ``loss_fn`` itself (see the module docstring).
+        ``stage_kwargs``: keyword inputs of every stage, split into microbatches (see the module docstring).
         """
+        stage_kwargs = stage_kwargs or {}
         check_microbatch_split(int(target.shape[0]), self.config.microbatches)
-        self.check_same_batch(inputs, target, "train")
+        self.check_stage_kwargs(stage_kwargs)
+        self.check_same_batch((*inputs, *stage_kwargs.values()), target, "train")
         schedule = self._schedule_for(loss_fn)
         if item_scale is not None:
             counted: CountedLoss = loss_fn  # type: ignore[assignment]
@@ -204,6 +227,7 @@ class PipelineRunner:
         args = inputs if self.holds_first else ()
         kwargs: dict[str, Any] = {"target": target if self.holds_last else None, "losses": []}
         kwargs.update(self._last_stage_kwargs(target, fused_ignore_index))
+        kwargs.update(stage_kwargs)
         self._stage_computes_loss = fused_ignore_index is not None
         self._grad_factor = grad_factor
         if "return_outputs" in inspect.signature(schedule.step).parameters:
@@ -228,10 +252,13 @@ class PipelineRunner:
         loss_fn: LossFn,
         *,
         fused_ignore_index: int | None = None,
+        stage_kwargs: Mapping[str, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The loss of the whole batch, forward only, on every pipeline rank (``fused_ignore_index``: as in
-        :meth:`train_step`)."""
-        self.check_same_batch(inputs, target, "eval")
+        """The loss of the whole batch, forward only, on every pipeline rank (``fused_ignore_index``,
+        ``stage_kwargs``: as in :meth:`train_step`)."""
+        stage_kwargs = stage_kwargs or {}
+        self.check_stage_kwargs(stage_kwargs)
+        self.check_same_batch((*inputs, *stage_kwargs.values()), target, "eval")
 
         def plain_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return output if fused_ignore_index is not None else local_loss(loss_fn(output, target))
@@ -247,6 +274,7 @@ class PipelineRunner:
                 plain_loss,
                 self.device,
                 last_stage_kwargs=self._last_stage_kwargs(target, fused_ignore_index),
+                stage_kwargs=stage_kwargs,
             )
 
     def _last_stage_kwargs(self, target: torch.Tensor, fused_ignore_index: int | None) -> dict[str, Any]:

@@ -408,14 +408,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
         mean over its own tokens, weighed like a data-parallel rank's.
         """
-        if self._runner is not None and isinstance(inputs, Mapping) and set(inputs) == {"input_ids"}:
-            inputs = (inputs["input_ids"],)  # the schedule hands its stages positional token ids
-        if self._runner is not None and (isinstance(inputs, Mapping) or len(inputs) != 1):
-            # a second positional input would reach the first stage as the labels
-            raise ValueError(
-                f"model_loss under pp > 1 takes one input, the token ids; got {len(inputs)}. Packed documents "
-                "(position_ids) do not travel between pipeline stages yet: train packed batches with pp=1"
-            )
+        if self._runner is not None:
+            inputs = _pipeline_inputs(inputs)
         split = self._context_split()
         if split is not None:
             inputs, target = split_batch(split, inputs, target)
@@ -448,16 +442,21 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if torch.is_grad_enabled():
             assert self.lightning_module is not None
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
+            ids, stage_kwargs = _split_pipeline_inputs(inputs)
             return self._runner.train_step(
-                _positional(inputs),
+                ids,
                 target,
                 loss_fn,
                 accumulate=accumulate,
                 item_scale=item_scale,
                 grad_factor=grad_factor,
                 fused_ignore_index=fused_index,
+                stage_kwargs=stage_kwargs,
             )
-        loss = self._runner.eval_step(_positional(inputs), target, loss_fn, fused_ignore_index=fused_index)
+        ids, stage_kwargs = _split_pipeline_inputs(inputs)
+        loss = self._runner.eval_step(
+            ids, target, loss_fn, fused_ignore_index=fused_index, stage_kwargs=stage_kwargs
+        )
         return step_loss.weighed(loss, loss_fn, target, item_scale)
 
     def _context_split(self) -> LoadBalancedSplit | None:
@@ -626,8 +625,28 @@ def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
     )
 
 
-def _positional(inputs: ModelInputs) -> tuple[torch.Tensor, ...]:
-    """The pipeline's inputs, a tuple (``model_loss`` has turned a dict of token ids alone into one)."""
+def _pipeline_inputs(inputs: ModelInputs) -> dict[str, torch.Tensor]:
+    """``model_loss``'s inputs under pp > 1 as keywords: the token ids (the first stage's positional input) and a
+    packed batch's ``position_ids`` (every stage's keyword input). A tuple ``(ids,)`` or ``(ids, position_ids)``
+    (our models' order) or a dict with those names; anything else is refused, naming what was given."""
     if isinstance(inputs, Mapping):
-        raise TypeError(f"the pipeline schedule takes positional inputs, got the keywords {sorted(inputs)}")
-    return inputs
+        named = dict(inputs)
+    elif 1 <= len(inputs) <= 2:
+        named = dict(zip(("input_ids", "position_ids"), inputs, strict=False))
+    else:
+        named = {}
+    if "input_ids" not in named or not set(named) <= {"input_ids", "position_ids"}:
+        given = sorted(inputs) if isinstance(inputs, Mapping) else f"{len(inputs)} positional inputs"
+        raise ValueError(
+            f"model_loss under pp > 1 takes the token ids and, for packed documents, their position_ids: "
+            f"(input_ids,), (input_ids, position_ids) or a dict of those names; got {given}"
+        )
+    return named
+
+
+def _split_pipeline_inputs(
+    inputs: ModelInputs,
+) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """The first stage's positional token ids and every stage's keyword inputs (:func:`_pipeline_inputs`)."""
+    named = dict(_pipeline_inputs(inputs))
+    return (named.pop("input_ids"),), named

@@ -17,6 +17,7 @@ from lightning_d9d.data import Document, pack_documents
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.pipeline import PipelineRunner
 from lightning_d9d.plans import parallelize_context, split_batch
 from lightning_d9d.strategies import D9DStrategy
 
@@ -194,10 +195,28 @@ def test_a_split_without_the_cp_group_names_parallelize_context() -> None:
         model(batch["input_ids"][:, :12], batch["position_ids"][:, :12])
 
 
-def test_packed_rows_under_a_pipeline_are_refused_naming_pp() -> None:
+def test_pipeline_inputs_other_than_ids_and_positions_are_refused_by_name() -> None:
     strategy = D9DStrategy(pp=2)
     model = nn.Linear(2, 2)
     strategy._runner = SimpleNamespace(model=model)  # type: ignore[assignment]
     ids = torch.zeros(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"takes one input.*got 2.*pp=1"):
-        strategy.model_loss(model, (ids, ids), ids, causal_lm_loss)
+    with pytest.raises(
+        ValueError, match=r"\(input_ids, position_ids\) or a dict of those names; got 3 positional"
+    ):
+        strategy.model_loss(model, (ids, ids, ids), ids, causal_lm_loss)
+    with pytest.raises(ValueError, match=r"got \['attention_mask', 'input_ids'\]"):
+        strategy.model_loss(model, {"input_ids": ids, "attention_mask": ids}, ids, causal_lm_loss)
+
+
+def test_a_pipeline_stage_without_position_ids_is_refused_naming_it() -> None:
+    class Stage(nn.Module):
+        def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+            return inputs
+
+    runner = SimpleNamespace(
+        stages={0: build("qwen3").pipeline_stage([0], first=True, last=False), 1: Stage()}
+    )
+    with pytest.raises(
+        ValueError, match=r"pipeline stage 1 \(Stage\) takes no position_ids.*position_ids=None"
+    ):
+        PipelineRunner.check_stage_kwargs(runner, {"position_ids": torch.zeros(1)})  # type: ignore[arg-type]

@@ -8,12 +8,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from plain_module import build_plain_model
-from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
+from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus, model_inputs
 
+from lightning_d9d.data import PackedDataset
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import routers_in, update_expert_bias
@@ -39,8 +40,28 @@ class PaddedCorpus(Dataset):
         return item
 
 
+def packed_corpus(vocab_size: int, seq_len: int, rows: int, first_sample: int = 0) -> Dataset:
+    """``rows`` packed rows of ``seq_len``: the corpus's sequences cut into documents of 2 to 40 tokens, packed in
+    order (rows of several documents; a document that does not fit continues in the next row)."""
+    generator = torch.Generator().manual_seed(5 + first_sample)
+    source = SyntheticCorpus(vocab_size, 63, rows, first_sample=first_sample)
+    documents = []
+    for index in range(len(source)):
+        sequence = torch.cat([source[index]["input_ids"][:1], source[index]["labels"]])
+        start = 0
+        while start < sequence.numel() - 1:
+            length = int(torch.randint(2, 41, (1,), generator=generator))
+            documents.append(sequence[start : start + length])
+            start += length
+    return Subset(PackedDataset(documents, seq_len), range(rows))
+
+
 def train_corpus(config: dict, vocab_size: int) -> Dataset:
-    """The training data of a run: ``config["pad"]`` pads it."""
+    """The training data of a run: ``config["pad"]`` pads it, ``config["packed"]`` packs documents instead."""
+    if config.get("packed"):
+        return packed_corpus(
+            vocab_size, config["seq_len"], config["global_batch"] * config["steps_per_epoch"]
+        )
     corpus = SyntheticCorpus(
         vocab_size, config["seq_len"], config["global_batch"] * config["steps_per_epoch"]
     )
@@ -50,6 +71,8 @@ def train_corpus(config: dict, vocab_size: int) -> Dataset:
 def val_corpus(config: dict, vocab_size: int) -> Dataset:
     """The validation data of a run (two global batches, other samples than training's): ``config["pad"]``
     pads it too, so that a validation loss averaged over ranks instead of weighed by their tokens differs."""
+    if config.get("packed"):
+        return packed_corpus(vocab_size, config["seq_len"], config["global_batch"] * 2, first_sample=10_000)
     corpus = SyntheticCorpus(vocab_size, config["seq_len"], config["global_batch"] * 2, first_sample=10_000)
     return PaddedCorpus(corpus) if config.get("pad") else corpus
 
@@ -163,7 +186,7 @@ def reference_run(config: dict) -> dict:
                     loss = torch.stack(parts).mean()  # unpadded: the global token mean
                 else:
                     with forward_context():
-                        loss = causal_lm_loss(compute_model(batch["input_ids"]), batch["labels"])
+                        loss = causal_lm_loss(compute_model(*model_inputs(batch)), batch["labels"])
                 losses.append(loss.item())
                 (loss * weight).backward()
                 if compute_model is not module.model:
@@ -198,7 +221,7 @@ def reference_run(config: dict) -> dict:
         val = val_corpus(config, model_config.vocab_size)
         with torch.no_grad():
             val_losses = [
-                causal_lm_loss(module.model(b["input_ids"]), b["labels"]).item()
+                causal_lm_loss(module.model(*model_inputs(b)), b["labels"]).item()
                 for b in DataLoader(val, batch_size=global_batch)
             ]
         result["val_loss"] = sum(val_losses) / len(val_losses)

@@ -40,6 +40,8 @@ PP2_VARIANTS = {
     "padded": {"pad": True},
     # a loss that does not count its items: microbatches weigh the same
     "accumulate2_uncounted": {**ACCUMULATE, "uncounted_loss": True},
+    # packed rows (several documents each): every stage of every microbatch gets the positions
+    "packed": {"packed": True},
 }
 PP2_CASES = [(schedule, "plain") for schedule in SCHEDULES]
 # accumulation with and without clipping: each schedule one of the two (clipping leaves a gradient-scale error
@@ -48,6 +50,7 @@ CLIPPED = ("GPipe", "Interleaved1F1B", "LoopedBFS", "DualPipeV")
 PP2_CASES += [(schedule, "accumulate2_clip") for schedule in CLIPPED]
 PP2_CASES += [(schedule, "accumulate2") for schedule in SCHEDULES if schedule not in CLIPPED]
 PP2_CASES += [("1F1B", "padded"), ("Interleaved1F1B", "padded"), ("1F1B", "accumulate2_uncounted")]
+PP2_CASES += [("1F1B", "packed"), ("ZBVZeroBubble", "packed")]  # two stages per rank, split backward too
 
 
 def pp2(schedule: str, variant: str) -> dict:
@@ -79,6 +82,13 @@ FOUR_RANKS = {
     "pp2_dp2_InterleavedZeroBubble": four_ranks(2, "InterleavedZeroBubble", 4),
     "pp2_dp2_ZBV_acc": four_ranks(2, "ZBVZeroBubble", 4, **ACCUMULATE_CLIP),
     "pp2_dp2_DualPipeV": four_ranks(2, "DualPipeV", 4, validate=True),
+    # packed rows through pipeline stages that are context-parallel: positions split and gathered per stage
+    "pp2_cp2_1F1B_packed": {
+        "dims": {"pp": 2, "cp": 2, "dp_shard": 1, "pipeline_schedule": "1F1B", "microbatches": 2},
+        "dp": 1,
+        "packed": True,
+        "validate": True,
+    },
 }
 
 

@@ -7,7 +7,6 @@ another; validation (eval mode) attends per document too; a tuple that would han
 from __future__ import annotations
 
 import itertools
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -24,7 +23,6 @@ from lightning_d9d.models.hf.pipeline import TransformersPipeline
 from lightning_d9d.models.hf.plan import train_without_cache
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
-from lightning_d9d.strategies.d9d import D9DStrategy
 from lightning_d9d.strategies.step_loss import forward_loss
 
 SEQ = 12
@@ -200,12 +198,3 @@ def test_two_pipeline_stages_in_sequence_attend_per_document(family: str) -> Non
         torch.testing.assert_close(staged_grads[name], grad, rtol=1e-5, atol=1e-5, msg=name)
     with torch.no_grad():  # without positions: the plain causal forward, as before
         torch.testing.assert_close(last(first(ids)), model(input_ids=ids, use_cache=False).logits)
-
-
-def test_keyword_positions_under_a_pipeline_are_refused_until_the_runner_passes_them() -> None:
-    strategy = D9DStrategy(pp=2)
-    model = nn.Linear(2, 2)
-    strategy._runner = SimpleNamespace(model=model)  # type: ignore[assignment]
-    ids = torch.zeros(2, 4, dtype=torch.long)
-    with pytest.raises(ValueError, match=r"takes one input.*got 2.*pp=1"):
-        strategy.model_loss(model, {"input_ids": ids, "position_ids": ids}, ids, causal_lm_loss)
