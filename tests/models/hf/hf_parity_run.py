@@ -59,6 +59,11 @@ from lightning_d9d.models.hf import add_selection_bias  # noqa: E402
 from lightning_d9d.modules.loss import causal_lm_loss  # noqa: E402
 
 
+def inputs_of(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The model's keyword inputs: the ids, and a packed batch's positions (by name: see docs/transformers.md)."""
+    return {name: data[name] for name in ("input_ids", "position_ids") if name in data}
+
+
 class HFCausalLM(L.LightningModule):
     def __init__(self, run: dict[str, Any]) -> None:
         super().__init__()
@@ -82,12 +87,12 @@ class HFCausalLM(L.LightningModule):
         self.start = gather_stages(full_parameters(self.model), self.run)
 
     def training_step(self, data: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss = model_loss(self, self.model, (data["input_ids"],), data["labels"], causal_lm_loss)
+        loss = model_loss(self, self.model, inputs_of(data), data["labels"], causal_lm_loss)
         self.log("train/loss", loss, sync_dist=True)  # the mean over data ranks (RecordLosses reads it)
         return loss
 
     def validation_step(self, data: dict[str, torch.Tensor], batch_idx: int) -> None:
-        loss = model_loss(self, self.model, (data["input_ids"],), data["labels"], causal_lm_loss)
+        loss = model_loss(self, self.model, inputs_of(data), data["labels"], causal_lm_loss)
         self.log("val/loss", loss, sync_dist=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -99,10 +104,10 @@ class HFCausalLM(L.LightningModule):
         return DataLoader(rows, batch_size=ROWS // sampler.num_replicas, sampler=sampler)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(samples(self.run["batches"]))
+        return self._loader(samples(self.run["batches"], packed=self.run.get("packed", False)))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(samples(2))
+        return self._loader(samples(2, packed=self.run.get("packed", False)))
 
 
 def gather_stages(params: dict[str, torch.Tensor], run: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -219,6 +224,7 @@ def assert_matches_reference(run: dict[str, Any], got: dict[str, Any]) -> None:
         accumulate=run.get("accumulate", 1),
         clip=run.get("clip"),
         bias_rate=run.get("selection_bias"),
+        packed=run.get("packed", False),
     )
     assert set(got["biases"]) == set(expected["biases"])
     for name, bias in expected["biases"].items():

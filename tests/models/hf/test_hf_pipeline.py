@@ -38,6 +38,8 @@ RUNS: dict[str, dict[str, Any]] = {
     "llama_Interleaved1F1B": {**pp_run("llama", "Interleaved1F1B"), "validate": True},
     "mistral_1F1B_sliding_window": {**pp_run("mistral", "1F1B"), "model": {"sliding_window": 3}},
     "qwen3_moe_1F1B": {**pp_run("qwen3_moe", "1F1B"), "validate": True},
+    # packed rows: every stage of every microbatch gets the positions, transformers builds each stage's mask
+    "qwen3_1F1B_packed": {**pp_run("qwen3", "1F1B"), "validate": True, "packed": True},
     "qwen3_moe_Interleaved1F1B_accumulate2": {**pp_run("qwen3_moe", "Interleaved1F1B"), "accumulate": 2},
     # built on meta in configure_model: each rank initialises its stages as one process would the whole model
     "qwen3_pp2_tp2_meta": {**pp_run("qwen3", "1F1B", devices=4, tp=2), "meta": True},

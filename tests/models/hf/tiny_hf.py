@@ -105,12 +105,29 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, labels
 
 
-def samples(steps: int) -> list[dict[str, torch.Tensor]]:
-    """The rows of ``batch(0) .. batch(steps - 1)`` in order, for a DataLoader of batch size ``ROWS``."""
+def packed_positions(step: int) -> torch.Tensor:
+    """``[ROWS, SEQ]`` positions of batch ``step`` read as packed rows: documents of 1 to 4 tokens, restarting at
+    0 at each (rows of several documents, which must not attend each other)."""
+    generator = torch.Generator().manual_seed(500 + step)
+    rows = []
+    for _ in range(ROWS):
+        lengths: list[int] = []
+        while sum(lengths) < SEQ:
+            lengths.append(min(int(torch.randint(1, 5, (1,), generator=generator)), SEQ - sum(lengths)))
+        rows.append(torch.cat([torch.arange(n) for n in lengths]))
+    return torch.stack(rows)
+
+
+def samples(steps: int, *, packed: bool = False) -> list[dict[str, torch.Tensor]]:
+    """The rows of ``batch(0) .. batch(steps - 1)`` in order, for a DataLoader of batch size ``ROWS``; with
+    ``packed`` their ``position_ids`` too (:func:`packed_positions`)."""
     rows = []
     for step in range(steps):
         ids, labels = batch(step)
         rows += [{"input_ids": ids[r], "labels": labels[r]} for r in range(ROWS)]
+        if packed:
+            for r, positions in enumerate(packed_positions(step)):
+                rows[-ROWS + r]["position_ids"] = positions
     return rows
 
 
@@ -128,16 +145,25 @@ def reference_run(
     accumulate: int = 1,
     clip: float | None = None,
     bias_rate: float | None = None,
+    packed: bool = False,
 ) -> dict[str, Any]:
     """One process, the unmodified model: per batch the loss, per optimizer step the gradient norm before
     clipping; the parameters at the end, and the validation loss over the first two batches. ``bias_rate``:
     after every optimizer step the routers' selection biases move by it (the model's routers must have one:
-    ``lightning_d9d.models.hf.add_selection_bias``), as ``ExpertLoadBalancing`` does."""
+    ``lightning_d9d.models.hf.add_selection_bias``), as ``ExpertLoadBalancing`` does. ``packed``: the batches
+    as packed rows (:func:`packed_positions`; no cache, so that transformers builds the documents' mask)."""
+
+    def logits(index: int) -> torch.Tensor:
+        ids = batch(index)[0]
+        if packed:
+            return model(input_ids=ids, position_ids=packed_positions(index), use_cache=False).logits
+        return model(input_ids=ids).logits
+
     optimizer = optimizer_for(model.parameters())
     losses, norms = [], []
     for index in range(batches):
-        ids, labels = batch(index)
-        loss = causal_lm_loss(model(input_ids=ids).logits, labels)
+        labels = batch(index)[1]
+        loss = causal_lm_loss(logits(index), labels)
         (loss / accumulate).backward()
         losses.append(float(loss.detach()))
         if (index + 1) % accumulate:
@@ -151,7 +177,7 @@ def reference_run(
             update_expert_bias(routers_in(model), bias_rate)
     model.eval()
     with torch.no_grad():
-        val = [float(causal_lm_loss(model(input_ids=batch(i)[0]).logits, batch(i)[1])) for i in range(2)]
+        val = [float(causal_lm_loss(logits(i), batch(i)[1])) for i in range(2)]
     model.train()
     params = {name: p.detach().clone() for name, p in model.named_parameters()}
     biases = {
