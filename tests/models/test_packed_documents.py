@@ -220,3 +220,29 @@ def test_a_pipeline_stage_without_position_ids_is_refused_naming_it() -> None:
         ValueError, match=r"pipeline stage 1 \(Stage\) takes no position_ids.*position_ids=None"
     ):
         PipelineRunner.check_stage_kwargs(runner, {"position_ids": torch.zeros(1)})  # type: ignore[arg-type]
+
+
+def test_flexattention_moves_no_other_documents_output_either(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's block mask, run on CPU forward-only: the dense path's outputs, and the same isolation,
+    bitwise. torch's unfused FlexAttention here evaluates the element mask everywhere, so this holds the mask the
+    kernel evaluates; which tiles it skips or runs unmasked is held by tests/modules/test_documents.py (against
+    the dense mask) and, in the kernel, by tests/gpu/test_packed_gpu.py."""
+    model = build("qwen3").eval()
+    generator = torch.Generator().manual_seed(4)
+    lengths = (60, 200, 41, 150, 30, 90)
+    docs = [torch.randint(1, 200, (n,), generator=generator) for n in lengths]
+    changed_docs = list(docs)
+    changed_docs[1] = torch.flip(docs[1], (0,))
+    rows = [torch.utils.data.default_collate(list(pack_documents(d, 256))) for d in (docs, changed_docs)]
+    monkeypatch.setenv("LIGHTNING_D9D_DOCUMENT_ATTENTION", "flex")
+    with torch.no_grad():
+        before, after = (model(r["input_ids"], r["position_ids"]).flatten(0, 1) for r in rows)
+        monkeypatch.setenv("LIGHTNING_D9D_DOCUMENT_ATTENTION", "sdpa")
+        dense = model(rows[0]["input_ids"], rows[0]["position_ids"]).flatten(0, 1)
+    torch.testing.assert_close(before, dense, rtol=1e-5, atol=1e-5)
+    # rows continue one another: document 1's 199 training positions follow document 0's 59, across the rows
+    span = slice(lengths[0] - 1, lengths[0] - 1 + lengths[1] - 1)
+    assert (before[span] != after[span]).any(-1).all()
+    before[span] = after[span] = 0
+    moved = (before != after).any(-1)
+    assert not moved.any(), f"outputs moved outside the changed document: {moved.nonzero().tolist()}"
