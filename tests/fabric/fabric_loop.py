@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pretrain_qwen3 import SyntheticCorpus
 from reference import PaddedCorpus
+from reference import packed_corpus as reference_packed_corpus
 from trainer_script import fork_ranks, plain_name
 
 from lightning_d9d import model_loss
-from lightning_d9d.data import PackedDataset
 from lightning_d9d.fabric import D9DFabricStrategy
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
@@ -125,19 +125,8 @@ def corpus(config: dict) -> Dataset:
 
 def packed_corpus(config: dict) -> Dataset:
     """Documents of 2 to 40 tokens (the corpus's sequences cut at random lengths) packed into rows of
-    ``seq_len``: rows hold several documents, long ones continue in the next row."""
-    generator = torch.Generator().manual_seed(5)
-    source = SyntheticCorpus(VOCAB, 63, config["samples"])
-    documents = []
-    for index in range(len(source)):
-        sequence = torch.cat([source[index]["input_ids"][:1], source[index]["labels"]])
-        start = 0
-        while start < sequence.numel() - 1:
-            length = int(torch.randint(2, 41, (1,), generator=generator))
-            documents.append(sequence[start : start + length])
-            start += length
-    rows = PackedDataset(documents, config["seq_len"])
-    return torch.utils.data.Subset(rows, range(config["samples"]))
+    ``seq_len``: rows hold several documents, long ones continue in the next row (the Trainer tests' data)."""
+    return reference_packed_corpus(VOCAB, config["seq_len"], config["samples"])
 
 
 def full_parameters(module: nn.Module) -> dict[str, torch.Tensor]:
