@@ -50,7 +50,8 @@ CLIPPED = ("GPipe", "Interleaved1F1B", "LoopedBFS", "DualPipeV")
 PP2_CASES += [(schedule, "accumulate2_clip") for schedule in CLIPPED]
 PP2_CASES += [(schedule, "accumulate2") for schedule in SCHEDULES if schedule not in CLIPPED]
 PP2_CASES += [("1F1B", "padded"), ("Interleaved1F1B", "padded"), ("1F1B", "accumulate2_uncounted")]
-PP2_CASES += [("1F1B", "packed"), ("ZBVZeroBubble", "packed")]  # two stages per rank, split backward too
+# packed rows: one and two stages a rank, split backward (positions reach every stage of every microbatch)
+PP2_CASES += [(schedule, "packed") for schedule in ("1F1B", "Interleaved1F1B", "ZBVZeroBubble")]
 
 
 def pp2(schedule: str, variant: str) -> dict:
