@@ -185,3 +185,16 @@ def _run_distributed_once(
         rank, text = min(errors.items())
         raise RuntimeError(f"rank {rank} failed:\n{text}")
     return [results[rank] for rank in range(world_size)]
+
+
+def summed_gradient_differences(model: Any, reference: Any) -> dict[str, float]:
+    """Per parameter, how far ``model``'s gradients summed over the ranks are from ``reference``'s (one process
+    on the whole batch), relative to the largest reference entry: for a loss each rank computes on its own part
+    of the tokens, whose gradients add up to the whole batch's (context parallelism)."""
+    differences = {}
+    for (name, param), whole in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert param.grad is not None and whole.grad is not None, name
+        grad = param.grad.clone()
+        dist.all_reduce(grad)
+        differences[name] = ((grad - whole.grad).abs().max() / whole.grad.abs().max()).item()
+    return differences

@@ -206,9 +206,10 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     def model_loss(
         self, model: nn.Module, inputs: ModelInputs, target: torch.Tensor, loss_fn: LossFn
     ) -> torch.Tensor:
-        """``loss_fn(model(*inputs), target)`` (``model(**inputs)`` for a dict) on this rank's part of the batch, weighed so that the mean over
-        the data ranks is the global batch's (see ``D9DStrategy.model_loss``; no accumulation is counted here:
-        a loop that accumulates divides by its micro-steps, as with any Fabric strategy)."""
+        """``loss_fn(model(*inputs), target)`` (``model(**inputs)`` for a dict) on this rank's part of the batch,
+        weighed so that the mean over the data ranks is the global batch's (see ``D9DStrategy.model_loss``; no
+        accumulation is counted here: a loop that accumulates divides by its micro-steps, as with any Fabric
+        strategy)."""
         module = getattr(model, "_forward_module", model)  # a _FabricModule's: its forward context is below
         dims = self.parallel_dims
         split = step_loss.context_split(dims)

@@ -299,9 +299,9 @@ class Attention(nn.Module):
         self.repeat_kv_heads = False
         # A registered backend's name, or None for $LIGHTNING_D9D_ATTENTION / automatic selection.
         self.attention_backend: str | None = None
-        # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values
-        # (``context_attention.ContextAttention``, which also takes a packed batch's document mask); None attends
-        # within the local sequence.
+        # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values (a
+        # ContextAttentionFn of modules/context_attention.py, which also takes a packed batch's document mask);
+        # None attends within the local sequence.
         self.context: ContextAttentionFn | None = None
 
     def forward(

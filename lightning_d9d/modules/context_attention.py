@@ -104,7 +104,8 @@ class LoadBalancedSplit:
 
 
 def gather_positions(local: torch.Tensor, split: LoadBalancedSplit, group: dist.ProcessGroup) -> torch.Tensor:
-    """This rank's ``[B, T / cp]`` part of a ``[B, T]`` integer tensor (a packed batch's ``position_ids``) ->
+    """This rank's ``[B, T / cp]`` part of a ``[B, T]`` integer tensor (a packed batch's ``position_ids``, a
+    padding mask) ->
     the whole ``[B, T]``, in sequence order, on every rank of the cp ``group`` (no autograd: ids, not activations).
 
     A packed row's document mask needs every key's document, and keys come from every rank; the positions are
@@ -131,7 +132,7 @@ def context_attention_work(position_ids: torch.Tensor, split: LoadBalancedSplit)
         raise ValueError(f"position_ids must be [batch, sequence], got shape {tuple(position_ids.shape)}")
     per_query = attended_keys(position_ids).sum(
         0
-    )  # [T]: summed over the rows, which every rank holds a part of
+    )  # [T]: over the rows, each of which every rank holds a part of
     seq_len = per_query.shape[0]
     return torch.stack(
         [per_query[split.positions(seq_len, rank=r, device=per_query.device)].sum() for r in range(split.cp)]

@@ -54,7 +54,7 @@ def document_block_mask(documents: torch.Tensor, block: int = BLOCK) -> BlockMas
     two blocks share a document but are not full; else empty (skipped). Document numbers inside a block are
     consecutive integers, so two blocks share a document exactly when their ``[first, last]`` ranges overlap.
     """
-    batch, length = documents.shape
+    length = documents.shape[-1]
     if length % block != 0:
         raise ValueError(
             f"document_block_mask: the sequence length {length} must be a multiple of the block {block}; pad the "
@@ -82,7 +82,6 @@ def document_block_mask(documents: torch.Tensor, block: int = BLOCK) -> BlockMas
 
     partial_counts, partial_indices = ordered(partial)
     full_counts, full_indices = ordered(full)
-    del batch
     return BlockMask.from_kv_blocks(
         partial_counts,
         partial_indices,

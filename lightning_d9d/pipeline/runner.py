@@ -119,6 +119,7 @@ class PipelineRunner:
         self._grad_factor: torch.Tensor | None = None  # see train_step's grad_factor
         self._stage_computes_loss = False  # the last stage was handed the labels (see the module docstring)
         self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
+        self._accepted_kwargs: set[frozenset[str]] = set()  # keyword-input names every local stage takes
 
     @property
     def grad_norm_groups(self) -> list[dist.ProcessGroup]:
@@ -153,7 +154,10 @@ class PipelineRunner:
 
     def check_stage_kwargs(self, stage_kwargs: Mapping[str, Any]) -> None:
         """Refuse keyword inputs a local stage's forward does not take, naming the stage and the keyword (before
-        any collective: the other ranks check their own stages alike)."""
+        any collective: the other ranks check their own stages alike). Each set of names once: not every step."""
+        names = frozenset(stage_kwargs)
+        if names in self._accepted_kwargs:
+            return
         for index, stage in sorted(self.stages.items()):
             parameters = inspect.signature(stage.forward).parameters
             if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
@@ -165,6 +169,7 @@ class PipelineRunner:
                     f"gets them (a packed batch's positions build each stage's document mask). Give its forward "
                     f"a keyword argument {missing[0]}=None, or train without it (pp=1 takes any input)"
                 )
+        self._accepted_kwargs.add(names)
 
     def check_same_batch(self, inputs: tuple[torch.Tensor, ...], target: torch.Tensor, mode: str) -> None:
         """Every pipeline rank must hold the same batch: stage 0 reads the inputs on one rank and the last stage

@@ -4,10 +4,11 @@ cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` (see
 :class:`~lightning_d9d.modules.context_attention.LoadBalancedSplit`). Everything but attention is position-wise,
 so it runs on the local tokens unchanged; attention sees the whole sequence's keys and values through
 :class:`~lightning_d9d.modules.context_attention.AllGatherAttention`, the portable exact path (CPU/gloo and
-GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`; packed batches, whose document mask it
-cannot take, on the all-gather path). The cp ranks of one data replica get the same batch from the sampler; :func:`split_batch` cuts it (inputs
-and labels alike) before the model. The loss of each rank is its local tokens' mean, weighed by the strategy
-over the ``loss`` view (which includes cp) into the global token mean; FSDP shards over ``dp_shard * cp``.
+GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`;
+packed batches, whose document mask it cannot take, on the all-gather path). The cp ranks of one data replica
+get the same batch from the sampler; :func:`split_batch` cuts it (inputs and labels alike) before the model. The
+loss of each rank is its local tokens' mean, weighed by the strategy over the ``loss`` view (which includes cp)
+into the global token mean; FSDP shards over ``dp_shard * cp``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ own tensor-parallel styles, not composed yet).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
@@ -84,8 +85,8 @@ def apply_fp8(
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config: Any = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise" and fsdp:
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    if recipe == "tensorwise" and fsdp:  # the recipe's casts, the weights all-gathered in float8
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     chosen = module_filter or fp8_linear_filter
     converted = 0
 

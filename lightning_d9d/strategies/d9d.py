@@ -442,7 +442,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if torch.is_grad_enabled():
             assert self.lightning_module is not None
             accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            ids, stage_kwargs = _split_pipeline_inputs(inputs)
+            ids, stage_kwargs = _stage_inputs(inputs)
             return self._runner.train_step(
                 ids,
                 target,
@@ -453,7 +453,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
                 fused_ignore_index=fused_index,
                 stage_kwargs=stage_kwargs,
             )
-        ids, stage_kwargs = _split_pipeline_inputs(inputs)
+        ids, stage_kwargs = _stage_inputs(inputs)
         loss = self._runner.eval_step(
             ids, target, loss_fn, fused_ignore_index=fused_index, stage_kwargs=stage_kwargs
         )
@@ -644,9 +644,8 @@ def _pipeline_inputs(inputs: ModelInputs) -> dict[str, torch.Tensor]:
     return named
 
 
-def _split_pipeline_inputs(
-    inputs: ModelInputs,
-) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    """The first stage's positional token ids and every stage's keyword inputs (:func:`_pipeline_inputs`)."""
-    named = dict(_pipeline_inputs(inputs))
-    return (named.pop("input_ids"),), named
+def _stage_inputs(named: ModelInputs) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """The first stage's positional token ids and every stage's keyword inputs, from :func:`_pipeline_inputs`'
+    dict (cut by cp, still a dict)."""
+    assert isinstance(named, Mapping)  # model_loss named them under pp
+    return (named["input_ids"],), {name: value for name, value in named.items() if name != "input_ids"}

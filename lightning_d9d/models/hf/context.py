@@ -45,7 +45,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_d9d.modules.context_attention import AllGatherAttention, LoadBalancedSplit, context_attention
+from lightning_d9d.modules.context_attention import (
+    AllGatherAttention,
+    LoadBalancedSplit,
+    context_attention,
+    gather_positions,
+)
+from lightning_d9d.modules.documents import document_causal_mask, document_ids
 
 #: The name our context-parallel attention is registered under in ``transformers``' attention interface.
 CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
@@ -269,33 +275,17 @@ class _GlobalPositions:
         return args, kwargs
 
     def document_mask(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
-        """``[B, 1, T / cp, T]``: this rank's query ``i`` may see key ``j`` iff ``j <= i`` and both are in one
-        document, by global index. For positions restarting at 0 per document, ``i - position[i]`` is the index
-        where ``i``'s document starts, so for ``j <= i``: one document iff ``i - position[i] == j - position[j]``
-        (without a host sync; positions of one document counting on from 0, a plain ``arange`` included, make
-        this the causal mask). Every rank's positions are gathered once per forward."""
-        local = positions.to(torch.int64).expand(batch, -1).contiguous()  # [B, T / cp]
-        local_len = local.shape[1]
-        parts = local.new_empty((self.split.cp * batch, local_len))
-        dist.all_gather_into_tensor(parts, local, group=self.group)
-        whole = torch.cat(parts.view(self.split.cp, batch, local_len).unbind(0), dim=1)
-        seq_len = whole.shape[1]
-        whole = whole.index_select(1, self.split.gather_order(seq_len, device=whole.device))
-        key_index = torch.arange(seq_len, device=whole.device)
-        query_index = self.split.local_positions(local_len, device=whole.device)
-        key_start = key_index[None, :] - whole  # [B, T]
-        query_start = query_index[None, :] - local  # [B, T / cp]
-        same = query_start[:, :, None] == key_start[:, None, :]
-        causal = query_index[:, None] >= key_index[None, :]
-        return (same & causal)[:, None]
+        """``[B, 1, T / cp, T]``: this rank's queries' rows of the one-process document mask (our models' mask,
+        :func:`~lightning_d9d.modules.documents.document_causal_mask`), from every rank's positions gathered once
+        per forward."""
+        local = positions.to(torch.int64).expand(batch, -1)  # [B, T / cp]
+        whole = gather_positions(local, self.split, self.group)
+        queries = self.split.local_positions(local.shape[1], device=whole.device)
+        return document_causal_mask(document_ids(whole), queries)
 
     def gather_keys(self, mask: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, T / cp]`` padding mask -> the whole sequence's ``[B, 1, 1, T]`` (bool, in order)."""
-        local = mask.to(torch.int64).contiguous()
-        parts = local.new_empty((self.split.cp * local.shape[0], local.shape[1]))
-        dist.all_gather_into_tensor(parts, local, group=self.group)
-        whole = torch.cat(parts.view(self.split.cp, *local.shape).unbind(0), dim=1)
-        whole = whole.index_select(1, self.split.gather_order(whole.shape[1], device=whole.device))
+        whole = gather_positions(mask.to(torch.int64), self.split, self.group)
         return whole.to(torch.bool)[:, None, None, :]
 
 
