@@ -10,6 +10,13 @@
 #   kernels  benchmarks/kernel_speed.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
 #            installed: benchmarks/README.md)
 #   gpu      the gpu-marked tests
+#   ladder4b, ladder1.7b  the scale ladder (issue 25) at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
+#            bf16 and FP8 rowwise (its supported recipe), ours (no FSDP on the one rank: its best fit) bf16 and
+#            FP8 tensorwise; seq 4096 x 4, 4 + 12 steps (each path compiles once per shape)
+#   moe_large  Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8) at 6 layers: the plain recipe,
+#            torchtitan's MoE at that shape, ours with and without FSDP on the one rank
+#   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
+#            graphs, at seq 4096 x 4 and at a launch-bound seq 1024 x 1
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,8 +24,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 OUT=${OUT:-runs/h200}
 # --matmul-peak: MFU also against the bf16 matmul rate measured at the start of the same run (issue 12)
 bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 --matmul-peak "$@"; }
-titan=""
-python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled,"
+titan="" titan_fp8=""
+python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled," && titan_fp8="titan_compiled_fp8_rowwise,"
 status=0
 for part in "${@:-dense moe}"; do
   for name in $part; do
@@ -32,6 +39,17 @@ for part in "${@:-dense moe}"; do
           bench --seq-len $seq --batch-size 1 --out "$OUT/long$seq" \
             --paths hf_fsdp_compiled,ours_trainer_compiled,ours_trainer_compiled_nofsdp \
             || status=1
+        done ;;
+      ladder4b|ladder1.7b) bench --model "${name#ladder}" --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 \
+          --path-timeout 240 --out "$OUT/$name" --paths \
+          "hf_fsdp_compiled,${titan}${titan_fp8}ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_tensorwise" ;;
+      moe_large) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe_large --seq-len 4096 --batch-size 4 --warmup 4 \
+          --steps 12 --path-timeout 240 --out "$OUT/moe_large" \
+          --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
+      cudagraphs) for shape in "4096 4" "1024 1"; do
+          set -- $shape
+          bench --seq-len "$1" --batch-size "$2" --out "$OUT/cudagraphs$1x$2" \
+            --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_cudagraphs || status=1
         done ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
       gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;

@@ -116,7 +116,14 @@ PATHS: dict[str, str] = {
     # The strongest peer: torchtitan's own Qwen3 through its own parallelize_qwen3 on one device (its
     # single-device path: no FSDP, bf16 autocast, per-block compile; activation checkpointing off, as ours).
     # Needs torchtitan 0.2.2 and its pure-Python dependencies on the path (benchmarks/README.md).
-    "titan_compiled": "torchtitan 0.2.2 Qwen3 (its 0.6B flavor), parallelize_qwen3 on 1 device, plain loop",
+    "titan_compiled": "torchtitan 0.2.2 Qwen3 (its flavor of the shape), parallelize_qwen3 on 1 device, plain loop",
+    # torchtitan's FP8: its own float8 converter (torchao, recipe by name; the LM head "output" filtered out, as
+    # ours leaves the head in bf16) applied before parallelize_qwen3, as its trainer does.
+    "titan_compiled_fp8_rowwise": 'titan_compiled with its converter "quantize.linear.float8", recipe rowwise',
+    "titan_compiled_fp8_tensorwise": 'titan_compiled with its converter "quantize.linear.float8", recipe tensorwise',
+    # CUDA graphs (issue 25): compile="reduce-overhead" (Inductor's CUDA graph trees around each compiled block);
+    # without FSDP on the one rank, whose per-step all-gathers would give the blocks new parameter addresses.
+    "ours_trainer_compiled_nofsdp_cudagraphs": 'ours_trainer_compiled_nofsdp with compile="reduce-overhead"',
 }
 DEFAULT_PATHS = [
     p
@@ -138,6 +145,9 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp_autotune",
         "ours_trainer_compiled_nofsdp_autogc",
         "titan_compiled",
+        "titan_compiled_fp8_rowwise",
+        "titan_compiled_fp8_tensorwise",
+        "ours_trainer_compiled_nofsdp_cudagraphs",
         "ours_trainer_compiled_fp8_tensorwise",
         "ours_trainer_compiled_fp8_rowwise",
         "ours_trainer_compiled_nofsdp_fp8_tensorwise",
@@ -147,6 +157,7 @@ DEFAULT_PATHS = [
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
 MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled", "hf_trainer_compiled"]
 BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled", "titan_compiled")
+TITAN_PATHS = ("titan_compiled", "titan_compiled_fp8_rowwise", "titan_compiled_fp8_tensorwise")
 
 
 # ===================================================================================================== worker
@@ -166,11 +177,12 @@ def _sync(device: Any) -> None:
 def _config(args: argparse.Namespace) -> Any:
     from lightning_d9d.models import Qwen3Config
 
-    if args.model in ("moe", "moe_tiny"):
-        return _moe_config(args.model)
+    layers = {"num_hidden_layers": args.layers} if args.layers else {}
+    if args.model in ("moe", "moe_tiny", "moe_large"):
+        return _moe_config(args.model, **layers)
     if args.model in QWEN3_SHAPES:
-        return Qwen3Config.qwen3_0_6b(**QWEN3_SHAPES[args.model])
-    return Qwen3Config.qwen3_0_6b() if args.model == "0.6b" else Qwen3Config.tiny()
+        return Qwen3Config.qwen3_0_6b(**{**QWEN3_SHAPES[args.model], **layers})
+    return Qwen3Config.qwen3_0_6b(**layers) if args.model == "0.6b" else Qwen3Config.tiny(**layers)
 
 
 # Qwen3's released dense shapes beyond 0.6B (their config.json: hidden, MLP width, layers, heads; head_dim 128,
@@ -198,14 +210,36 @@ QWEN3_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def _moe_config(model: str) -> Any:
+def _moe_config(model: str, **overrides: Any) -> Any:
     """The MoE shape: 16 layers, hidden 1024, Qwen3 attention (16 heads, 8 KV heads, head_dim 128), 64 experts
     of width 384, top-8 (renormalised, as Qwen3-MoE), every layer sparse, Qwen3's vocabulary. Router losses
-    off on both sides (the HF plain loop computes only the LM loss). ``moe_tiny``: the CPU smoke shape."""
+    off on both sides (the HF plain loop computes only the LM loss). ``moe_large``: Qwen3-30B-A3B's layer
+    (hidden 2048, 32 heads, 4 KV heads, 128 experts of 768, top-8, untied head) at 6 layers, what fits one
+    H200 with fp32 AdamW state (``--layers`` changes it). ``moe_tiny``: the CPU smoke shape."""
     from lightning_d9d.models import Qwen3MoeConfig
 
     if model == "moe_tiny":
-        return Qwen3MoeConfig.tiny(output_router_logits=False, mlp_only_layers=[])
+        return Qwen3MoeConfig.tiny(output_router_logits=False, mlp_only_layers=[], **overrides)
+    if model == "moe_large":
+        return Qwen3MoeConfig(
+            **{
+                "vocab_size": 151936,
+                "hidden_size": 2048,
+                "intermediate_size": 6144,
+                "num_hidden_layers": 6,
+                "num_attention_heads": 32,
+                "num_key_value_heads": 4,
+                "head_dim": 128,
+                "num_experts": 128,
+                "num_experts_per_tok": 8,
+                "moe_intermediate_size": 768,
+                "norm_topk_prob": True,
+                "output_router_logits": False,
+                "rope_theta": 1e6,
+                "tie_word_embeddings": False,
+                **overrides,
+            }
+        )
     return Qwen3MoeConfig(
         vocab_size=151936,
         hidden_size=1024,
@@ -385,8 +419,8 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
 
         return model, forward
 
-    if path == "titan_compiled":
-        return _titan_model(args, config, device)
+    if path in TITAN_PATHS:
+        return _titan_model(args, config, device, path)
     model_class = _model_class(config)
 
     if path in ("ours_fsdp_loop", "ours_fsdp_compiled"):
@@ -465,35 +499,70 @@ class LogitsLoss:
         return "LogitsLoss(causal_lm_loss on output.logits)"
 
 
-def _titan_model(args: argparse.Namespace, config: Any, device: Any) -> tuple[Any, Any]:
-    """torchtitan's Qwen3 as its trainer builds it for one device: its own flavor of the shape (``0.6B``, or
-    ``debugmodel`` for ``--model tiny``, given our vocabulary so the batches fit), its ``parallelize_qwen3`` with
-    compile on (per transformer block) and activation checkpointing off; no parallel degree is enabled, so no
-    FSDP, and the plain loop autocasts to bf16 as torchtitan's ``maybe_enable_amp`` does on one device."""
+def _titan_model(args: argparse.Namespace, config: Any, device: Any, path: str) -> tuple[Any, Any]:
+    """torchtitan's Qwen3 as its trainer builds it for one device: its own flavor of the shape (``0.6B``,
+    ``1.7B``, ``4B``, ``8B``; ``debugmodel`` for ``--model tiny``; for the MoE shapes its ``30B-A3B`` /
+    ``debugmodel_moe`` flavor set to our shape, with its grouped-GEMM experts and no load-balancing bias, as ours
+    has none), given our vocabulary so the batches fit; its float8 converter on the meta model for the ``_fp8_``
+    paths (torchtitan's ``train.py`` order), then its ``parallelize_qwen3`` with compile on (per transformer
+    block) and activation checkpointing off; no parallel degree is enabled, so no FSDP, and the plain loop
+    autocasts to bf16 as torchtitan's ``maybe_enable_amp`` does on one device."""
     import dataclasses
 
     import torch
     from torchtitan.config import JobConfig
     from torchtitan.distributed import ParallelDims as TitanDims
     from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3, qwen3_args
+    from torchtitan.protocols.model_converter import build_model_converters
 
-    flavors = {"0.6b": "0.6B", "tiny": "debugmodel"}
+    flavors = {
+        "0.6b": "0.6B",
+        "1.7b": "1.7B",
+        "4b": "4B",
+        "8b": "8B",
+        "tiny": "debugmodel",
+        "moe": "debugmodel_moe",
+        "moe_large": "30B-A3B",
+        "moe_tiny": "debugmodel_moe",
+    }
     if args.model not in flavors:
-        raise ValueError(
-            f"titan_compiled has no flavor for --model {args.model}; use one of {sorted(flavors)}"
+        raise ValueError(f"{path} has no flavor for --model {args.model}; use one of {sorted(flavors)}")
+    shape: dict[str, Any] = {"max_seq_len": args.seq_len, "vocab_size": config.vocab_size}
+    if args.layers:
+        shape["n_layers"] = args.layers
+    base = qwen3_args[flavors[args.model]]
+    if args.model in ("moe", "moe_large", "moe_tiny"):
+        shape.update(
+            dim=config.hidden_size,
+            head_dim=config.head_dim,
+            n_layers=config.num_hidden_layers,
+            n_heads=config.num_attention_heads,
+            n_kv_heads=config.num_key_value_heads,
+            moe_inter_dim=config.moe_intermediate_size,
+            enable_weight_tying=config.tie_word_embeddings,
+            moe_args=dataclasses.replace(
+                base.moe_args,
+                num_experts=config.num_experts,
+                top_k=config.num_experts_per_tok,
+                load_balance_coeff=None,
+            ),
         )
-    model_args = dataclasses.replace(
-        qwen3_args[flavors[args.model]], max_seq_len=args.seq_len, vocab_size=config.vocab_size
-    )
+    model_args = dataclasses.replace(base, **shape)
     job = JobConfig()
     job.training.seq_len = args.seq_len
     job.compile.enable = True
     job.compile.components = ["model"]
     job.activation_checkpoint.mode = "none"
+    recipe = next((r for r in ("rowwise", "tensorwise") if path.endswith(f"_fp8_{r}")), None)
+    if recipe is not None:
+        job.model.converters = ["quantize.linear.float8"]
+        job.quantize.linear.float8.recipe_name = recipe
+        job.quantize.linear.float8.filter_fqns = ["output"]
     dims = TitanDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1, world_size=1)
     torch.manual_seed(args.seed)
     with torch.device("meta"):
         model = Qwen3Model(model_args)
+    build_model_converters(job, dims).convert(model)
     model = parallelize_qwen3(model, dims, job)
     model.to_empty(device=device)
     with torch.no_grad():
@@ -565,7 +634,7 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
     losses: list[Any] = []
 
     # torchtitan's trainer scores its model with its own compiled loss; every other path with ours.
-    loss_fn = _titan_loss() if path == "titan_compiled" else causal_lm_loss
+    loss_fn = _titan_loss() if path in TITAN_PATHS else causal_lm_loss
 
     def step(marks: dict[str, Any] | None) -> None:
         i = len(losses)  # this step's batch
@@ -733,7 +802,13 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
     stall = GpuStall(device, args.gpu_stall_ms)
     timer = StepTimer()
     strategy = D9DStrategy(
-        compile=("max-autotune-no-cudagraphs" if "autotune" in path else True)
+        compile=(
+            "max-autotune-no-cudagraphs"
+            if "autotune" in path
+            else "reduce-overhead"
+            if "cudagraphs" in path
+            else True
+        )
         if "compiled" in path
         else False,
         fsdp_on_one_rank="nofsdp" not in path,
@@ -1120,8 +1195,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="comma list; repeats allowed")
     parser.add_argument(
-        "--model", choices=["0.6b", "1.7b", "4b", "8b", "tiny", "moe", "moe_tiny"], default="0.6b"
+        "--model",
+        choices=["0.6b", "1.7b", "4b", "8b", "tiny", "moe", "moe_large", "moe_tiny"],
+        default="0.6b",
     )
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (micro-batch)")
     parser.add_argument("--warmup", type=int, default=5)
@@ -1158,6 +1236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.passthrough = [
         f"--model={args.model}",
+        f"--layers={args.layers}",
         f"--seq-len={args.seq_len}",
         f"--batch-size={args.batch_size}",
         f"--warmup={args.warmup}",
@@ -1181,6 +1260,7 @@ MODEL_NAMES = {
     "8b": "Qwen3-8B shape",
     "tiny": "Qwen3 tiny",
     "moe": "Qwen3-MoE 16 layers, hidden 1024, 64 experts of 384, top-8 (active-parameter MFU)",
+    "moe_large": "Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8), 6 layers (active-parameter MFU)",
     "moe_tiny": "Qwen3-MoE tiny",
 }
 
@@ -1203,7 +1283,7 @@ def main(argv: list[str] | None = None) -> None:
     fpt = flops_per_token(args)
     meta: dict[str, Any] = {
         "date": args.date,
-        "model": MODEL_NAMES[args.model],
+        "model": MODEL_NAMES[args.model] + (f", {args.layers} layers" if args.layers else ""),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "tokens_per_step": args.batch_size * args.seq_len,
