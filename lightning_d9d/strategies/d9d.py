@@ -104,7 +104,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
         compile: ``torch.compile`` each transformer block: ``True`` (torch's default mode) or a mode name, e.g.
             ``"max-autotune-no-cudagraphs"`` (Triton GEMM templates benchmarked against cuBLAS per shape at
-            compile time: minutes once, measured in ``docs/benchmarks.md``).
+            compile time: minutes once, measured in ``docs/benchmarks.md``), or ``"reduce-overhead"``: CUDA
+            graphs per block, on one GPU with ``fsdp_on_one_rank=False`` and dense blocks; elsewhere the blocks
+            compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
