@@ -3,16 +3,20 @@ parallelism."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing, checkpointing_kind
-from lightning_d9d.plans.compile import apply_compile, compile_mode
-from lightning_d9d.plans.data_parallel import parallelize_data
+from lightning_d9d.plans.compile import apply_compile, compile_mode, cudagraph_fallback
+from lightning_d9d.plans.data_parallel import parallelize_data, wraps_in_fsdp
 from lightning_d9d.plans.fp8 import apply_fp8
 from lightning_d9d.plans.options import ParallelOptions
+
+log = logging.getLogger("lightning_d9d.plans")
 
 BlockList = nn.ModuleList | nn.ModuleDict
 
@@ -24,6 +28,7 @@ def parallelize_blocks(
     options: ParallelOptions,
     *,
     preserve_rng_state: bool = True,
+    moe: bool | None = None,
 ) -> None:
     """Checkpoint and compile each block of ``block_lists`` (as ``options`` ask), then apply data parallelism:
     one FSDP unit per block, then ``module`` for the rest.
@@ -36,6 +41,12 @@ def parallelize_blocks(
     ``preserve_rng_state=False`` skips saving and restoring the RNG state around each recompute. Only a model
     whose blocks draw no random numbers (no dropout) may pass it; otherwise recompute draws other dropout
     masks than forward did and the gradients are silently wrong.
+
+    A compile mode with CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) is kept only where the graphs can
+    replay: no FSDP around the blocks, no pipeline, no MoE layers (``moe``: whether the blocks hold any; ``None``
+    looks for this package's :class:`~lightning_d9d.modules.moe.MoE`). Elsewhere the blocks compile in the same
+    mode without CUDA graphs, and one warning names the reason (:func:`~lightning_d9d.plans.compile.
+    cudagraph_fallback`).
     """
     if options.fp8 is not None:  # swaps modules: before checkpointing wraps and compile traces them
         # float8 all-gathers pay where FSDP gathers shards; on one rank they only add a cast per block (measured:
@@ -45,6 +56,19 @@ def parallelize_blocks(
         apply_fp8(every_block, options.fp8, dims, module_filter=options.fp8_filter, fsdp=fsdp)
     kind = checkpointing_kind(options.activation_checkpointing)
     mode = compile_mode(options.compile)
+    if mode is not None:
+        if moe is None:
+            moe = any(isinstance(m, MoE) for blocks in block_lists for m in blocks.modules())
+        mode, reason = cudagraph_fallback(
+            mode, fsdp_sharded=wraps_in_fsdp(dims, options), pipelined=dims.pp_enabled, moe=moe
+        )
+        if reason is not None:
+            log.warning(
+                "compile=%r: the blocks compile in mode %r, without CUDA graphs: %s.",
+                options.compile,
+                mode,
+                reason,
+            )
     # Inside one compiled graph, full recompute of tensor-parallel blocks fails in AOTAutograd on torch 2.13
     # ("expected all tensors_saved_with_vc_check to be Tensors": the DTensors' DeviceMesh, now a graph input, is
     # kept for the recompute). Checkpointing around the compiled block instead re-runs the compiled forward in

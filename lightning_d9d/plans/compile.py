@@ -1,4 +1,13 @@
-"""Per-block ``torch.compile``: each repeated block compiles once and the graph is reused for all of them."""
+"""Per-block ``torch.compile``: each repeated block compiles once and the graph is reused for all of them.
+
+CUDA graphs: ``compile="reduce-overhead"`` (torch's name for it; ``"max-autotune"`` too) compiles each block in
+Inductor's mode that records the block's forward and backward as CUDA graphs (``torch/_inductor/
+cudagraph_trees.py``) and replays them: one launch per graph instead of one per kernel, which pays where a block's
+kernels are short (small widths, short rows). A graph replays the kernels on the addresses it recorded, so
+parameters must stay where they were (cudagraph trees treat them as static inputs) and shapes must not depend on
+the data. :func:`cudagraph_fallback` decides at plan time where that holds; where it does not, the block compiles
+in the same mode without CUDA graphs and one warning says why.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +15,57 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 # torch.compile's modes. "max-autotune-no-cudagraphs" benchmarks Triton GEMM templates against cuBLAS for each
-# matmul shape at compile time (minutes, once); the cudagraph modes need static inputs and addresses, which
-# FSDP's per-block all-gathers do not give.
+# matmul shape at compile time (minutes, once); "reduce-overhead" and "max-autotune" add CUDA graphs (see
+# cudagraph_fallback for where they cannot work).
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+# Each mode that records CUDA graphs and the same mode without them (torch._inductor.list_mode_options:
+# "reduce-overhead" is the default options plus triton.cudagraphs; "max-autotune" is "max-autotune-no-cudagraphs"
+# plus triton.cudagraphs).
+CUDAGRAPH_FALLBACK_MODES = {"reduce-overhead": "default", "max-autotune": "max-autotune-no-cudagraphs"}
+
+# Why each configuration cannot keep CUDA graphs, and what the user can change. Read from torch 2.13's source.
+FSDP_REASON = (
+    "FSDP wraps the blocks (on one rank too, unless fsdp_on_one_rank=False): it frees each block's gathered "
+    "parameters after backward and all-gathers them into reallocated storage before the next forward "
+    "(FSDPParamGroup.post_backward -> reshard -> free_storage; FSDPParam.init_unsharded_param -> alloc_storage), "
+    "and cudagraph trees treat parameters as static inputs: an address that moved fails the replay's check "
+    "(CheckInvariantStatus.StaticInputIdxMismatch) and the graph is recorded again, without the "
+    "cudagraph_unexpected_rerecord_limit that bounds other re-recordings (CUDAGraphTreeManager._run). On one GPU, "
+    "D9DStrategy(fsdp_on_one_rank=False) keeps plain parameters and the graphs"
+)
+PIPELINE_REASON = (
+    "the blocks run in pipeline stages (pp > 1): the schedule runs several micro-batches' forwards before their "
+    "backwards and sends activations between ranks, which per-block graphs of cudagraph trees are not proven on "
+    "here (and a pipeline spans several ranks, where FSDP wraps the blocks anyway); use pp=1 for CUDA graphs"
+)
+MOE_REASON = (
+    "the blocks hold MoE layers, whose token counts per expert are data: under ep the all-to-all's split sizes are "
+    "read on the host (.tolist()), a dynamic shape Inductor refuses to graph (get_first_incompatible_cudagraph_node: "
+    "unbacked symbols), and the 'loop' grouped GEMM backend reads group sizes on the host, which a CUDA graph "
+    "capture cannot; compile the dense blocks only, or use compile=True"
+)
+
+
+def uses_cudagraphs(mode: str | None) -> bool:
+    """Whether ``mode`` (a :data:`COMPILE_MODES` name, or ``None`` for no compile) records CUDA graphs."""
+    return mode in CUDAGRAPH_FALLBACK_MODES
+
+
+def cudagraph_fallback(
+    mode: str, *, fsdp_sharded: bool, pipelined: bool, moe: bool
+) -> tuple[str, str | None]:
+    """The mode the blocks compile in and, where it is not ``mode``, why: a CUDA-graph mode falls back to the
+    same mode without CUDA graphs when FSDP wraps the blocks (``fsdp_sharded``), the blocks are pipeline stages
+    (``pipelined``) or hold MoE layers (``moe``); any other mode is kept, with no reason. The first reason that
+    applies is named (FSDP, then pipeline, then MoE), so the one the user can change on one GPU comes first."""
+    fallback = CUDAGRAPH_FALLBACK_MODES.get(mode)
+    if fallback is None:
+        return mode, None
+    for applies, reason in ((fsdp_sharded, FSDP_REASON), (pipelined, PIPELINE_REASON), (moe, MOE_REASON)):
+        if applies:
+            return fallback, reason
+    return mode, None
 
 
 def compile_mode(compile: bool | str) -> str | None:

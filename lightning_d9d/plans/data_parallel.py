@@ -23,7 +23,7 @@ def parallelize_data(
     cast and "all-gathered" into a second buffer every forward, gradients copied out again: about 6 % of a
     compiled 0.6B training step on an H200), though autocast, which then does the casting, costs about as much.
     """
-    if not options.fsdp_on_one_rank and dims.world_size == 1:
+    if not wraps_in_fsdp(dims, options):
         return
     if dims.dp_replicate > 1:
         parallelize_replicate(
@@ -41,6 +41,12 @@ def parallelize_data(
             mp_policy=options.mp_policy,
             reshard_after_forward=reshards_after_forward(dims, options),
         )
+
+
+def wraps_in_fsdp(dims: ParallelDims, options: ParallelOptions) -> bool:
+    """Whether :func:`parallelize_data` makes FSDP units of the blocks (FSDP or HSDP): on every world of more
+    than one rank, and on one rank unless ``options.fsdp_on_one_rank`` is off."""
+    return options.fsdp_on_one_rank or dims.world_size > 1
 
 
 def data_parallel_mesh(dims: ParallelDims) -> DeviceMesh:

@@ -22,7 +22,9 @@ class ParallelOptions:
             ``"full"``) the whole block, ``"selective"`` only its element-wise ops (matmul and attention
             outputs kept); ``False`` keeps everything.
         compile: ``torch.compile`` each repeated block: ``True`` in torch's default mode, or a mode's name
-            (``"max-autotune-no-cudagraphs"``: GEMM templates tuned per shape at compile time).
+            (``"max-autotune-no-cudagraphs"``: GEMM templates tuned per shape at compile time;
+            ``"reduce-overhead"``: CUDA graphs, where nothing stands in their way, see
+            :func:`~lightning_d9d.plans.compile.cudagraph_fallback`).
         context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
             CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
         fsdp_on_one_rank: wrap the model in FSDP2 also when the whole world is one rank (parameters are then

@@ -53,7 +53,7 @@ from lightning_d9d.plans import (
     split_batch,
 )
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
-from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
 from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
@@ -104,7 +104,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
         compile: ``torch.compile`` each transformer block: ``True`` (torch's default mode) or a mode name, e.g.
             ``"max-autotune-no-cudagraphs"`` (Triton GEMM templates benchmarked against cuBLAS per shape at
-            compile time: minutes once, measured in ``docs/benchmarks.md``).
+            compile time: minutes once, measured in ``docs/benchmarks.md``), or ``"reduce-overhead"``: CUDA
+            graphs per block, on one GPU with ``fsdp_on_one_rank=False`` and dense blocks; elsewhere the blocks
+            compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
@@ -253,8 +255,11 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # precision plugin), not ModelParallelStrategy's: that one insists on ``configure_model`` and
         # materializes meta modules before sharding, while this strategy parallelizes any module itself.
         Strategy.setup(self, trainer)
-        if self._runner is not None and trainer.state.fn == TrainerFn.FITTING:
-            # Zero gradients before the schedule computes them (a private Lightning class: see compat).
+        graphs = self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile))
+        if (self._runner is not None or graphs) and trainer.state.fn == TrainerFn.FITTING:
+            # Zero gradients before the schedule computes them (a private Lightning class: see compat); with CUDA
+            # graphs, before the step's first forward, which may reuse the memory of the last step's gradients
+            # (see _mark_cudagraph_step).
             use_automatic_optimization(trainer, ZeroGradFirstOptimization)
 
     @override
@@ -502,6 +507,48 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    # ------------------------------------------------------------------------------------ CUDA graphs
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        trainer = trainer_of(module) if module is not None else None
+        opens_window = True  # of gradient accumulation: every step without it, and under manual optimization
+        if module is not None and trainer is not None and module.automatic_optimization:
+            opens_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
+        if opens_window:
+            self._mark_cudagraph_step()
+        return super().training_step(*args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._mark_cudagraph_step()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._mark_cudagraph_step()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._mark_cudagraph_step()
+        return super().predict_step(*args, **kwargs)
+
+    def _mark_cudagraph_step(self) -> None:
+        """Tell cudagraph trees that a new step begins, where the blocks may run as CUDA graphs.
+
+        cudagraph trees reuse a step's graph memory only once they know the step is over: at a new "generation"
+        (``CUDAGraphTreeManager.can_start_new_generation``), which without this call comes only when no forward
+        waits for its backward; otherwise the next forward records behind the previous step's still-live
+        outputs, or reading one of them fails ("accessing tensor output of CUDAGraphs that has been overwritten").
+        A training step marks only where it opens a window of gradient accumulation: the gradients of the
+        window's earlier micro-steps may live in the graphs' memory (the backward's outputs that autograd keeps
+        as ``.grad``), which a new generation would hand out again; the window's opening comes after the
+        zero-grad-first closure (used whenever CUDA graphs may record: see :meth:`setup`) set them to ``None``.
+        Marking where no block records graphs (the plan fell back, or the device is not CUDA) changes nothing."""
+        if self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile)):
+            torch.compiler.cudagraph_mark_step_begin()
 
     # ----------------------------------------------------------------------------------- gradient sync
     @override

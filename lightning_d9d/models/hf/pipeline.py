@@ -258,4 +258,4 @@ class TransformersStage(nn.Module):
         parallelize_hf_experts(self, dims, options)
         sum_gradients_over_tp(moe_blocks(self).values(), dims, options)  # as parallelize_hf (tp only)
         layers = getattr(self.base_model, LAYERS)
-        parallelize_blocks(self, [layers], dims, options)
+        parallelize_blocks(self, [layers], dims, options, moe=bool(moe_blocks(self)))

@@ -121,7 +121,7 @@ def parallelize_hf(
     if options.compile:
         unwrap_hub_kernel_forwards(model)
     # Decoder layers may hold dropout (attention_dropout, hidden dropout): recompute keeps the RNG state.
-    parallelize_blocks(model, repeated_blocks(model), dims, options)
+    parallelize_blocks(model, repeated_blocks(model), dims, options, moe=bool(moe_blocks(model)))
 
 
 def train_without_cache(model: nn.Module) -> None:
