@@ -11,10 +11,10 @@ skipped in favour of ``is_causal``.
 ``transformers`` skips the whole preparation for an attention implementation that has no mask function of its
 own (its rule for external backends). :func:`causal_attention_without_mask_sync` registers ``transformers``' own
 SDPA attention under :data:`CAUSAL_ATTENTION_NAME`, in the attention interface only, and a forward pre-hook on
-the base model points the model's configs at it for a forward that passes no ``attention_mask``, no
-``past_key_values`` and no packed ``position_ids`` of its own, and back at ``"sdpa"`` for any other forward
-(padding masks, packed documents and generation keep the model's own masks). The attention computed is the same
-call: SDPA with ``is_causal=True``.
+the base model points the model's configs at it for a forward that passes no ``attention_mask``, no cache
+(``past_key_values``, or ``cache`` as transformers 5.25 names it) and no packed ``position_ids`` of its own, and
+back at ``"sdpa"`` for any other forward (padding masks, packed documents and generation keep the model's own
+masks). The attention computed is the same call: SDPA with ``is_causal=True``.
 
 Only for models whose every config asks for ``"sdpa"`` and whose layers are all full attention (a sliding window
 needs its mask). Under context parallelism the adapter registers its own attention instead (:mod:`.context`).
@@ -32,6 +32,9 @@ from torch import nn
 
 CAUSAL_ATTENTION_NAME = "lightning_d9d_causal"
 SDPA = "sdpa"
+# A forward given any of these keeps the model's own masks; "cache" is transformers' name for past_key_values
+# from 5.25 (a chunk of several new tokens after a cache needs the mask: SDPA's is_causal aligns top-left).
+NOT_PLAIN = ("attention_mask", "past_key_values", "cache", "position_ids")
 
 
 def causal_attention_without_mask_sync(model: nn.Module) -> bool:
@@ -89,9 +92,7 @@ class _CausalSwitch:
         return value is not None
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        plain = not any(
-            self._given(name, args, kwargs) for name in ("attention_mask", "past_key_values", "position_ids")
-        )
+        plain = not any(self._given(name, args, kwargs) for name in NOT_PLAIN)
         implementation = CAUSAL_ATTENTION_NAME if plain else SDPA
         for config in self.configs:
             if config._attn_implementation != implementation:

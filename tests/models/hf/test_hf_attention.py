@@ -61,6 +61,27 @@ def test_a_padding_mask_or_packed_positions_keep_the_model_s_masks() -> None:
     assert torch.equal(reference(input_ids=IDS).logits, model(input_ids=IDS).logits)  # and back
 
 
+def test_a_forward_with_a_cache_keeps_the_model_s_masks() -> None:
+    """Chunked decoding: a second chunk of several tokens attends to the cached ones. SDPA's ``is_causal`` would
+    align its mask top-left (each new token blind to the cache), so a forward with a cache must keep the model's
+    mask, under either name transformers gives the cache (``past_key_values``; ``cache`` from 5.25)."""
+    import inspect
+
+    reference, model = tiny_causal_lm("qwen3"), tiny_causal_lm("qwen3")
+    causal_attention_without_mask_sync(model)
+    forward = inspect.signature(model.model.forward).parameters
+    name = "cache" if "cache" in forward else "past_key_values"
+    logits = []
+    for lm in (reference, model):
+        first = lm(input_ids=IDS[:, :5], use_cache=True)
+        cache = getattr(first, name, None) or first.past_key_values
+        logits.append(lm(input_ids=IDS[:, 5:], use_cache=True, **{name: cache}).logits)
+        if lm is model:
+            assert model.config._attn_implementation == SDPA
+    assert torch.allclose(logits[0], logits[1], atol=1e-6)
+    assert torch.allclose(logits[0][:, -1], reference(input_ids=IDS).logits[:, -1], atol=1e-5)
+
+
 def test_a_sliding_window_or_another_attention_is_left_alone() -> None:
     windowed = tiny_causal_lm(
         "qwen3",
