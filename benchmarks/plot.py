@@ -5,6 +5,11 @@ in a 20-step window moves the mean by several per cent.
 
     python benchmarks/plot.py --out docs/benchmarks.png \\
         "dense, run A=benchmarks/results/<dir>/dense/run2.json" "MoE=benchmarks/results/<dir>/moe/run5.json"
+
+The scale ladder (issue 25) is the same plot with one run per model size (``h200_runs.sh ladder1.7b ladder4b``):
+
+    python benchmarks/plot.py --out docs/ladder.png "0.6B=<run>.json" "1.7B=$OUT/ladder1.7b/train_throughput.json" \\
+        "4B=$OUT/ladder4b/train_throughput.json"
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 BASELINE = "hf_fsdp_compiled"
-PEERS = ("titan_compiled",)  # another framework's path, in the run as a second baseline
+PEER_PREFIX = "titan_"  # another framework's paths (torchtitan bf16 and FP8), in the run as a second baseline
 PEER_COLOR = "tab:orange"
 
 
@@ -54,7 +59,11 @@ def main() -> None:
             for r in results
         ]
         colors = [
-            "tab:gray" if r["path"] == BASELINE else PEER_COLOR if r["path"] in PEERS else "tab:blue"
+            "tab:gray"
+            if r["path"] == BASELINE
+            else PEER_COLOR
+            if r["path"].startswith(PEER_PREFIX)
+            else "tab:blue"
             for r in results
         ]
         speed, memory = axes[0][column], axes[1][column]
