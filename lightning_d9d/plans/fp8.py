@@ -41,6 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -116,6 +117,12 @@ def apply_fp8(
         nonlocal converted
         # a Float8Linear is an nn.Linear too: never wrap one twice
         take = not isinstance(module, Float8Linear) and chosen(module, name)
+        if take and isinstance(getattr(module, "weight", None), DTensor):
+            # sharded by tp already: a new module would drop tp's hooks (a Tensor meets a DTensor in forward)
+            raise RuntimeError(
+                f"fp8={recipe!r}: {name} is already split by a tensor-parallel plan; convert the blocks first "
+                "(lightning_d9d.plans.convert_blocks_to_float8 before parallelize_tensor), as our models' plans do"
+            )
         converted += int(take and isinstance(module, nn.Linear))
         return take
 
