@@ -1,7 +1,7 @@
 """FP8 training through torchao (``D9DStrategy(fp8=...)``, ``plans/fp8.py``) on CPU, where torch emulates float8
 matmuls: which linear layers are converted, that FSDP over 2 ranks trains what one process does with the same
-conversion, that tp over 2 ranks (torchao's float8 styles) trains what one process does, that the conversion bites (the
-float8 run is not the fp32 one) and that a float8 model learns."""
+conversion, that tp over 2 ranks (torchao's float8 styles) does too, that the conversion bites (the float8 run is
+not the fp32 one) and that a float8 model learns."""
 
 from __future__ import annotations
 
