@@ -49,6 +49,7 @@ from lightning_d9d.plans import (
     check_sequence_length,
     check_tensor_parallel_sizes,
     column_parallel,
+    convert_blocks_to_float8,
     gather_sequence,
     local_to_sequence_shard,
     parallelize_blocks,
@@ -548,6 +549,8 @@ class Qwen3Stage(DecoderStage):
         """The model's plan for one pipeline stage (tensor parallelism as the whole model's, then the block
         plan): each stage is its own FSDP root. Between stages travel this rank's sequence shards."""
         require_degrees(dims, supported=("pp", *DATA_PARALLEL, "cp", "tp"), owner="Qwen3Stage")
+        # float8 linears first: the tp plan gives them torchao's float8 styles
+        convert_blocks_to_float8([self.layers], dims, options)
         self.split_over_tp(dims)
         if dims.cp_enabled:
             parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
@@ -637,6 +640,8 @@ class Qwen3ForCausalLM(CausalLM):
             owner="Qwen3ForCausalLM",
             alternatives={"pp": "call Qwen3Stage.parallelize on each pipeline stage (the d9d strategy does)"},
         )
+        # float8 linears first: the tp plan gives them torchao's float8 styles
+        convert_blocks_to_float8([self.model.layers], dims, options)
         split_model_over_tp(self, dims)
         if dims.cp_enabled:
             parallelize_context(self, dims.mesh_for("cp"), options.context_attention)

@@ -71,6 +71,7 @@ from lightning_d9d.modules.moe.router import TopKRouter
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
+    convert_blocks_to_float8,
     parallelize_blocks,
     parallelize_context,
     parallelize_expert,
@@ -258,6 +259,8 @@ class Qwen3MoeStage(DecoderStage):
         over cp, then activation checkpointing, compile and data parallelism per decoder layer); each stage its
         own FSDP root. Between stages travel this rank's sequence parts."""
         require_degrees(dims, supported=("pp", *_SUPPORTED), owner="Qwen3MoeStage")
+        # float8 linears first: the tp plan gives them torchao's float8 styles
+        convert_blocks_to_float8([self.layers], dims, options)
         self.split_over_tp(dims)
         parallelize_expert(self, dims, options)
         route_on_sequence_shards(self, dims, options)
@@ -352,6 +355,8 @@ class Qwen3MoeForCausalLM(CausalLM):
                 "pp": "call Qwen3MoeStage.parallelize on each pipeline stage (the d9d strategy does)",
             },
         )
+        # float8 linears first: the tp plan gives them torchao's float8 styles
+        convert_blocks_to_float8([self.model.layers], dims, options)
         split_model_over_tp(self, dims)
         parallelize_expert(self, dims, options)
         route_on_sequence_shards(self, dims, options)

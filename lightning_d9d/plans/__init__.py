@@ -1,6 +1,6 @@
 """Parallel plans: plain functions that change a module in place with torch's own distributed APIs."""
 
-from lightning_d9d.plans.blocks import parallelize_blocks
+from lightning_d9d.plans.blocks import convert_blocks_to_float8, parallelize_blocks
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing
 from lightning_d9d.plans.compile import apply_compile
 from lightning_d9d.plans.context import ContextSplitAware, parallelize_context, split_batch
@@ -42,6 +42,7 @@ __all__ = [
     "check_sequence_length",
     "check_tensor_parallel_sizes",
     "column_parallel",
+    "convert_blocks_to_float8",
     "gather_sequence",
     "local_loss",
     "local_to_sequence_shard",

@@ -1,5 +1,5 @@
-"""The part of every model's plan that follows TP/CP/EP: float8 linears, activation checkpointing, compile, data
-parallelism."""
+"""The part of every model's plan that follows TP/CP/EP: activation checkpointing, compile, data parallelism; and
+the float8 conversion that precedes TP (``convert_blocks_to_float8``)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,20 @@ from lightning_d9d.plans.options import ParallelOptions
 log = logging.getLogger("lightning_d9d.plans")
 
 BlockList = nn.ModuleList | nn.ModuleDict
+
+
+def convert_blocks_to_float8(
+    block_lists: Sequence[BlockList], dims: ParallelDims, options: ParallelOptions
+) -> None:
+    """The float8 linears ``options.fp8`` asks for (:mod:`lightning_d9d.plans.fp8`), in every block of
+    ``block_lists``. A model's plan calls it before its tp plan, which then gives the converted linears torchao's
+    float8 styles; ``parallelize_blocks`` calls it again, converting only what is left."""
+    if options.fp8 is None:
+        return
+    # float8 all-gathers pay where FSDP gathers shards; on one rank they only add a cast per block (measured:
+    # tensorwise at 0.54x bf16 on the 0.6B shape on an H200 with them)
+    every_block = [block for blocks in block_lists for block in _blocks_of(blocks)]
+    apply_fp8(every_block, options.fp8, dims, module_filter=options.fp8_filter, fsdp=dims.fsdp > 1)
 
 
 def parallelize_blocks(
@@ -48,12 +62,8 @@ def parallelize_blocks(
     mode without CUDA graphs, and one warning names the reason (:func:`~lightning_d9d.plans.compile.
     cudagraph_fallback`).
     """
-    if options.fp8 is not None:  # swaps modules: before checkpointing wraps and compile traces them
-        # float8 all-gathers pay where FSDP gathers shards; on one rank they only add a cast per block (measured:
-        # tensorwise at 0.54x bf16 on the 0.6B shape on an H200 with them)
-        fsdp = dims.fsdp > 1
-        every_block = [block for blocks in block_lists for block in _blocks_of(blocks)]
-        apply_fp8(every_block, options.fp8, dims, module_filter=options.fp8_filter, fsdp=fsdp)
+    # swaps modules: before checkpointing wraps and compile traces them (a no-op where the plan converted first)
+    convert_blocks_to_float8(block_lists, dims, options)
     kind = checkpointing_kind(options.activation_checkpointing)
     mode = compile_mode(options.compile)
     if mode is not None:

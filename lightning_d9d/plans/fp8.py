@@ -15,9 +15,20 @@ by 16, as float8 matmuls require. Not the embedding, the LM head (outside the bl
 where precision matters most), and not routers (a linear named ``gate`` or ``router``: their top-k choice is
 discontinuous, and they are small). Our grouped experts are not ``nn.Linear``s and stay in bf16.
 
-Applied before checkpointing, compile and FSDP (``parallelize_blocks``): the conversion swaps modules, and
-compile must see the float8 casts to fuse them. Under tp the plan is refused for now (torchao's float8 needs its
-own tensor-parallel styles, not composed yet).
+Applied first, before tensor parallelism, checkpointing, compile and FSDP (``plans.blocks.convert_blocks_to_float8``,
+which each model's plan calls before its tp plan; ``parallelize_blocks`` converts what a plan left unconverted): the
+conversion swaps modules, tp's styles must find the float8 linears to cast around them, and compile must see the
+float8 casts to fuse them.
+
+Under tp (:func:`float8_tensor_plan`, applied by ``parallelize_tensor``): a tensorwise ``Float8Linear`` gets
+torchao's float8 styles in place of torch's column- and row-parallel ones, and a block's sequence gather becomes
+a float8 gather where every column-parallel linear it feeds is converted. The activations are cast *before* the
+sequence all-gather and the gradients before their reduce, so tp's collectives move float8 and each scale is
+the amax of the whole (DTensor) tensor: the same scales as one process. torchao's float8 styles take one scale
+per tensor, so ``"rowwise"`` under tp is refused (:func:`check_fp8`): torchtitan runs it under torch's plain
+styles, but on CPU that run left the one-process run already at the first step (1.2e-5 in the loss, 40x
+tensorwise's), unexplained, so it is not offered until proven. gloo has no float8 type: tp's float8 gathers run
+on NCCL (the CPU tests move them as bytes).
 """
 
 from __future__ import annotations
@@ -25,32 +36,42 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+)
 
 from lightning_d9d.mesh import ParallelDims
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 Fp8Filter = Callable[[nn.Module, str], bool]
 log = logging.getLogger("lightning_d9d.plans")
-_UNDER_TP = (
-    "fp8={recipe!r} with tp={tp}: float8 linears under tensor parallelism need torchao's own parallel styles, not "
-    "composed yet; use tp=1 (FSDP, cp, ep and pp compose), or fp8=None"
+_FLOAT8_LINEAR = "torchao.float8.float8_linear"  # imported once anything is converted
+_ROWWISE_UNDER_TP = (
+    "{owner}: fp8='rowwise' with tp={tp}: torchao's float8 tensor-parallel styles take one scale per tensor, and "
+    "rowwise linears under torch's plain styles are not proven to train as one process does; use "
+    "fp8='tensorwise' with tp > 1, or tp=1 for rowwise (FSDP, cp, ep and pp compose)"
 )
 
 
 def check_fp8(recipe: str | None, *, owner: str, tp: int = 1) -> str | None:
-    """Refuse an unknown recipe, one without torchao installed, or one under tp, before any process group."""
+    """Refuse an unknown recipe, one without torchao installed, or rowwise under tp, before any process group."""
     if recipe is None:
         return None
     if recipe not in FP8_RECIPES:
         raise ValueError(
             f"{owner}: fp8={recipe!r}; choose one of {', '.join(map(repr, FP8_RECIPES))}, or None"
         )
-    if tp > 1:
-        raise NotImplementedError(_UNDER_TP.format(recipe=recipe, tp=tp))
+    if recipe == "rowwise" and tp > 1:
+        raise NotImplementedError(_ROWWISE_UNDER_TP.format(owner=owner, tp=tp))
     if importlib.util.find_spec("torchao") is None:
         raise ImportError(
             f"{owner}: fp8={recipe!r} needs torchao's float8 training: pip install 'lightning-d9d[fp8]' (or "
@@ -77,12 +98,14 @@ def apply_fp8(
     module_filter: Fp8Filter | None = None,
     fsdp: bool,
 ) -> int:
-    """Convert the chosen linear layers of every block in ``blocks`` to float8 training in place; returns how many.
+    """Convert the chosen linear layers of every block in ``blocks`` to float8 training in place; returns how many
+    float8 linears the blocks hold. Linears converted by an earlier call stay as they are (a model's plan converts
+    before its tp plan, ``parallelize_blocks`` again for plans that did not).
 
     ``fsdp``: whether FSDP2 will shard these blocks (then tensorwise casts before the all-gather)."""
-    if dims.tp_enabled:
-        raise NotImplementedError(_UNDER_TP.format(recipe=recipe, tp=dims.tp))
+    check_fp8(recipe, owner="apply_fp8", tp=dims.tp)
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     config: Any = Float8LinearConfig.from_recipe_name(recipe)
     if recipe == "tensorwise" and fsdp:  # the recipe's casts, the weights all-gathered in float8
@@ -92,16 +115,80 @@ def apply_fp8(
 
     def counted(module: nn.Module, name: str) -> bool:
         nonlocal converted
-        take = chosen(module, name)
+        # a Float8Linear is an nn.Linear too: never wrap one twice
+        take = not isinstance(module, Float8Linear) and chosen(module, name)
+        if take and isinstance(getattr(module, "weight", None), DTensor):
+            # sharded by tp already: a new module would drop tp's hooks (a Tensor meets a DTensor in forward)
+            raise RuntimeError(
+                f"fp8={recipe!r}: {name} is already split by a tensor-parallel plan; convert the blocks first "
+                "(lightning_d9d.plans.convert_blocks_to_float8 before parallelize_tensor), as our models' plans do"
+            )
         converted += int(take and isinstance(module, nn.Linear))
         return take
 
     for block in blocks:
         convert_to_float8_training(block, module_filter_fn=counted, config=config)
-    if converted == 0:
+    held = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
+    if held == 0:
         raise ValueError(
             f"fp8={recipe!r}: no linear layer of the model's blocks was chosen (both dims must divide by 16, "
             "and the filter must accept it); leave fp8=None, or pass a module filter that selects some"
         )
-    log.info("fp8 (%s): %d linear layers train in float8", recipe, converted)
-    return converted
+    if converted:
+        log.info("fp8 (%s): %d linear layers train in float8", recipe, converted)
+    return held
+
+
+def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """``plan`` (module name -> style, relative to ``module``) with torchao's float8 styles where its targets are
+    tensorwise ``Float8Linear``s: column- and row-parallel linears get ``Float8ColwiseParallel`` /
+    ``Float8RowwiseParallel`` with the same layouts, and a ``PrepareModuleInput`` (a block's sequence gather)
+    becomes ``PrepareFloat8ModuleInput`` when every column-parallel linear directly inside it is one (they are
+    what its gathered input feeds; a bf16 consumer would receive float8). Without float8 linears, ``plan``."""
+    if _FLOAT8_LINEAR not in sys.modules:  # nothing was converted: no need to import torchao
+        return dict(plan)
+    from torchao.float8.config import ScalingGranularity
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_tensor_parallel import (
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    def tensorwise(name: str) -> bool:
+        target = module.get_submodule(name)
+        return (
+            isinstance(target, Float8Linear)
+            and target.config.cast_config_input.scaling_granularity is ScalingGranularity.TENSORWISE
+        )
+
+    out: dict[str, ParallelStyle] = {}
+    for name, style in plan.items():
+        if isinstance(style, (ColwiseParallel, RowwiseParallel)) and tensorwise(name):
+            kind = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
+            out[name] = kind(
+                input_layouts=style.input_layouts[0],
+                output_layouts=style.output_layouts[0],
+                use_local_output=style.use_local_output,
+            )
+        else:
+            out[name] = style
+    for name, style in plan.items():
+        if type(style) is not PrepareModuleInput:
+            continue
+        inside = [
+            key
+            for key, child in plan.items()
+            if key.startswith(f"{name}.")
+            and "." not in key[len(name) + 1 :]
+            and isinstance(child, ColwiseParallel)
+        ]
+        if inside and all(tensorwise(key) for key in inside):
+            # the input is cast once, before the all-gather, and every projection reuses it; torchao's
+            # float8 styles take it as a DTensor (use_local_output=False), as torchtitan runs them
+            out[name] = PrepareFloat8ModuleInput(
+                input_layouts=style.input_layouts,
+                desired_input_layouts=style.desired_input_layouts,
+                use_local_output=False,
+            )
+    return out

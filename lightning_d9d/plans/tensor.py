@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from lightning_d9d.plans.fp8 import float8_tensor_plan
+
 # The sequence dim of ``[B, T, hidden]`` activations, and the heads dim of ``[B, T, heads, head_dim]``.
 SEQUENCE_DIM = 1
 HEADS_DIM = 2
@@ -168,13 +170,16 @@ def parallelize_tensor(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
     ``parallelize_module`` registers a new ``DTensor`` Parameter per parallelized module, which would untie
     parameters that several modules share (tied embeddings). Shared parameters are tied again afterwards,
     provided every style gave them the same layout (an embedding and a head both split over the vocabulary).
+    Where the plan targets torchao's float8 linears, their styles become torchao's float8 ones
+    (:func:`~lightning_d9d.plans.fp8.float8_tensor_plan`).
     """
     if tp_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_tensor needs the 1-D tp mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}"
         )
     shared = _shared_parameters(module)
-    parallelize_module(module, tp_mesh, dict(plan))
+    # float8 linears (converted before tp) cast around their collectives: torchao's styles in place of torch's
+    parallelize_module(module, tp_mesh, float8_tensor_plan(module, plan))
     for uses in shared:
         first_module, first_name = uses[0]
         param = getattr(first_module, first_name)

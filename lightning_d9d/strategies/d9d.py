@@ -126,7 +126,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8: train the transformer blocks' linear layers in float8 through torchao (``pip install
             'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8) or
             ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
-            (:mod:`lightning_d9d.plans.fp8`); refused with tp > 1 for now. ``None`` (default): off.
+            (:mod:`lightning_d9d.plans.fp8`). Under tp > 1 tensorwise only (torchao's float8 tp styles).
+            ``None`` (default): off.
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
 

@@ -57,6 +57,7 @@ from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
+    convert_blocks_to_float8,
     parallelize_blocks,
     parallelize_tensor,
     sum_gradients_over_tp,
@@ -241,6 +242,8 @@ class TransformersStage(nn.Module):
             owner=f"the transformers adapter's pipeline stage of {self.model_name}",
         )
         swap_hf_kernels(self)
+        layers = getattr(self.base_model, LAYERS)
+        convert_blocks_to_float8([layers], dims, options)  # before tp, as parallelize_hf
         if dims.tp_enabled:
             check_tensor_parallel_model(self, dims.tp)
             parallelize_tensor(self, dims.mesh_for("tp"), hf_tensor_plan(self))
@@ -257,5 +260,4 @@ class TransformersStage(nn.Module):
             )
         parallelize_hf_experts(self, dims, options)
         sum_gradients_over_tp(moe_blocks(self).values(), dims, options)  # as parallelize_hf (tp only)
-        layers = getattr(self.base_model, LAYERS)
         parallelize_blocks(self, [layers], dims, options, moe=bool(moe_blocks(self)))

@@ -30,6 +30,7 @@ from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.plans import (
     DATA_PARALLEL,
     ParallelOptions,
+    convert_blocks_to_float8,
     parallelize_blocks,
     parallelize_tensor,
     repeated_blocks,
@@ -106,6 +107,8 @@ def parallelize_hf(
     check_hf_model(model, dims)
     swap_hf_kernels(model)  # before any plan: only forwards change, names and shapes stay
     count_router_load(model)  # MoE routers count their load for ExpertLoadBalancing (outputs unchanged)
+    # float8 linears before tp (its plan gives them torchao's float8 styles), after the kernel swaps' probes
+    convert_blocks_to_float8(repeated_blocks(model), dims, options)
     if dims.tp_enabled:
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
