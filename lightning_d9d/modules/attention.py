@@ -236,27 +236,34 @@ def document_attention_mask(position_ids: torch.Tensor, name: str | None = None)
 _compiled_flex_attention: Callable[..., torch.Tensor] | None = None
 
 
-def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask) -> torch.Tensor:
+def _flex(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: BlockMask, scale: float | None = None
+) -> torch.Tensor:
     global _compiled_flex_attention
     gqa = q.shape[1] != k.shape[1]
     if torch.compiler.is_compiling() or not q.is_cuda:  # on CPU: torch's unfused reference (forward only)
-        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)  # type: ignore[return-value]
+        return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)  # type: ignore[return-value]
     if _compiled_flex_attention is None:
         _compiled_flex_attention = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex_attention(q, k, v, block_mask=block_mask, enable_gqa=gqa)
+    return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
 def document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    document_mask: DocumentMask,
+    *,
+    scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of a packed row, ``document_mask`` from
     :func:`document_attention_mask`: FlexAttention on its block mask, or SDPA with the dense boolean mask, exact
     on every device (torch picks the kernel that takes a mask: on CPU its fused kernel, on CUDA the
-    memory-efficient one)."""
+    memory-efficient one). ``scale``: the softmax scale, ``None`` for ``1 / sqrt(head_dim)``."""
     if isinstance(document_mask, BlockMask):
-        return _flex(q, k, v, document_mask)
+        return _flex(q, k, v, document_mask, scale)
     return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=document_mask, enable_gqa=q.shape[1] != k.shape[1]
+        q, k, v, attn_mask=document_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
 
 

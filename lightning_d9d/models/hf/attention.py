@@ -16,6 +16,15 @@ the base model points the model's configs at it for a forward that passes no ``a
 back at ``"sdpa"`` for any other forward (padding masks, packed documents and generation keep the model's own
 masks). The attention computed is the same call: SDPA with ``is_causal=True``.
 
+Packed rows (``position_ids`` restarting at 0 per document, no mask, no cache) take our documents' attention
+instead (:data:`DOCUMENTS_ATTENTION_NAME`): the pre-hook builds the mask once per forward from the positions
+(:func:`~lightning_d9d.modules.attention.document_attention_mask`: FlexAttention's block mask on CUDA for rows of
+whole 128-token blocks, SDPA's dense ``[B, 1, T, T]`` mask elsewhere, ``$LIGHTNING_D9D_DOCUMENT_ATTENTION``) and
+hands it to every attention call as the keyword :data:`DOCUMENT_MASK_KWARG`, which ``transformers`` passes from
+the decoder through each layer to the attention function. ``transformers``' own packed path builds the dense mask
+after a host sync per forward (``find_packed_sequence_indices``); ours has neither. Where the decoder's forward
+takes no extra keywords, or attention dropout is on in training, packed rows keep ``transformers``' own path.
+
 Only for models whose every config asks for ``"sdpa"`` and whose layers are all full attention (a sliding window
 needs its mask). Under context parallelism the adapter registers its own attention instead (:mod:`.context`).
 
@@ -25,16 +34,25 @@ Nothing here imports ``transformers``.
 from __future__ import annotations
 
 import inspect
+import math
+import os
 import sys
 from typing import Any
 
+import torch
 from torch import nn
 
+from lightning_d9d.modules.attention import document_attention, document_attention_mask
+
 CAUSAL_ATTENTION_NAME = "lightning_d9d_causal"
+DOCUMENTS_ATTENTION_NAME = "lightning_d9d_documents"
+DOCUMENT_MASK_KWARG = "d9d_document_mask"
+#: ``0`` keeps ``transformers``' own packed path (its dense mask, after a host sync) for packed rows.
+DOCUMENTS_ENV_VAR = "LIGHTNING_D9D_HF_DOCUMENT_ATTENTION"
 SDPA = "sdpa"
 # A forward given any of these keeps the model's own masks; "cache" is transformers' name for past_key_values
 # from 5.25 (a chunk of several new tokens after a cache needs the mask: SDPA's is_causal aligns top-left).
-NOT_PLAIN = ("attention_mask", "past_key_values", "cache", "position_ids")
+MASKED = ("attention_mask", "past_key_values", "cache")
 
 
 def causal_attention_without_mask_sync(model: nn.Module) -> bool:
@@ -48,6 +66,7 @@ def causal_attention_without_mask_sync(model: nn.Module) -> bool:
     if interface is None or not isinstance(registered, dict) or SDPA not in registered:
         return False
     interface.register(CAUSAL_ATTENTION_NAME, registered[SDPA])
+    interface.register(DOCUMENTS_ATTENTION_NAME, documents_attention_forward)
     base = getattr(model, "base_model", None)
     base = base if isinstance(base, nn.Module) else model
     base.register_forward_pre_hook(_CausalSwitch(base, configs), with_kwargs=True)
@@ -78,22 +97,75 @@ def _plain_causal(config: Any) -> bool:
 
 class _CausalSwitch:
     """The base model's forward pre-hook: the configs at :data:`CAUSAL_ATTENTION_NAME` for a plain causal
-    forward, at ``"sdpa"`` otherwise."""
+    forward, at :data:`DOCUMENTS_ATTENTION_NAME` (with the documents' mask as a keyword) for packed rows, at
+    ``"sdpa"`` otherwise."""
 
     def __init__(self, base: nn.Module, configs: list[Any]) -> None:
         self.configs = configs
         parameters = inspect.signature(base.forward).parameters.values()
         names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         self.index = {name: i for i, name in enumerate(names)}
+        # the mask reaches the attention as a keyword the decoder hands on to its layers (**kwargs)
+        self.takes_keywords = any(p.kind is p.VAR_KEYWORD for p in parameters)
 
-    def _given(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _value(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         i = self.index.get(name)
-        value = args[i] if i is not None and i < len(args) else kwargs.get(name)
-        return value is not None
+        return args[i] if i is not None and i < len(args) else kwargs.get(name)
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        plain = not any(self._given(name, args, kwargs) for name in NOT_PLAIN)
-        implementation = CAUSAL_ATTENTION_NAME if plain else SDPA
+    def _documents(self, module: nn.Module) -> bool:
+        """Whether packed rows may take our documents' attention (dropout in training would need its own)."""
+        if not self.takes_keywords or os.environ.get(DOCUMENTS_ENV_VAR, "1") == "0":
+            return False
+        return not module.training or all(
+            not getattr(config, "attention_dropout", 0.0) for config in self.configs
+        )
+
+    def __call__(
+        self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        masked = any(self._value(name, args, kwargs) is not None for name in MASKED)
+        positions = self._value("position_ids", args, kwargs)
+        result = None
+        if masked:
+            implementation = SDPA
+        elif positions is None:
+            implementation = CAUSAL_ATTENTION_NAME
+        elif self._documents(module):
+            implementation = DOCUMENTS_ATTENTION_NAME
+            result = args, {**kwargs, DOCUMENT_MASK_KWARG: document_attention_mask(positions)}
+        else:
+            implementation = SDPA
         for config in self.configs:
             if config._attn_implementation != implementation:
                 config._attn_implementation = implementation
+        return result
+
+
+def documents_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers``' attention-function signature (``[B, heads, T, head_dim]`` in, ``[B, T, heads,
+    head_dim]`` out, no weights): causal attention within each document, by the mask the pre-hook built for
+    this forward (:data:`DOCUMENT_MASK_KWARG`)."""
+    mask = kwargs.get(DOCUMENT_MASK_KWARG)
+    if mask is None:
+        raise RuntimeError(
+            f"{type(module).__name__}: packed rows reached the documents' attention without their mask (the "
+            f"decoder did not hand the keyword {DOCUMENT_MASK_KWARG!r} to its layers); set "
+            f"{DOCUMENTS_ENV_VAR}=0 to keep transformers' own packed path"
+        )
+    if dropout:
+        raise RuntimeError(
+            f"{type(module).__name__}: the documents' attention has no dropout (got {dropout})"
+        )
+    default = 1.0 / math.sqrt(query.shape[-1])
+    scale = None if scaling is None or math.isclose(scaling, default, rel_tol=1e-6) else scaling
+    out = document_attention(query, key, value, mask, scale=scale)
+    return out.transpose(1, 2).contiguous(), None

@@ -9,7 +9,13 @@ import torch
 import transformers.masking_utils as masking_utils
 from tiny_hf import VOCAB, tiny_causal_lm
 
-from lightning_d9d.models.hf.attention import CAUSAL_ATTENTION_NAME, SDPA, causal_attention_without_mask_sync
+from lightning_d9d.models.hf.attention import (
+    CAUSAL_ATTENTION_NAME,
+    DOCUMENTS_ATTENTION_NAME,
+    DOCUMENTS_ENV_VAR,
+    SDPA,
+    causal_attention_without_mask_sync,
+)
 
 IDS = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(3))
 
@@ -44,7 +50,7 @@ def test_a_plain_causal_forward_skips_the_mask_and_gives_the_same_numbers(
     assert all(p.grad is not None for p in model.parameters())
 
 
-def test_a_padding_mask_or_packed_positions_keep_the_model_s_masks() -> None:
+def test_a_padding_mask_keeps_the_model_s_masks() -> None:
     reference, model = tiny_causal_lm("qwen3"), tiny_causal_lm("qwen3")
     causal_attention_without_mask_sync(model)
     mask = torch.ones_like(IDS)
@@ -53,12 +59,52 @@ def test_a_padding_mask_or_packed_positions_keep_the_model_s_masks() -> None:
         reference(input_ids=IDS, attention_mask=mask).logits, model(input_ids=IDS, attention_mask=mask).logits
     )
     assert model.config._attn_implementation == SDPA
-    packed = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]).expand(3, -1)  # two documents per row
-    assert torch.equal(
-        reference(input_ids=IDS, position_ids=packed).logits, model(input_ids=IDS, position_ids=packed).logits
-    )
-    assert not torch.equal(reference(input_ids=IDS).logits, model(input_ids=IDS, position_ids=packed).logits)
     assert torch.equal(reference(input_ids=IDS).logits, model(input_ids=IDS).logits)  # and back
+
+
+PACKED = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5, 6, 7], [0, 0, 1, 0, 1, 2, 0, 1]])
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "qwen3_moe"])
+def test_packed_rows_take_our_documents_attention_without_transformers_packed_check(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed rows: our mask, built once per forward from the positions, gives transformers' own packed numbers
+    (which cost a host sync in its packed-sequence check) in forward and backward, and each document alone."""
+    reference, model = tiny_causal_lm(family), tiny_causal_lm(family)
+    assert causal_attention_without_mask_sync(model)
+    calls = packed_check_calls(monkeypatch)
+    expected = reference(input_ids=IDS, position_ids=PACKED, use_cache=False).logits
+    assert len(calls) == 1  # transformers' own packed path checks the positions on the host
+    got = model(input_ids=IDS, position_ids=PACKED, use_cache=False).logits
+    assert len(calls) == 1  # ours does not
+    assert model.config._attn_implementation == DOCUMENTS_ATTENTION_NAME
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    expected.square().sum().backward()
+    got.square().sum().backward()
+    for (name, theirs), ours in zip(reference.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # the second document of row 0 (tokens 3..7) alone, at positions 0..4: the same outputs
+    alone = reference(input_ids=IDS[:1, 3:], use_cache=False).logits
+    torch.testing.assert_close(got[:1, 3:], alone, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got[:1, 3:], reference(input_ids=IDS[:1], use_cache=False).logits[:, 3:])
+
+
+def test_packed_rows_keep_transformers_path_where_asked_or_where_dropout_trains(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = tiny_causal_lm("qwen3")
+    causal_attention_without_mask_sync(model)
+    monkeypatch.setenv(DOCUMENTS_ENV_VAR, "0")
+    model(input_ids=IDS, position_ids=PACKED)
+    assert model.config._attn_implementation == SDPA
+    monkeypatch.delenv(DOCUMENTS_ENV_VAR)
+    dropping = tiny_causal_lm("qwen3", attention_dropout=0.1)
+    causal_attention_without_mask_sync(dropping)
+    dropping.train()(input_ids=IDS, position_ids=PACKED)
+    assert dropping.config._attn_implementation == SDPA
+    dropping.eval()(input_ids=IDS, position_ids=PACKED)  # no dropout in evaluation
+    assert dropping.config._attn_implementation == DOCUMENTS_ATTENTION_NAME
 
 
 def test_a_forward_with_a_cache_keeps_the_model_s_masks() -> None:
