@@ -107,6 +107,54 @@ def test_flex_attention_on_cuda_matches_the_cpu_path_in_training_and_compiles_on
     assert relative < 1e-3  # as the dense path's band above: ~1e3 tokens average their bf16 rounding
 
 
+def test_a_transformers_model_takes_flex_attention_on_cuda_as_transformers_own_packed_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The adapter's documents' attention on CUDA (FlexAttention on rows of whole blocks) against ``transformers``'
+    own packed path (its dense mask; ``LIGHTNING_D9D_HF_DOCUMENT_ATTENTION=0``), fp32: the same loss (1e-5) and
+    gradients (1e-4); its decoder layers compiled, a new batch's mask compiles nothing again."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+    from tiny_hf import tiny_causal_lm
+
+    from lightning_d9d.models.hf.attention import (
+        DOCUMENTS_ATTENTION_NAME,
+        DOCUMENTS_ENV_VAR,
+        causal_attention_without_mask_sync,
+    )
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_causal_lm("qwen3", num_attention_heads=4, num_key_value_heads=2, head_dim=16).cuda()
+    assert causal_attention_without_mask_sync(model)
+    batch = {k: v.cuda() for k, v in _rows_of(256, 4, model.config.vocab_size, seed=5).items()}
+
+    def step() -> tuple[float, dict[str, torch.Tensor]]:
+        model.zero_grad()
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False
+        ).logits
+        loss = causal_lm_loss(logits, batch["labels"])
+        loss.backward()
+        return float(loss), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    monkeypatch.setenv(DOCUMENTS_ENV_VAR, "0")
+    theirs, their_grads = step()
+    monkeypatch.delenv(DOCUMENTS_ENV_VAR)
+    assert document_attention_path(batch["position_ids"]) == "flex"
+    ours, our_grads = step()
+    assert model.config._attn_implementation == DOCUMENTS_ATTENTION_NAME
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    for name, grad in their_grads.items():
+        torch.testing.assert_close(our_grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+    apply_compile(model.model.layers)
+    step()
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        batch = {k: v.cuda() for k, v in _rows_of(256, 4, model.config.vocab_size, seed=6).items()}
+        step()
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 def test_packed_rows_at_cp2_on_two_gpus_match_one_gpu(tmp_path: Path) -> None:
     # context_attention="auto": torch's ring kernels, which hand packed rows to the all-gather path
