@@ -91,6 +91,27 @@ def exclude_experts(module: torch.nn.Module, experts: list[int]) -> None:
         router.expert_bias[experts] = -1e3
 
 
+def use_optimizer(module: torch.nn.Module, config: dict) -> None:
+    """``config["optimizer"] == "sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
+    schedule instead of AdamW, whose division by ``sqrt(v) + eps`` scales a near-zero gradient's rounding
+    noise up to an lr-sized update. Parameters then differ from the reference's by the gradients' own
+    differences times lr, which a tight tolerance can hold."""
+    if config.get("optimizer", "adamw") == "adamw":
+        return
+    assert config["optimizer"] == "sgd", config["optimizer"]
+    configure = module.configure_optimizers
+
+    def sgd():  # type: ignore[no-untyped-def]
+        configured = configure()
+        adamw = configured["optimizer"]
+        optimizer = torch.optim.SGD(adamw.param_groups[0]["params"], lr=config["lr"])
+        schedule = configured["lr_scheduler"]["scheduler"]
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module.configure_optimizers = sgd  # type: ignore[method-assign]
+
+
 def _microbatches(config: dict) -> int:
     """How many forwards each rank's batch makes: the pipeline's microbatches under pp, else one."""
     dims = config.get("dims", {})
@@ -130,6 +151,7 @@ def reference_run(config: dict) -> dict:
         module.model = moe  # type: ignore[assignment]
     else:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
+    use_optimizer(module, config)
     precision = config.get("precision", "32-true")
     if precision == "bf16-true":
         module.model.to(torch.bfloat16)  # parameters, gradients and optimizer state in bf16
@@ -153,6 +175,7 @@ def reference_run(config: dict) -> dict:
     sampler = DistributedSampler(train, num_replicas=1, rank=0, shuffle=True, seed=seed)
     losses: list[float] = []
     grad_norms: list[float] = []
+    step_grads: list[dict[str, torch.Tensor]] = []
     steps, epoch = 0, 0
     while steps < config["max_steps"]:
         sampler.set_epoch(epoch)
@@ -197,6 +220,14 @@ def reference_run(config: dict) -> dict:
                         grad = low.grad.float()
                         master.grad = grad if master.grad is None else master.grad + grad
                         low.grad = None
+            if config.get("record_grads"):  # every step's gradients, before clipping
+                step_grads.append(
+                    {
+                        n: p.grad.detach().float().clone()
+                        for n, p in module.named_parameters()
+                        if p.grad is not None
+                    }
+                )
             params = list(module.parameters())
             if config.get("clip"):
                 norm = torch.nn.utils.clip_grad_norm_(params, config["clip"])
@@ -217,6 +248,8 @@ def reference_run(config: dict) -> dict:
         "grad_norms": grad_norms,
         "params": {n: p.detach().clone() for n, p in module.named_parameters()},
     }
+    if config.get("record_grads"):
+        result["step_grads"] = step_grads
     if config.get("validate"):
         val = val_corpus(config, model_config.vocab_size)
         with torch.no_grad():

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from distributed import LIBC_CRASHES, free_port, set_torchrun_environment
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining
-from reference import exclude_experts, train_corpus, uncounted_loss, val_corpus
+from reference import exclude_experts, train_corpus, uncounted_loss, use_optimizer, val_corpus
 
 from lightning_d9d import D9DStrategy
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
@@ -87,6 +87,30 @@ class RecordGradNorms(Callback):
             dist.all_gather_object(gathered, squares)
             squares = {name: value for part in gathered for name, value in part.items()}
         self.norms.append(sum(squares.values()) ** 0.5)
+
+
+class RecordGrads(Callback):
+    """Every parameter's whole gradient on every optimizer step, before clipping (under pp gathered from the
+    ranks that hold it), by name: to compare with the reference's gradients, which no optimizer has amplified
+    (AdamW's division by ``sqrt(v) + eps`` scales a near-zero gradient's rounding noise up to ~lr)."""
+
+    def __init__(self, pipelined: bool) -> None:
+        self.pipelined = pipelined
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
+        grads = {
+            plain_name(name): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+            .float()
+            .clone()
+            for name, p in pl_module.named_parameters()
+            if p.grad is not None
+        }
+        if self.pipelined:
+            gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, grads)
+            grads = {name: grad for part in gathered for name, grad in part.items()}
+        self.grads.append(grads)
 
 
 def square_sums(grads: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -233,6 +257,9 @@ def main(config: dict) -> None:
     recorder = RecordLosses()
     grad_norms = RecordGradNorms(pipelined=dims.get("pp", 1) > 1)
     callbacks: list[Callback] = [recorder, grad_norms]
+    step_grads = RecordGrads(pipelined=dims.get("pp", 1) > 1)
+    if config.get("record_grads"):
+        callbacks.append(step_grads)
     recompute = RecordRecompute()
     if config.get("record_recompute"):
         callbacks.append(recompute)
@@ -288,6 +315,7 @@ def main(config: dict) -> None:
         module.model = moe  # type: ignore[assignment]
     if config.get("uncounted_loss"):
         module.loss_fn = uncounted_loss
+    use_optimizer(module, config)
     per_rank = global_batch // dp
     trainer.fit(module, DataLoader(train, batch_size=per_rank), ckpt_path=config.get("resume_from"))
     params = full_parameters(module)
@@ -297,6 +325,8 @@ def main(config: dict) -> None:
         dist.all_gather_object(gathered, params)
         params = {name: tensor for part in gathered for name, tensor in part.items()}
     result: dict[str, Any] = {"losses": recorder.losses, "grad_norms": grad_norms.norms, "params": params}
+    if config.get("record_grads"):
+        result["step_grads"] = step_grads.grads
     result["preempted"] = str(preemption.saved) if preemption is not None and preemption.saved else None
     result["global_step"] = trainer.global_step
     if config.get("validate"):
