@@ -6,7 +6,9 @@ libraries that have the same kernel (``liger-kernel``, ``cut-cross-entropy``) wh
 Per kernel and shape: forward and forward+backward time, achieved GB/s (the bytes a fused kernel must move,
 counted once) against the copy bandwidth measured in the same run; the fused LM-head cross-entropy's peak
 memory against logits + cross-entropy at vocab 151,936; and the attention table: SDPA's backends (and
-``flash-attn`` if installed) at seq 2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s.
+``flash-attn`` through our ``flash_attn`` backend, if installed, and what the registry picks) at seq
+2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s; the grouped GEMM backends (``torch``,
+``triton``, the ``grouped_gemm`` package if installed, ``loop``) at the MoE shapes.
 Everything is bf16. Results go to docs/benchmarks.md by hand (with the GPU, versions and date printed here).
 """
 
@@ -298,6 +300,8 @@ def cross_entropy_rows(quick: bool) -> list[dict[str, Any]]:
 def attention_rows(quick: bool) -> list[dict[str, Any]]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    from lightning_d9d.modules.attention import select_attention_backend
+
     heads, kv_heads, head_dim, tokens = 16, 8, 128, 16384
     backends = {
         "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -314,6 +318,10 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
         v = torch.randn(batch, kv_heads, seq, head_dim, device="cuda", dtype=DTYPE).requires_grad_()
         flops = 4 * batch * heads * seq * seq * head_dim / 2  # causal: half of the score matrix
         variants: dict[str, Callable[[], torch.Tensor]] = {}
+        if flash_attn is not None:
+            variants["flash-attn (backend flash_attn)"] = partial(
+                select_attention_backend(q, "flash_attn").run, q, k, v
+            )
         for name, backend in backends.items():
             if name == "math" and seq > 2048:
                 continue  # materialises [B, H, T, T] in fp32: minutes, and known to be slowest
@@ -334,10 +342,8 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
         variants["sdpa default (gqa)"] = lambda: F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=True
         )
-        if flash_attn is not None:
-            variants["flash-attn"] = lambda: flash_attn(  # type: ignore[misc]
-                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True
-            ).transpose(1, 2)
+        chosen = select_attention_backend(q)
+        variants[f"registry auto ({chosen.name})"] = partial(chosen.run, q, k, v)
         shape = f"B{batch} T{seq} H16/8 D128"
         for name, forward in variants.items():
             rows.append(flops_row("attention", shape, name, forward, [q, k, v], flops, 3.5 * flops, iters=10))
@@ -386,9 +392,9 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     Qwen3-MoE-like shape: 16384 tokens, hidden 1024, top-8 of 128 experts, expert width 768."""
     import os
 
-    from lightning_d9d.kernels import grouped_mm, permute_tokens, unpermute_tokens
+    from lightning_d9d.kernels import permute_tokens, unpermute_tokens
 
-    tokens, hidden, top_k, experts, width = 16384, 1024, 8, 128, 768
+    tokens, hidden, top_k, experts = 16384, 1024, 8, 128
     x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE).requires_grad_()
     indices = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
     weights = torch.rand(tokens, top_k, device="cuda").requires_grad_()
@@ -438,14 +444,43 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         moved,
         copy_gbs,
     )
-    sizes = torch.bincount(indices.reshape(-1), minlength=experts)
-    a = torch.randn(tokens * top_k, hidden, device="cuda", dtype=DTYPE).requires_grad_()
-    w = (torch.randn(experts, hidden, width, device="cuda") * 0.03).to(DTYPE).requires_grad_()
-    flops = 2 * tokens * top_k * hidden * width
-    shape = f"{tokens * top_k}x{hidden} @ {experts}x{hidden}x{width}"
-    for backend in ("torch", "triton", "loop"):
-        forward = partial(grouped_mm, a, w, sizes, backend=backend)
-        rows.append(flops_row("grouped GEMM", shape, backend, forward, [a, w], flops, 3 * flops, iters=10))
+    return rows + grouped_gemm_rows(GEMM_SHAPES[:1])
+
+
+# (experts, K, N): Qwen3-MoE-like (128 experts of width 768, the up projection), and the MoE benchmark's model
+# (64 experts of width 384: gate+up 1024 -> 768, down 384 -> 1024); 16384 tokens, top-8.
+GEMM_SHAPES = [(128, 1024, 768), (64, 1024, 768), (64, 384, 1024)]
+
+
+def grouped_gemm_rows(
+    shapes: list[tuple[int, int, int]], tokens: int = 16384, top_k: int = 8
+) -> list[dict[str, Any]]:
+    """The grouped GEMM backends (and what ``auto`` picks) on uniformly routed tokens, forward and forward +
+    backward. ``grouped_gemm`` is the package's backend (group sizes copied to the host, as it needs); "device
+    sizes" is the package called directly with the sizes on the GPU (its CUTLASS build's path, no sync)."""
+    from lightning_d9d.kernels import grouped_mm
+    from lightning_d9d.kernels.grouped_gemm import select_grouped_gemm_backend
+
+    package = _library("grouped_gemm.ops", "gmm")
+    rows = []
+    for experts, k, n in shapes:
+        indices = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=1).indices
+        sizes = torch.bincount(indices.reshape(-1), minlength=experts)
+        a = torch.randn(tokens * top_k, k, device="cuda", dtype=DTYPE).requires_grad_()
+        w = (torch.randn(experts, k, n, device="cuda") * 0.03).to(DTYPE).requires_grad_()
+        flops = 2 * tokens * top_k * k * n
+        shape = f"{tokens * top_k}x{k} @ {experts}x{k}x{n}"
+        variants: dict[str, Callable[[], torch.Tensor]] = {
+            backend: partial(grouped_mm, a, w, sizes, backend=backend)
+            for backend in ("torch", "triton", "grouped_gemm", "loop")
+        }
+        variants[f"auto ({select_grouped_gemm_backend(a, w).name})"] = partial(grouped_mm, a, w, sizes)
+        if package is not None:
+            variants["grouped_gemm, device sizes"] = partial(
+                package, a, w, sizes.to(torch.int64), trans_b=False
+            )
+        for name, forward in variants.items():
+            rows.append(flops_row("grouped GEMM", shape, name, forward, [a, w], flops, 3 * flops, iters=10))
     return rows
 
 
@@ -454,7 +489,9 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write all rows as JSON here")
     parser.add_argument("--quick", action="store_true", help="fewer shapes (a smoke run)")
     parser.add_argument(
-        "--only", default="elementwise,ce,attention,projections,moe", help="comma-separated parts to run"
+        "--only",
+        default="elementwise,ce,attention,projections,moe",
+        help="comma-separated parts to run (also: grouped_gemm, the GEMM backends at every MoE shape)",
     )
     args = parser.parse_args()
     started = time.time()
@@ -469,7 +506,7 @@ def main() -> None:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
     }
-    for lib in ("liger_kernel", "cut_cross_entropy", "flash_attn"):
+    for lib in ("liger_kernel", "cut_cross_entropy", "flash_attn", "grouped_gemm"):
         try:
             module = importlib.import_module(lib)
             env[lib] = getattr(module, "__version__", "installed")
@@ -488,6 +525,8 @@ def main() -> None:
         rows += attention_rows(args.quick)
     if "projections" in parts:
         rows += projection_rows()
+    if "grouped_gemm" in parts:  # the GEMMs alone, every shape (moe runs the first with the permutation)
+        rows += grouped_gemm_rows(GEMM_SHAPES)
     if "moe" in parts:
         try:
             rows += moe_rows(copy_gbs)

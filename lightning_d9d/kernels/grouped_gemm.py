@@ -188,10 +188,17 @@ def _grouped_gemm_installed() -> bool:
 
 
 def package_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """The ``grouped_gemm`` package's ``ops.gmm`` (it reads the group sizes as CPU int64)."""
+    """The ``grouped_gemm`` package's ``ops.gmm``. It reads the group sizes as CPU int64 (a host
+    synchronisation: its cuBLAS build needs them there; its CUTLASS build would also take them on the device)
+    and takes contiguous operands only: a ``w`` that is the transposed view of a contiguous ``[G, N, K]``
+    (transformers' expert layout, ``models/hf/expert.py``) goes as that tensor with ``trans_b``, no copy."""
     ops = importlib.import_module("grouped_gemm.ops")
     batch_sizes = group_sizes.to(device="cpu", dtype=torch.int64)
-    result: torch.Tensor = ops.gmm(x, w, batch_sizes, trans_b=False)
+    x = x.contiguous()
+    if not w.is_contiguous() and w.transpose(1, 2).is_contiguous():
+        transposed: torch.Tensor = ops.gmm(x, w.transpose(1, 2), batch_sizes, trans_b=True)
+        return transposed
+    result: torch.Tensor = ops.gmm(x, w.contiguous(), batch_sizes, trans_b=False)
     return result
 
 
@@ -200,6 +207,12 @@ def _package_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
         return "the grouped_gemm package is not installed (pip install 'lightning-d9d[grouped-gemm]')"
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return f"grouped_gemm runs bf16 on CUDA only, got {x.dtype} / {w.dtype} on {x.device}"
+    if x.shape[1] % 8 or w.shape[2] % 8:
+        # its CUTLASS kernel loads 16 bytes at a time and does not check the problem sizes against that
+        return (
+            f"grouped_gemm needs K ({x.shape[1]}) and N ({w.shape[2]}) to be multiples of 8 (16-byte rows of "
+            "bf16); pad the expert sizes"
+        )
     return None
 
 

@@ -99,7 +99,8 @@ def test_grouped_gemm_package_is_optional(monkeypatch: pytest.MonkeyPatch) -> No
         a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False
     ) -> torch.Tensor:
         calls.append((a.shape, b.shape, batch_sizes, trans_b))
-        return gg.loop_grouped_mm(a, b, batch_sizes)
+        assert a.is_contiguous() and b.is_contiguous()  # the package's TORCH_CHECKs
+        return gg.loop_grouped_mm(a, b.transpose(1, 2) if trans_b else b, batch_sizes)
 
     package = types.ModuleType("grouped_gemm")
     package.__spec__ = importlib.machinery.ModuleSpec("grouped_gemm", None)
@@ -115,6 +116,11 @@ def test_grouped_gemm_package_is_optional(monkeypatch: pytest.MonkeyPatch) -> No
     (a_shape, b_shape, batch_sizes, trans_b) = calls[0]
     assert (a_shape, b_shape, trans_b) == (x.shape, w.shape, False)
     assert batch_sizes.device.type == "cpu" and batch_sizes.dtype == torch.int64
+    # transformers' layout: w the transposed view of a contiguous [G, N, K], handed over as that with trans_b
+    w_nk = w.transpose(1, 2).contiguous()
+    out = gg.package_grouped_mm(x, w_nk.transpose(1, 2), group_sizes)
+    torch.testing.assert_close(out, rowwise_reference(x, w, SIZES))
+    assert calls[-1][1:2] == (w_nk.shape,) and calls[-1][3] is True
 
 
 def test_registered_backend_goes_first_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
