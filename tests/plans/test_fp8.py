@@ -125,8 +125,8 @@ def fsdp_rank(recipe: str | None) -> dict[str, Any]:
     return {"losses": losses, "params": full_parameters(model), "float8": len(float8_names(model))}
 
 
-def plain_float8_run(recipe: str | None) -> dict[str, Any]:
-    """One process, no FSDP, no DTensor: torchao's conversion applied to the blocks by hand."""
+def converted_by_hand(recipe: str | None) -> Qwen3ForCausalLM:
+    """The seeded tiny model, one process, no DTensor: torchao's conversion applied to the blocks by hand."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
@@ -136,6 +136,12 @@ def plain_float8_run(recipe: str | None) -> dict[str, Any]:
             convert_to_float8_training(
                 block, module_filter_fn=fp8_linear_filter, config=Float8LinearConfig.from_recipe_name(recipe)
             )
+    return model
+
+
+def plain_float8_run(recipe: str | None) -> dict[str, Any]:
+    """One process, no FSDP, no DTensor: torchao's conversion applied to the blocks by hand."""
+    model = converted_by_hand(recipe)
     return {"losses": train(model, range(2), 2), "params": full_parameters(model)}
 
 
@@ -223,15 +229,7 @@ def tp_rank(recipe: str | None) -> dict[str, Any]:
 
 def whole_batch_run(recipe: str | None) -> dict[str, Any]:
     """One process, no DTensor, the whole batch at once (what each tp rank sees): torchao's conversion by hand."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config.tiny())
-    if recipe is not None:
-        for block in model.model.layers.values():
-            convert_to_float8_training(
-                block, module_filter_fn=fp8_linear_filter, config=Float8LinearConfig.from_recipe_name(recipe)
-            )
+    model = converted_by_hand(recipe)
     seen = first_attention_input(model)
     return {"losses": train(model, range(1), 1, lr=TP_LR), "params": full_parameters(model), **seen}
 
