@@ -211,11 +211,11 @@ def cuda_only(args: argparse.Namespace) -> str | None:
     if args.device == "cuda":
         return None
     if args.async_tp:
-        return "--async-tp: micro-pipelined TP runs on CUDA symmetric memory (NCCL) only"
+        return "--async-tp: micro-pipelined TP runs on CUDA only (symmetric memory, NCCL)"
     if args.cp > 1 and args.context_attention == "torch_ring":
-        return "--context-attention torch_ring: torch's ring attention kernels are CUDA only"
+        return "--context-attention torch_ring: torch's ring attention kernels run on CUDA only"
     if args.ep > 1 and args.dispatcher == "deepep":
-        return "--dispatcher deepep: DeepEP's kernels are CUDA only"
+        return "--dispatcher deepep: DeepEP's kernels run on CUDA only"
     return None
 
 
