@@ -2,7 +2,8 @@
 
     python benchmarks/compare_layouts.py runs/h200x2/layouts/layouts.jsonl [--tolerance 0.02]
 
-Rows group by what must match for their losses to compare: impl, model, seq_len, global batch and steps. A
+Rows group by what must match for their losses to compare: impl, model, seq_len, global batch, steps and
+whether the head is tied. A
 group's reference is its one-GPU (one-process) bf16 row, else its first row (the fp8 part's bf16 dp_shard=2, the
 async-TP part's plain tp=2). Per row: tokens/s per GPU and the fullest rank's peak memory against the reference,
 and the final loss and the mean of the last 10 losses relative to the reference's.
@@ -32,7 +33,7 @@ TOLERANCE = 0.02
 
 
 def group_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row["impl"], row["model"], row["seq_len"], row["global_batch"], row.get("steps"))
+    return (row["impl"], row["model"], row["seq_len"], row["global_batch"], row.get("steps"), row.get("tied"))
 
 
 def label(row: dict[str, Any]) -> str:

@@ -154,8 +154,9 @@ def run_hf_baseline(args: argparse.Namespace, config: Any) -> tuple[StepTimer, A
 def model_config(args: argparse.Namespace) -> Any:
     if args.model in ("moe", "moe_tiny"):
         return _moe_config(args.model)
-    # A tied head cannot be split from the embedding over pipeline stages.
-    untied = {"tie_word_embeddings": False} if args.pp > 1 else {}
+    # A tied head cannot be split from the embedding over pipeline stages; --untied unties every layout's alike
+    # (a loss comparison with pp=2 needs its one-GPU reference to be the same model).
+    untied = {"tie_word_embeddings": False} if args.pp > 1 or args.untied else {}
     return Qwen3Config.qwen3_0_6b(**untied) if args.model == "0.6b" else Qwen3Config.tiny(**untied)
 
 
@@ -189,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="D9DStrategy(async_tp=True): micro-pipelined TP (CUDA, compile)",
     )
+    parser.add_argument("--untied", action="store_true", help="dense: an untied LM head (as pp > 1 needs)")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per optimizer step, all ranks")
     parser.add_argument("--steps", type=int, default=15)
@@ -324,6 +326,7 @@ def main() -> None:
                 {
                     "impl": IMPLS[args.impl],
                     "model": args.model,
+                    "tied": bool(config.tie_word_embeddings),
                     "layout": {k: v for k, v in layout.items() if v > 1} or {"one rank": 1},
                     "schedule": f"{args.schedule} mb={args.microbatches}" if args.pp > 1 else None,
                     "compile": args.compile,
