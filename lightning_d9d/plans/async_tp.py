@@ -14,6 +14,8 @@ read it when they compile, after the strategy sets up) and registers the tp grou
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 
 def check_async_tp(enabled: bool, *, tp: int, compile: bool | str, owner: str) -> bool:
     """Refuse async TP where it cannot apply (tp = 1, compile off); returns ``enabled``."""
@@ -48,4 +50,5 @@ def enable_async_tp(tp_group_name: str) -> None:
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     inductor_config._micro_pipeline_tp = True
-    enable_symm_mem_for_group(tp_group_name)
+    # a ``GroupName`` (a NewType of str) in torch 2.13's annotations, a plain str before
+    enable_symm_mem_for_group(cast(Any, tp_group_name))
