@@ -1,6 +1,9 @@
-"""The step-time cost of a checkpoint save, synchronous against ``D9DStrategy(async_save=True)``, on one GPU.
+"""The step-time cost of a checkpoint save, synchronous against ``D9DStrategy(async_save=True)``, on one GPU or
+(``--devices 2``: each path under torchrun, ``dp_shard=2``, seq 4096 x 4 per GPU) on several.
 
     PYTHONPATH=. python benchmarks/save_cost.py --out save_cost.json [--steps 24 --every 6 --dir /tmp/ckpt]
+    PYTHONPATH=. python benchmarks/save_cost.py --devices 2 --out save_cost_dp2.json
+    PYTHONPATH=. python benchmarks/save_cost.py --devices 2 --device cpu --model tiny --seq-len 32  # smoke
 
 Each path trains the example's Qwen3Pretraining at the Qwen3-0.6B shape (``Trainer(strategy=D9DStrategy(
 compile=True), precision="bf16-mixed")``, seq 4096 x 4) with a ``ModelCheckpoint`` every ``--every`` steps
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import shutil
 import statistics
 import subprocess
@@ -42,7 +46,14 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
     logging.basicConfig(level=logging.INFO)  # the async path logs what the training thread waited for
     from pretrain_qwen3 import Qwen3Pretraining
 
-    config = Qwen3Config.qwen3_0_6b()
+    config = Qwen3Config.qwen3_0_6b() if args.model == "0.6b" else Qwen3Config.tiny()
+    cuda = args.device == "cuda"
+    devices = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     warmup, total = 3, 3 + args.steps
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.vocab_size, (4, args.seq_len + 1), generator=generator)
@@ -60,7 +71,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
             self.ends: list[float] = []
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
-            torch.cuda.synchronize()
+            sync()
             self.ends.append(time.perf_counter())
 
     folder = Path(args.dir) / path
@@ -68,9 +79,9 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
     clock = Clock()
     saver = ModelCheckpoint(dirpath=folder, every_n_train_steps=args.every, save_top_k=-1, filename="{step}")
     trainer = L.Trainer(
-        strategy=D9DStrategy(compile=True, async_save=path == "async"),
-        accelerator="gpu",
-        devices=1,
+        strategy=D9DStrategy(compile=cuda, async_save=path == "async"),  # dp_shard over all ranks
+        accelerator="gpu" if cuda else "cpu",
+        devices=devices,
         precision="bf16-mixed",
         max_steps=total,
         logger=False,
@@ -89,7 +100,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
     def timed_save(*args: Any, **kwargs: Any) -> None:
         started = time.perf_counter()
         strategy_save(*args, **kwargs)
-        torch.cuda.synchronize()
+        sync()
         inside_save.append((time.perf_counter() - started) * 1e3)
 
     trainer.strategy.save_checkpoint = timed_save  # type: ignore[method-assign]
@@ -108,9 +119,13 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
     saves = sum(1 for n in numbers if n % args.every == 0)
     complete = sorted(p.name for p in folder.iterdir() if (p / "manifest.json").is_file())
     size = sum(f.stat().st_size for f in (folder / complete[-1]).rglob("*") if f.is_file()) if complete else 0
-    shutil.rmtree(folder, ignore_errors=True)
+    trainer.strategy.barrier()  # every rank measured the folder before rank 0 removes it
+    if trainer.global_rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
     return {
         "path": path,
+        "devices": devices,
+        "rank": trainer.global_rank,
         "median_step_ms": median,
         "saving_steps_ms": saving,
         "steps_after_save_ms": after,
@@ -120,7 +135,7 @@ def run(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "cost_per_save_ms": (wall - len(measured) * median) / saves,
         "complete_checkpoints": complete,
         "checkpoint_bytes": size,
-        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
     }
 
 
@@ -130,15 +145,28 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=6)
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--dir", default="/tmp/save_cost")
+    parser.add_argument("--devices", type=int, default=1, help="> 1: each path under torchrun at dp_shard=N")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--model", choices=["0.6b", "tiny"], default="0.6b")
     parser.add_argument("--out", type=Path, default=Path("save_cost.json"))
     parser.add_argument("--path", choices=PATHS, help="run one path in this process (the driver's workers)")
     args = parser.parse_args()
     if args.path:
-        print("RESULT " + json.dumps(run(args.path, args)), flush=True)
+        result = run(args.path, args)
+        if result["rank"] == 0:  # rank 0's clock (dp ranks step together)
+            print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
     for path in PATHS:
-        command = [sys.executable, __file__, "--path", path, *sys.argv[1:]]
+        launch = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.devices)]
+        command = [
+            sys.executable,
+            *(launch if args.devices > 1 else []),
+            __file__,
+            "--path",
+            path,
+            *sys.argv[1:],
+        ]
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
         if done.returncode != 0 or not lines:

@@ -52,6 +52,7 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
+from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
 from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
@@ -130,6 +131,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             ``None`` (default): off.
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
+        async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
+            overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
+            Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
+            default. Not yet measured on GPUs (issue 28's two-GPU runs).
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -167,6 +172,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         async_save: bool = False,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
+        async_tp: bool = False,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         check_checkpoint_format(save_distributed_checkpoint, pp=pp)
@@ -199,6 +205,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self._fp8 = check_fp8(fp8, owner="D9DStrategy", tp=tp)
         self._fp8_filter = fp8_filter
+        self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DStrategy")
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
         self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
@@ -218,6 +225,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
         self._resolve_dims()
+        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
             check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))
@@ -231,9 +239,12 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate again (the cluster environment may have changed the world size), still before any collective.
         dims = self._resolve_dims()
+        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
         self._setup_distributed()
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
+        if self._async_tp:  # before configure_model and the blocks' compile
+            enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self.device_mesh)
 

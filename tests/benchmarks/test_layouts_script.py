@@ -36,3 +36,15 @@ def test_the_baseline_refuses_layouts_it_does_not_have() -> None:
     )
     assert done.returncode == 2
     assert "--impl hf shards data only" in done.stderr and "'tp': 2" in done.stderr
+
+
+def test_cuda_only_runs_print_a_skip_line_on_the_cpu() -> None:
+    for flags in (["--tp", "2", "--async-tp"], ["--cp", "2", "--context-attention", "torch_ring"]):
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--device", "cpu", "--model", "tiny", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "CUDA only" in json.loads(done.stdout.strip().splitlines()[-1])["skipped"]
