@@ -44,7 +44,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -139,7 +139,12 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        self._resolve_dims()  # a mesh that does not tile the world fails here, before any process starts
+        dims = (
+            self._resolve_dims()
+        )  # a mesh that does not tile the world fails here, before any process starts
+        check_fp8_device(
+            self._options.fp8, tp=dims.tp, device_type=self.root_device.type, owner="D9DFabricStrategy"
+        )
         super()._configure_launcher()
 
     @override

@@ -80,6 +80,16 @@ def check_fp8(recipe: str | None, *, owner: str, tp: int = 1) -> str | None:
     return recipe
 
 
+def check_fp8_device(recipe: str | None, *, tp: int, device_type: str, owner: str) -> None:
+    """Refuse tensorwise FP8 under tp off CUDA, before any process group: torchao's float8 tp styles all-gather
+    float8 tensors, which gloo has no type for (it fails inside the first forward, "Invalid scalar type")."""
+    if recipe == "tensorwise" and tp > 1 and device_type != "cuda":
+        raise ValueError(
+            f"{owner}: fp8='tensorwise' with tp={tp} on {device_type!r}: tp's float8 all-gathers need NCCL (gloo has "
+            "no float8 type); use CUDA GPUs, tp=1 (FSDP, cp, ep and pp compose), or fp8=None on CPU"
+        )
+
+
 def fp8_linear_filter(module: nn.Module, name: str) -> bool:
     """The default choice of linear layers to train in float8 (module docstring): dims divisible by 16, not a
     router. ``name`` is the module's name inside its block."""

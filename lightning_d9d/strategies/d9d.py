@@ -55,7 +55,7 @@ from lightning_d9d.plans import (
 from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -224,8 +224,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
-        self._resolve_dims()
+        dims = self._resolve_dims()
         check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
+        check_fp8_device(self._fp8, tp=dims.tp, device_type=self.root_device.type, owner="D9DStrategy")
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
             check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))

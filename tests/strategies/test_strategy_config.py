@@ -144,3 +144,16 @@ def test_every_torch_schedule_is_accepted() -> None:
         "DualPipeV",
     }
     assert set(SCHEDULES) == torch_schedules
+
+
+def test_tensorwise_fp8_under_tp_off_cuda_is_refused_when_the_trainer_or_fabric_is_built() -> None:
+    """gloo has no float8 type for tp's float8 all-gathers: refused by name before any process starts."""
+    from lightning_d9d import D9DFabricStrategy
+
+    with pytest.raises(
+        ValueError, match=r"D9DStrategy: fp8='tensorwise' with tp=2 on 'cpu': .*use CUDA GPUs"
+    ):
+        L.Trainer(strategy=D9DStrategy(tp=2, fp8="tensorwise"), accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(ValueError, match=r"D9DFabricStrategy: fp8='tensorwise' with tp=2 on 'cpu'"):
+        L.Fabric(strategy=D9DFabricStrategy(tp=2, fp8="tensorwise"), accelerator="cpu", devices=2)
+    L.Trainer(strategy=D9DStrategy(dp_shard=2, fp8="tensorwise"), accelerator="cpu", devices=2, logger=False)
