@@ -11,7 +11,8 @@
 #   layouts   ours on the same layouts as `hf` (and dp_shard=2), 50 steps, seq 4096 x 4, against one GPU
 #   moe       our MoE shape on one GPU and at ep=2 (all-to-all; DeepEP's when deep_ep imports), 50 steps
 #   fp8       ours at dp_shard=2, seq 4096 x 4 per GPU: bf16, fp8 tensorwise (float8 FSDP all-gather) and
-#             rowwise, 30 steps; the reference is the bf16 row
+#             rowwise, 30 steps; the reference is the bf16 row; then tp=2 bf16 against tp=2 fp8 tensorwise
+#             (torchao's float8 tp styles)
 #   asynctp   ours at tp=2, compiled, plain and D9DStrategy(async_tp=True) (micro-pipelined TP), 30 steps; the
 #             reference is the plain row
 #   save      benchmarks/save_cost.py at dp_shard=2 (torchrun): a save's step-time cost, sync against async
@@ -89,6 +90,9 @@ for part in "${@:-hf layouts fp8 asynctp save scaling moe}"; do
         layout fp8 2 $F
         layout fp8 2 $F --fp8 tensorwise
         layout fp8 2 $F --fp8 rowwise
+        T="--compile --global-batch 4 --tp 2 --steps 30 --warmup 5 $DENSE"  # tensorwise under tp (float8 styles)
+        layout fp8 2 $T
+        layout fp8 2 $T --fp8 tensorwise
         compare fp8 ;;
       asynctp)
         A="--compile --global-batch 4 --tp 2 --steps 30 --warmup 5 $DENSE"
