@@ -433,6 +433,22 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "rank that never comes is named instead of hanging the collective",
     ),
     PrivateName(
+        "torch._inductor.config",
+        "_micro_pipeline_tp",
+        ("plans/async_tp.py",),
+        "Inductor's micro-pipelined TP pass (async TP), a module-level flag torchtitan sets the same way; no public "
+        "switch",
+        optional=True,
+    ),
+    PrivateName(
+        "torch.distributed._symmetric_memory",
+        "enable_symm_mem_for_group",
+        ("plans/async_tp.py",),
+        "registers the tp group with CUDA symmetric memory, which the fused all-gather / reduce-scatter matmuls "
+        "of async TP need",
+        optional=True,
+    ),
+    PrivateName(
         "torch.nn",
         "Module._apply",
         ("models/qwen3.py",),
@@ -627,6 +643,15 @@ def default_store() -> torch.distributed.Store:
         "torch.distributed.distributed_c10d", "_get_default_store"
     )()
     return store
+
+
+def enable_micro_pipeline_tp(group_name: str) -> None:
+    """Turn on Inductor's micro-pipelined TP pass (process-wide) and register the process group ``group_name``
+    with symmetric memory, as async TP needs."""
+    import_private("torch._inductor.config", "_micro_pipeline_tp")  # fails readably where the flag is gone
+    config: Any = importlib.import_module("torch._inductor.config")  # its flags are set as module attributes
+    config._micro_pipeline_tp = True
+    import_private("torch.distributed._symmetric_memory", "enable_symm_mem_for_group")(group_name)
 
 
 def pipeline_action_types() -> tuple[Any, Any]:

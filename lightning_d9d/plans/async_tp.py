@@ -14,7 +14,7 @@ read it when they compile, after the strategy sets up) and registers the tp grou
 
 from __future__ import annotations
 
-from typing import Any, cast
+from lightning_d9d.compat import enable_micro_pipeline_tp
 
 
 def check_async_tp(enabled: bool, *, tp: int, compile: bool | str, owner: str) -> bool:
@@ -45,10 +45,6 @@ def check_async_tp_device(enabled: bool, device_type: str, *, owner: str) -> Non
 
 def enable_async_tp(tp_group_name: str) -> None:
     """Turn on Inductor's micro-pipelined TP pass and register the tp group (by its process-group name) with
-    symmetric memory. Call once the mesh exists and before the first block compiles."""
-    import torch._inductor.config as inductor_config
-    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
-
-    inductor_config._micro_pipeline_tp = True
-    # a ``GroupName`` (a NewType of str) in torch 2.13's annotations, a plain str before
-    enable_symm_mem_for_group(cast(Any, tp_group_name))
+    symmetric memory. Call once the mesh exists and before the first block compiles. Both are private torch
+    names, reached through :mod:`lightning_d9d.compat`."""
+    enable_micro_pipeline_tp(tp_group_name)
