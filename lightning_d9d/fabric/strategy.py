@@ -122,7 +122,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             context_attention=check_context_attention(context_attention, owner="D9DFabricStrategy"),
             reshard_after_forward=reshard_after_forward,
             fsdp_on_one_rank=fsdp_on_one_rank,
-            fp8=check_fp8(fp8, owner="D9DFabricStrategy", tp=tp),
+            fp8=check_fp8(fp8, owner="D9DFabricStrategy"),
             fp8_filter=fp8_filter,
         )
         self._dims: ParallelDims | None = None

@@ -127,7 +127,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8: train the transformer blocks' linear layers in float8 through torchao (``pip install
             'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8) or
             ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
-            (:mod:`lightning_d9d.plans.fp8`). Under tp > 1 tensorwise only (torchao's float8 tp styles).
+            (:mod:`lightning_d9d.plans.fp8`). Under tp > 1 tensorwise takes torchao's float8 tp styles (one
+            process's scales); rowwise torch's plain ones, its scales per tp shard where tp splits a contraction.
             ``None`` (default): off.
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
@@ -203,7 +204,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._context_attention = check_context_attention(context_attention, owner="D9DStrategy")
         self._reshard_after_forward = reshard_after_forward
         self._fsdp_on_one_rank = fsdp_on_one_rank
-        self._fp8 = check_fp8(fp8, owner="D9DStrategy", tp=tp)
+        self._fp8 = check_fp8(fp8, owner="D9DStrategy")
         self._fp8_filter = fp8_filter
         self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DStrategy")
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
