@@ -39,11 +39,29 @@ PaddedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 def torchao_fp8_importable() -> bool:
     """Whether torchao's MoE training package is installed (found without importing it: its import loads
-    CUDA extensions)."""
+    CUDA extensions, and a CPU run never needs it)."""
     try:
         return importlib.util.find_spec("torchao.prototype.moe_training") is not None
     except ModuleNotFoundError:  # torchao itself, or torchao.prototype, absent
         return False
+
+
+_LOADED: dict[str, Callable[..., torch.Tensor] | None] = {}
+
+
+def load_torchao_fp8() -> Callable[..., torch.Tensor] | None:
+    """torchao's float8 rowwise grouped GEMM (``_to_fp8_rowwise_then_scaled_grouped_mm``), imported on the first
+    call; ``None`` where torchao cannot provide it. The FP8 plan calls it before compile traces the experts, so
+    a compiled graph only reads the loaded function (a ``fullgraph`` compile cannot trace an import)."""
+    if _TORCHAO_MODULE not in _LOADED:
+        function = None
+        if torchao_fp8_importable():
+            try:
+                function = importlib.import_module(_TORCHAO_MODULE)._to_fp8_rowwise_then_scaled_grouped_mm
+            except (ImportError, AttributeError):  # a torchao without it, or without Triton
+                function = None
+        _LOADED[_TORCHAO_MODULE] = function
+    return _LOADED[_TORCHAO_MODULE]
 
 
 def fp8_grouped_gemm_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
@@ -63,8 +81,11 @@ def fp8_grouped_gemm_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None
             f"torchao's float8 grouped GEMM needs K ({x.shape[1]}) and N ({w.shape[2]}) to be multiples of "
             f"{FP8_GROUP_ALIGNMENT}"
         )
-    if not torchao_fp8_importable():
-        return "torchao is not installed (pip install 'lightning-d9d[fp8]', or torchao)"
+    if load_torchao_fp8() is None:
+        return (
+            "torchao's float8 grouped GEMM (torchao.prototype.moe_training) cannot be imported: pip install "
+            "'lightning-d9d[fp8]' (torchao, with Triton)"
+        )
     return None
 
 
@@ -111,8 +132,9 @@ def padded_grouped_mm(
 
 
 def _torchao_matmul(dtype: torch.dtype) -> PaddedMatmul:
-    module = importlib.import_module(_TORCHAO_MODULE)
-    scaled: Callable[..., torch.Tensor] = module._to_fp8_rowwise_then_scaled_grouped_mm
+    scaled = load_torchao_fp8()
+    if scaled is None:
+        raise RuntimeError("torchao's float8 grouped GEMM cannot be imported (fp8_grouped_gemm_unsupported)")
 
     def run(a: torch.Tensor, b_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         # our padding, not torchao's (its own asserts it is off); autocast off: the operands' dtype is the

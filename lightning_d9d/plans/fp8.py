@@ -65,6 +65,7 @@ from lightning_d9d.kernels.grouped_gemm_fp8 import (
     FLOAT8_BACKEND,
     FP8_GROUP_ALIGNMENT,
     MIN_CAPABILITY,
+    load_torchao_fp8,
     torchao_fp8_importable,
 )
 from lightning_d9d.mesh import ParallelDims
@@ -199,6 +200,8 @@ def convert_experts_to_float8(
     for experts in found:
         reason = None if use else blocker
         reason = reason or experts_fp8_shape_blocker(experts)
+        if reason is None and load_torchao_fp8() is None:  # found, but its import fails (no Triton, say)
+            reason = "torchao.prototype.moe_training's float8 grouped GEMM cannot be imported"
         if reason is None:
             experts.gemm_backend = FLOAT8_BACKEND
             converted += 1
