@@ -13,7 +13,17 @@ What is converted (:func:`fp8_linear_filter`, which a user may replace): the lin
 blocks (attention projections, dense MLPs, a transformers MoE's per-expert linears) whose both dimensions divide
 by 16, as float8 matmuls require. Not the embedding, the LM head (outside the blocks: its logits feed the loss,
 where precision matters most), and not routers (a linear named ``gate`` or ``router``: their top-k choice is
-discontinuous, and they are small). Our grouped experts are not ``nn.Linear``s and stay in bf16.
+discontinuous, and they are small).
+
+Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`) are not ``nn.Linear``s:
+:func:`convert_experts_to_float8` points them at the ``torchao_fp8`` grouped GEMM backend
+(:mod:`lightning_d9d.kernels.grouped_gemm_fp8`: torchao's float8 rowwise grouped GEMM, forward and both backward
+products), under either recipe, since torchao's grouped GEMM is rowwise only. A backend, not torchao's
+tensor-subclass conversion of the weights: our experts reach their GEMMs through our registry, not through
+``torch._grouped_mm`` on the parameters, and plain parameters leave FSDP2, ep's ``DTensor``s, the checkpoints and
+the Hugging Face mapping as they are (a subclass would have to survive each). Only on CUDA with compute
+capability 9.0+ and torchao's MoE package (:func:`fp8_experts_blocker`, :func:`choose_fp8_experts`, pure):
+elsewhere the experts stay in bf16 with one log line, unless ``fp8_experts=True`` asked for them (then refused).
 
 Applied first, before tensor parallelism, checkpointing, compile and FSDP (``plans.blocks.convert_blocks_to_float8``,
 which each model's plan calls before its tp plan; ``parallelize_blocks`` converts what a plan left unconverted): the
