@@ -22,7 +22,6 @@ Registered by name only (``auto`` never picks it: it changes the numbers). The F
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 from collections.abc import Callable
 
@@ -56,9 +55,11 @@ def load_torchao_fp8() -> Callable[..., torch.Tensor] | None:
     if _TORCHAO_MODULE not in _LOADED:
         function = None
         if torchao_fp8_importable():
+            from lightning_d9d.compat import import_private  # a private torchao name, listed there
+
             try:
-                function = importlib.import_module(_TORCHAO_MODULE)._to_fp8_rowwise_then_scaled_grouped_mm
-            except (ImportError, AttributeError):  # a torchao without it, or without Triton
+                function = import_private(_TORCHAO_MODULE, "_to_fp8_rowwise_then_scaled_grouped_mm")
+            except ImportError:  # a torchao without it, or without Triton (PrivateAPIError is an ImportError)
                 function = None
         _LOADED[_TORCHAO_MODULE] = function
     return _LOADED[_TORCHAO_MODULE]
