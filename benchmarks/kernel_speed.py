@@ -8,7 +8,8 @@ counted once) against the copy bandwidth measured in the same run; the fused LM-
 memory against logits + cross-entropy at vocab 151,936; and the attention table: SDPA's backends (and
 ``flash-attn`` through our ``flash_attn`` backend, if installed, and what the registry picks) at seq
 2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s; the grouped GEMM backends (``torch``,
-``triton``, the ``grouped_gemm`` package if installed, ``loop``) at the MoE shapes.
+``triton``, the ``grouped_gemm`` package if installed, ``loop``, and ``torchao_fp8``, float8 rowwise through
+torchao, where it runs: compute capability 9.0+ with torchao installed) at the MoE shapes.
 Everything is bf16. Results go to docs/benchmarks.md by hand (with the GPU, versions and date printed here).
 """
 
@@ -457,9 +458,12 @@ def grouped_gemm_rows(
 ) -> list[dict[str, Any]]:
     """The grouped GEMM backends (and what ``auto`` picks) on uniformly routed tokens, forward and forward +
     backward. ``grouped_gemm`` is the package's backend (group sizes copied to the host, as it needs); "device
-    sizes" is the package called directly with the sizes on the GPU (its CUTLASS build's path, no sync)."""
+    sizes" is the package called directly with the sizes on the GPU (its CUTLASS build's path, no sync);
+    ``torchao_fp8`` the float8 rowwise backend (groups padded to 16 rows, the weight copied column-major, both
+    inside the timing, as the experts run it; its TFLOP/s count the bf16 product's flops), where it runs."""
     from lightning_d9d.kernels import grouped_mm
     from lightning_d9d.kernels.grouped_gemm import select_grouped_gemm_backend
+    from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND, fp8_grouped_gemm_unsupported
 
     package = _library("grouped_gemm.ops", "gmm")
     rows = []
@@ -475,6 +479,10 @@ def grouped_gemm_rows(
             for backend in ("torch", "triton", "grouped_gemm", "loop")
         }
         variants[f"auto ({select_grouped_gemm_backend(a, w).name})"] = partial(grouped_mm, a, w, sizes)
+        if fp8_grouped_gemm_unsupported(a, w) is None:
+            variants[f"{FLOAT8_BACKEND} (float8 rowwise)"] = partial(
+                grouped_mm, a, w, sizes, backend=FLOAT8_BACKEND
+            )
         if package is not None:
             variants["grouped_gemm, device sizes"] = partial(
                 package, a, w, sizes.to(torch.int64), trans_b=False

@@ -108,11 +108,18 @@ PATHS: dict[str, str] = {
     # The Trainer paths run the example's GarbageCollection callback (collector every 50 steps, as the example);
     # this one leaves Python's automatic collector on, to measure that lever.
     "ours_trainer_compiled_nofsdp_autogc": "ours_trainer_compiled_nofsdp without the GarbageCollection callback",
-    # FP8 training of the decoder blocks' linear layers through torchao (issue 25): D9DStrategy(fp8=...)
-    "ours_trainer_compiled_fp8_tensorwise": 'ours_trainer_compiled with fp8="tensorwise" (float8 FSDP all-gather)',
-    "ours_trainer_compiled_fp8_rowwise": 'ours_trainer_compiled with fp8="rowwise"',
-    "ours_trainer_compiled_nofsdp_fp8_tensorwise": 'ours_trainer_compiled_nofsdp with fp8="tensorwise"',
-    "ours_trainer_compiled_nofsdp_fp8_rowwise": 'ours_trainer_compiled_nofsdp with fp8="rowwise"',
+    # FP8 training of the decoder blocks' linear layers through torchao (issue 25): D9DStrategy(fp8=...). Under
+    # --model moe the grouped experts' GEMMs too (float8 rowwise under either recipe, torchao's grouped GEMM, on
+    # compute capability 9.0+: fp8_experts=None's default); the _bf16experts path keeps them bf16 to compare.
+    "ours_trainer_compiled_fp8_tensorwise": 'ours_trainer_compiled with fp8="tensorwise" (float8 FSDP all-gather;'
+    " --model moe: experts rowwise)",
+    "ours_trainer_compiled_fp8_rowwise": 'ours_trainer_compiled with fp8="rowwise" (--model moe: the experts too)',
+    "ours_trainer_compiled_nofsdp_fp8_tensorwise": 'ours_trainer_compiled_nofsdp with fp8="tensorwise" (--model moe:'
+    " experts rowwise)",
+    "ours_trainer_compiled_nofsdp_fp8_rowwise": 'ours_trainer_compiled_nofsdp with fp8="rowwise" (--model moe: the'
+    " grouped experts' GEMMs in float8 too)",
+    "ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts": "ours_trainer_compiled_nofsdp_fp8_rowwise with"
+    " fp8_experts=False (--model moe: the experts in bf16, the linears in float8)",
     # The strongest peer: torchtitan's own Qwen3 through its own parallelize_qwen3 on one device (its
     # single-device path: no FSDP, bf16 autocast, per-block compile; activation checkpointing off, as ours).
     # Needs torchtitan 0.2.2 and its pure-Python dependencies on the path (benchmarks/README.md).
@@ -152,6 +159,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_fp8_rowwise",
         "ours_trainer_compiled_nofsdp_fp8_tensorwise",
         "ours_trainer_compiled_nofsdp_fp8_rowwise",
+        "ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
@@ -813,7 +821,8 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         else False,
         fsdp_on_one_rank="nofsdp" not in path,
         activation_checkpointing=next((k for k in ("selective", "full") if path.endswith(f"_{k}")), False),
-        fp8=next((recipe for recipe in ("tensorwise", "rowwise") if path.endswith(f"_fp8_{recipe}")), None),
+        fp8=next((recipe for recipe in ("tensorwise", "rowwise") if f"_fp8_{recipe}" in path), None),
+        fp8_experts=False if path.endswith("_bf16experts") else None,
     )
     trainer = L.Trainer(
         strategy=strategy,

@@ -449,6 +449,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         optional=True,
     ),
     PrivateName(
+        "torchao.prototype.moe_training.fp8_grouped_mm",
+        "_to_fp8_rowwise_then_scaled_grouped_mm",
+        ("kernels/grouped_gemm_fp8.py",),
+        "torchao's float8 rowwise grouped GEMM for MoE training (differentiable; the function torchao's own MoE "
+        "conversion and torchtitan call), for the experts' torchao_fp8 backend; torchao exports no public one",
+        optional=True,
+    ),
+    PrivateName(
         "torch.nn",
         "Module._apply",
         ("models/qwen3.py",),

@@ -44,7 +44,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -68,7 +68,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
     loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
     ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
-    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused
+    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused
     (module docstring).
 
     Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
@@ -96,6 +96,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         fsdp_on_one_rank: bool = True,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
+        fp8_experts: bool | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -124,6 +125,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             fsdp_on_one_rank=fsdp_on_one_rank,
             fp8=check_fp8(fp8, owner="D9DFabricStrategy"),
             fp8_filter=fp8_filter,
+            fp8_experts=check_fp8_experts(fp8, fp8_experts, owner="D9DFabricStrategy"),
         )
         self._dims: ParallelDims | None = None
 
@@ -143,7 +145,11 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             self._resolve_dims()
         )  # a mesh that does not tile the world fails here, before any process starts
         check_fp8_device(
-            self._options.fp8, tp=dims.tp, device_type=self.root_device.type, owner="D9DFabricStrategy"
+            self._options.fp8,
+            tp=dims.tp,
+            device_type=self.root_device.type,
+            owner="D9DFabricStrategy",
+            fp8_experts=self._options.fp8_experts,
         )
         super()._configure_launcher()
 

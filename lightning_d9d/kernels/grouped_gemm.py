@@ -16,6 +16,10 @@ Backends, in the order ``auto`` tries them (the first that suits the inputs wins
 - ``loop``: one ``torch.matmul`` per group, the reference; it runs everywhere (any dtype, any device) and
   synchronises with the host to read ``group_sizes``.
 
+- ``torchao_fp8``: float8 (e4m3, rowwise scales) through torchao's MoE training kernels, on CUDA with
+  compute capability 9.0 or newer (:mod:`lightning_d9d.kernels.grouped_gemm_fp8`). By name only: ``auto``
+  never changes the precision; the FP8 plan (``D9DStrategy(fp8=...)``) names it for the experts it converts.
+
 A Triton kernel can register itself later with :func:`register_grouped_gemm_backend`.
 
 Choose with ``backend=`` or the environment variable ``LIGHTNING_D9D_GROUPED_GEMM`` (a backend name, or
@@ -35,6 +39,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from lightning_d9d.kernels.grouped_gemm_fp8 import (
+    FLOAT8_BACKEND,
+    fp8_grouped_gemm_unsupported,
+    torchao_fp8_grouped_mm,
+)
 from lightning_d9d.kernels.grouped_gemm_triton import triton_grouped_mm, triton_unsupported
 from lightning_d9d.kernels.registry import BackendRegistry
 
@@ -271,4 +280,11 @@ register_grouped_gemm_backend(
 # Ours in Triton: by name only (``backend="triton"`` / $LIGHTNING_D9D_GROUPED_GEMM) until measured on a GPU.
 register_grouped_gemm_backend(
     GroupedGemmBackend("triton", triton_grouped_mm, triton_unsupported, lambda x, w: False), before="loop"
+)
+# float8: by name only (it rounds the operands to e4m3); the FP8 plan names it for the experts it converts
+register_grouped_gemm_backend(
+    GroupedGemmBackend(
+        FLOAT8_BACKEND, torchao_fp8_grouped_mm, fp8_grouped_gemm_unsupported, lambda x, w: False
+    ),
+    before="loop",
 )

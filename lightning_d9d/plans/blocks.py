@@ -13,7 +13,7 @@ from lightning_d9d.modules.moe import MoE
 from lightning_d9d.plans.checkpointing import apply_activation_checkpointing, checkpointing_kind
 from lightning_d9d.plans.compile import apply_compile, compile_mode, cudagraph_fallback
 from lightning_d9d.plans.data_parallel import parallelize_data, wraps_in_fsdp
-from lightning_d9d.plans.fp8 import apply_fp8
+from lightning_d9d.plans.fp8 import apply_fp8, convert_experts_to_float8
 from lightning_d9d.plans.options import ParallelOptions
 
 log = logging.getLogger("lightning_d9d.plans")
@@ -25,7 +25,7 @@ def convert_blocks_to_float8(
     block_lists: Sequence[BlockList], dims: ParallelDims, options: ParallelOptions
 ) -> None:
     """The float8 linears ``options.fp8`` asks for (:mod:`lightning_d9d.plans.fp8`), in every block of
-    ``block_lists``. A model's plan calls it before its tp plan, which then gives the converted linears torchao's
+    ``block_lists``, and the grouped experts' float8 GEMMs where the device allows them (``options.fp8_experts``). A model's plan calls it before its tp plan, which then gives the converted linears torchao's
     float8 styles; ``parallelize_blocks`` calls it again, converting only what is left."""
     if options.fp8 is None:
         return
@@ -33,6 +33,18 @@ def convert_blocks_to_float8(
     # tensorwise at 0.54x bf16 on the 0.6B shape on an H200 with them)
     every_block = [block for blocks in block_lists for block in _blocks_of(blocks)]
     apply_fp8(every_block, options.fp8, dims, module_filter=options.fp8_filter, fsdp=dims.fsdp > 1)
+    convert_experts_to_float8(
+        every_block, options.fp8, options.fp8_experts, device_type=_device_type(dims, every_block)
+    )
+
+
+def _device_type(dims: ParallelDims, blocks: Sequence[nn.Module]) -> str:
+    """Where the blocks will run: the mesh's device type, else their parameters' (not meta), else ``"cpu"``
+    (which keeps the experts in bf16: never a float8 kernel on a device not known to take it)."""
+    if dims.mesh is not None:
+        return dims.mesh.device_type
+    devices = {p.device.type for block in blocks for p in block.parameters()} - {"meta"}
+    return devices.pop() if len(devices) == 1 else "cpu"
 
 
 def parallelize_blocks(

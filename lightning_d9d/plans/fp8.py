@@ -13,7 +13,17 @@ What is converted (:func:`fp8_linear_filter`, which a user may replace): the lin
 blocks (attention projections, dense MLPs, a transformers MoE's per-expert linears) whose both dimensions divide
 by 16, as float8 matmuls require. Not the embedding, the LM head (outside the blocks: its logits feed the loss,
 where precision matters most), and not routers (a linear named ``gate`` or ``router``: their top-k choice is
-discontinuous, and they are small). Our grouped experts are not ``nn.Linear``s and stay in bf16.
+discontinuous, and they are small).
+
+Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`) are not ``nn.Linear``s:
+:func:`convert_experts_to_float8` points them at the ``torchao_fp8`` grouped GEMM backend
+(:mod:`lightning_d9d.kernels.grouped_gemm_fp8`: torchao's float8 rowwise grouped GEMM, forward and both backward
+products), under either recipe, since torchao's grouped GEMM is rowwise only. A backend, not torchao's
+tensor-subclass conversion of the weights: our experts reach their GEMMs through our registry, not through
+``torch._grouped_mm`` on the parameters, and plain parameters leave FSDP2, ep's ``DTensor``s, the checkpoints and
+the Hugging Face mapping as they are (a subclass would have to survive each). Only on CUDA with compute
+capability 9.0+ and torchao's MoE package (:func:`fp8_experts_blocker`, :func:`choose_fp8_experts`, pure):
+elsewhere the experts stay in bf16 with one log line, unless ``fp8_experts=True`` asked for them (then refused).
 
 Applied first, before tensor parallelism, checkpointing, compile and FSDP (``plans.blocks.convert_blocks_to_float8``,
 which each model's plan calls before its tp plan; ``parallelize_blocks`` converts what a plan left unconverted): the
@@ -47,9 +57,11 @@ import dataclasses
 import importlib.util
 import logging
 import sys
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import (
@@ -59,7 +71,15 @@ from torch.distributed.tensor.parallel import (
     RowwiseParallel,
 )
 
+from lightning_d9d.kernels.grouped_gemm_fp8 import (
+    FLOAT8_BACKEND,
+    FP8_GROUP_ALIGNMENT,
+    MIN_CAPABILITY,
+    load_torchao_fp8,
+    torchao_fp8_importable,
+)
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.moe.experts import GroupedExperts
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 Fp8Filter = Callable[[nn.Module, str], bool]
@@ -84,14 +104,126 @@ def check_fp8(recipe: str | None, *, owner: str) -> str | None:
     return recipe
 
 
-def check_fp8_device(recipe: str | None, *, tp: int, device_type: str, owner: str) -> None:
+def check_fp8_device(
+    recipe: str | None, *, tp: int, device_type: str, owner: str, fp8_experts: bool | None = None
+) -> None:
     """Refuse tensorwise FP8 under tp off CUDA, before any process group: torchao's float8 tp styles all-gather
-    float8 tensors, which gloo has no type for (it fails inside the first forward, "Invalid scalar type")."""
+    float8 tensors, which gloo has no type for (it fails inside the first forward, "Invalid scalar type"). And
+    ``fp8_experts=True`` off CUDA (the float8 grouped GEMM runs on CUDA only; the GPU's capability is checked
+    by the plan)."""
+    if fp8_experts and device_type != "cuda":
+        raise ValueError(
+            f"{owner}: fp8_experts=True on {device_type!r}: torchao's float8 grouped GEMM runs on CUDA GPUs of "
+            "compute capability 9.0 or newer; leave fp8_experts=None (the experts then stay in bf16 off CUDA)"
+        )
     if recipe == "tensorwise" and tp > 1 and device_type != "cuda":
         raise ValueError(
             f"{owner}: fp8='tensorwise' with tp={tp} on {device_type!r}: tp's float8 all-gathers need NCCL (gloo has "
             "no float8 type); use CUDA GPUs, tp=1 (FSDP, cp, ep and pp compose), or fp8=None on CPU"
         )
+
+
+def check_fp8_experts(recipe: str | None, fp8_experts: bool | None, *, owner: str) -> bool | None:
+    """Refuse ``fp8_experts=True`` without an ``fp8`` recipe, before any process group (the experts' float8 is
+    part of the FP8 plan: it needs ``fp8`` on)."""
+    if fp8_experts and recipe is None:
+        raise ValueError(
+            f"{owner}: fp8_experts=True needs fp8='rowwise' or 'tensorwise' (the experts train in float8 as part "
+            "of the FP8 plan); set fp8, or leave fp8_experts=None"
+        )
+    return fp8_experts
+
+
+def fp8_experts_blocker(
+    *, device_type: str, capability: tuple[int, int] | None, torchao_moe: bool
+) -> str | None:
+    """Why the grouped experts cannot train in float8 on this device (``None``: they can). Pure: the caller
+    reads the device (``capability``: the CUDA device's, ``None`` off CUDA) and whether torchao's MoE training
+    package is installed."""
+    if device_type != "cuda":
+        return f"the model runs on {device_type!r} and torchao's float8 grouped GEMM runs on CUDA only"
+    if capability is None or capability < MIN_CAPABILITY:
+        found = "unknown" if capability is None else f"{capability[0]}.{capability[1]}"
+        return (
+            f"torchao's float8 grouped GEMM needs compute capability {MIN_CAPABILITY[0]}.{MIN_CAPABILITY[1]} "
+            f"(Hopper) or newer, this GPU has {found}"
+        )
+    if not torchao_moe:
+        return "this torchao has no torchao.prototype.moe_training (its float8 grouped GEMM)"
+    return None
+
+
+def choose_fp8_experts(recipe: str | None, fp8_experts: bool | None, blocker: str | None) -> bool:
+    """Whether the FP8 plan trains the grouped experts in float8: with a ``recipe`` (either: torchao's grouped
+    GEMM is rowwise only, which the experts take under both), unless ``fp8_experts=False``, where nothing
+    blocks it (``blocker``, from :func:`fp8_experts_blocker`). A blocker refuses ``fp8_experts=True`` (asked
+    explicitly) and leaves the default (``None``) in bf16."""
+    if recipe is None or fp8_experts is False:
+        return False
+    if blocker is None:
+        return True
+    if fp8_experts:
+        raise ValueError(f"fp8_experts=True: {blocker}; use CUDA GPUs of compute capability 9.0 or newer")
+    return False
+
+
+def experts_fp8_shape_blocker(experts: GroupedExperts) -> str | None:
+    """Why these experts' widths do not fit the float8 grouped GEMM (``None``: they do): both GEMMs contract
+    and produce multiples of 16 (hidden, and the expert width, whole on every rank: tp does not split them)."""
+    if experts.hidden_size % FP8_GROUP_ALIGNMENT or experts.intermediate_size % FP8_GROUP_ALIGNMENT:
+        return (
+            f"hidden ({experts.hidden_size}) and expert width ({experts.intermediate_size}) must be multiples of "
+            f"{FP8_GROUP_ALIGNMENT}"
+        )
+    return None
+
+
+# experts already decided on (the plan, then parallelize_blocks, both convert): one log line each
+_DECIDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def convert_experts_to_float8(
+    blocks: Sequence[nn.Module],
+    recipe: str | None,
+    fp8_experts: bool | None,
+    *,
+    device_type: str,
+    capability: tuple[int, int] | None = None,
+) -> int:
+    """Point every :class:`~lightning_d9d.modules.moe.GroupedExperts` in ``blocks`` at the float8 grouped GEMM
+    (``gemm_backend="torchao_fp8"``) where :func:`choose_fp8_experts` says so; returns how many run in float8.
+    Where they cannot (off CUDA, before Hopper, without torchao's MoE package, widths not multiples of 16) they
+    stay in bf16 with one INFO line, or, with ``fp8_experts=True``, the conversion is refused. ``capability``:
+    the CUDA device's (read from the current device when ``None``)."""
+    found = [m for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]
+    if recipe is None or fp8_experts is False or not found:
+        return 0
+    if capability is None and device_type == "cuda" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    blocker = fp8_experts_blocker(
+        device_type=device_type, capability=capability, torchao_moe=torchao_fp8_importable()
+    )
+    use = choose_fp8_experts(recipe, fp8_experts, blocker)
+    fresh = [m for m in found if m not in _DECIDED]
+    _DECIDED.update(found)
+    converted, skipped = 0, []
+    for experts in found:
+        reason = None if use else blocker
+        reason = reason or experts_fp8_shape_blocker(experts)
+        if reason is None and load_torchao_fp8() is None:  # found, but its import fails (no Triton, say)
+            reason = "torchao.prototype.moe_training's float8 grouped GEMM cannot be imported"
+        if reason is None:
+            experts.gemm_backend = FLOAT8_BACKEND
+            converted += 1
+        elif fp8_experts:
+            raise ValueError(f"fp8_experts=True: {reason}")
+        elif experts in fresh:
+            skipped.append(reason)
+    if fresh and converted:
+        log.info("fp8 (%s): %d grouped experts train in float8 (rowwise, torchao)", recipe, converted)
+    if skipped:
+        log.info("fp8 (%s): %d grouped experts stay in bf16: %s", recipe, len(skipped), skipped[0])
+    return converted
 
 
 def fp8_linear_filter(module: nn.Module, name: str) -> bool:

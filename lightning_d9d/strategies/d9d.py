@@ -55,7 +55,7 @@ from lightning_d9d.plans import (
 from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -132,6 +132,11 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             ``None`` (default): off.
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
+        fp8_experts: with ``fp8`` on, our MoE models' grouped experts run their GEMMs in float8 rowwise through
+            torchao (under either recipe: torchao's grouped GEMM is rowwise): ``None`` (default) where the GPU
+            allows it (compute capability 9.0+), bf16 elsewhere with one log line; ``True`` requires it
+            (refused elsewhere); ``False`` keeps them in bf16 (:func:`~lightning_d9d.plans.fp8.
+            convert_experts_to_float8`).
         async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
             overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
             Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
@@ -173,6 +178,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         async_save: bool = False,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
+        fp8_experts: bool | None = None,
         async_tp: bool = False,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
@@ -206,6 +212,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._fsdp_on_one_rank = fsdp_on_one_rank
         self._fp8 = check_fp8(fp8, owner="D9DStrategy")
         self._fp8_filter = fp8_filter
+        self._fp8_experts = check_fp8_experts(fp8, fp8_experts, owner="D9DStrategy")
         self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DStrategy")
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
@@ -227,7 +234,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # process is launched.
         dims = self._resolve_dims()
         check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
-        check_fp8_device(self._fp8, tp=dims.tp, device_type=self.root_device.type, owner="D9DStrategy")
+        check_fp8_device(
+            self._fp8,
+            tp=dims.tp,
+            device_type=self.root_device.type,
+            owner="D9DStrategy",
+            fp8_experts=self._fp8_experts,
+        )
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
             check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))
@@ -346,6 +359,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             fsdp_on_one_rank=self._fsdp_on_one_rank,
             fp8=self._fp8,
             fp8_filter=self._fp8_filter,
+            fp8_experts=self._fp8_experts,
         )
 
     @override

@@ -6,6 +6,9 @@ conversion bites (the float8 run is not the fp32 one) and that a float8 model le
 
 from __future__ import annotations
 
+import logging
+import math
+import re
 from typing import Any
 
 import pytest
@@ -13,11 +16,20 @@ import torch
 from distributed import run_distributed
 from torch import nn
 
+from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.moe import GroupedExperts
 from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
-from lightning_d9d.plans.fp8 import check_fp8, fp8_linear_filter
+from lightning_d9d.plans.fp8 import (
+    check_fp8,
+    check_fp8_device,
+    choose_fp8_experts,
+    convert_experts_to_float8,
+    fp8_experts_blocker,
+    fp8_linear_filter,
+)
 from lightning_d9d.strategies import D9DStrategy
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (pyproject's test extra)")
@@ -399,3 +411,97 @@ def test_tp_rowwise_trains_as_one_process_with_per_shard_scales() -> None:
     assert abs(ranks[0]["losses"][0] - whole["losses"][0]) > 5e-6
     assert max(float((ranks[0]["params"][n] - p).abs().max()) for n, p in whole["params"].items()) > TP_LR
     assert ranks[0]["losses"][-1] < 0.95 * ranks[0]["losses"][0]  # 5.56 -> 5.14: it learns
+
+
+# ------------------------------------------------------------------------------- grouped experts in float8
+def moe_blocks() -> list[nn.Module]:
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny())  # layers 0 and 2 sparse: hidden 64, expert width 32
+    return list(model.model.layers.values())
+
+
+def expert_backends(blocks: list[nn.Module]) -> list[str | None]:
+    return [m.gemm_backend for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]
+
+
+HOPPER = {"device_type": "cuda", "capability": (9, 0), "torchao_moe": True}
+
+
+@pytest.mark.parametrize(
+    ("where", "blocked_by"),
+    [
+        (HOPPER, None),
+        ({**HOPPER, "capability": (10, 0)}, None),
+        ({**HOPPER, "device_type": "cpu", "capability": None}, "'cpu'"),
+        ({**HOPPER, "capability": (8, 9)}, "9.0 .* this GPU has 8.9"),
+        ({**HOPPER, "capability": None}, "has unknown"),
+        ({**HOPPER, "torchao_moe": False}, "moe_training"),
+    ],
+)
+def test_the_experts_float8_decision(where: dict[str, Any], blocked_by: str | None) -> None:
+    """Pure: where the float8 grouped GEMM can run, and what each ``fp8_experts`` setting then does."""
+    blocker = fp8_experts_blocker(**where)
+    assert (blocker is None) == (blocked_by is None)
+    if blocker is not None:
+        assert re.search(str(blocked_by), blocker), blocker
+    for recipe in ("rowwise", "tensorwise"):  # the experts take rowwise under either (torchao's only)
+        assert not choose_fp8_experts(recipe, False, blocker)
+        assert choose_fp8_experts(recipe, None, blocker) == (blocker is None)
+        if blocker is None:
+            assert choose_fp8_experts(recipe, True, blocker)
+        else:
+            with pytest.raises(ValueError, match="fp8_experts=True: "):
+                choose_fp8_experts(recipe, True, blocker)
+    assert not choose_fp8_experts(None, None, None)
+
+
+def test_the_plan_names_the_float8_backend_where_it_runs(caplog: pytest.LogCaptureFixture) -> None:
+    """A Hopper device (given, on this CPU) gets the float8 backend on every grouped experts; a CPU keeps them in
+    bf16 with one log line, however often the plan converts (a model's plan, then parallelize_blocks)."""
+    blocks = moe_blocks()
+    assert convert_experts_to_float8(blocks, "rowwise", None, device_type="cuda", capability=(9, 0)) == 2
+    assert expert_backends(blocks) == [FLOAT8_BACKEND] * 2
+    assert convert_experts_to_float8(blocks, "rowwise", False, device_type="cuda", capability=(9, 0)) == 0
+
+    blocks = moe_blocks()
+    with caplog.at_level(logging.INFO, logger="lightning_d9d.plans"):
+        for _ in range(2):
+            assert convert_experts_to_float8(blocks, "tensorwise", None, device_type="cpu") == 0
+    assert expert_backends(blocks) == [None, None]
+    lines = [r.getMessage() for r in caplog.records if "grouped experts" in r.getMessage()]
+    assert lines == [
+        "fp8 (tensorwise): 2 grouped experts stay in bf16: the model runs on 'cpu' and torchao's "
+        "float8 grouped GEMM runs on CUDA only"
+    ]
+    with pytest.raises(ValueError, match="fp8_experts=True: the model runs on 'cpu'"):
+        convert_experts_to_float8(blocks, "rowwise", True, device_type="cpu")
+    odd = [GroupedExperts(2, 64, 24)]  # an expert width float8 cannot multiply: bf16, or refused when asked
+    assert convert_experts_to_float8(odd, "rowwise", None, device_type="cuda", capability=(9, 0)) == 0
+    with pytest.raises(ValueError, match=r"expert width \(24\) must be multiples of 16"):
+        convert_experts_to_float8(odd, "rowwise", True, device_type="cuda", capability=(9, 0))
+
+
+def test_fp8_experts_settings_are_refused_before_any_process_group() -> None:
+    with pytest.raises(ValueError, match="fp8_experts=True needs fp8="):
+        D9DStrategy(fp8_experts=True)
+    D9DStrategy(fp8="rowwise", fp8_experts=True)  # the device is checked at launch
+    with pytest.raises(ValueError, match="fp8_experts=True on 'cpu'"):
+        check_fp8_device("rowwise", tp=1, device_type="cpu", owner="D9DStrategy", fp8_experts=True)
+    check_fp8_device("rowwise", tp=1, device_type="cpu", owner="D9DStrategy", fp8_experts=None)
+
+
+def moe_cpu_rank(recipe: str | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny())
+    model.parallelize(ParallelDims(dp_shard=1).build_mesh("cpu"), ParallelOptions(fp8=recipe))
+    losses = train(model, range(1), 1)
+    return {"losses": losses, "experts": expert_backends(list(model.model.layers.values()))}
+
+
+def test_a_cpu_run_with_fp8_trains_the_moe_model_with_bf16_experts() -> None:
+    """The default (``fp8_experts=None``) never breaks a CPU run: the linears train in float8, the experts as
+    they were, and the model learns."""
+    (run,) = run_distributed(moe_cpu_rank, 1, "rowwise", timeout=180)
+    assert run["experts"] == [None, None]
+    losses = run["losses"]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0], losses

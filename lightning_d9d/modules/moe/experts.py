@@ -25,6 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
+from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.kernels.swiglu import swiglu
 
 
@@ -32,7 +33,9 @@ class GroupedExperts(nn.Module):
     """``E`` SwiGLU experts: ``down(silu(x @ gate) * (x @ up))`` per expert, over rows grouped by expert.
 
     ``gemm_backend`` names a grouped GEMM backend (``None``: the registry's choice, see
-    :mod:`lightning_d9d.kernels.grouped_gemm`)."""
+    :mod:`lightning_d9d.kernels.grouped_gemm`); the FP8 plan sets ``"torchao_fp8"`` on the experts it converts
+    (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`), which the weights, their sharding and the
+    checkpoints never see: only the two grouped GEMMs run in float8."""
 
     def __init__(
         self,
@@ -62,7 +65,11 @@ class GroupedExperts(nn.Module):
     def forward(self, grouped: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``."""
         gate_proj, up_proj, down_proj = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        gate_up_proj = torch.cat([gate_proj, up_proj], dim=-1)
+        if self.gemm_backend == FLOAT8_BACKEND:
+            # the same concatenation, laid out column-major per expert as the float8 kernels read it (one copy)
+            gate_up_proj = torch.cat([gate_proj.mT, up_proj.mT], dim=-2).mT
+        else:
+            gate_up_proj = torch.cat([gate_proj, up_proj], dim=-1)
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
         gate, up = gate_up.split(gate_proj.shape[-1], dim=-1)
         return grouped_mm(swiglu(gate, up), down_proj, tokens_per_expert, backend=self.gemm_backend)
