@@ -96,7 +96,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         fsdp_on_one_rank: bool = True,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
-        fp8_experts: bool | None = None,
+        fp8_experts: bool | None = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:

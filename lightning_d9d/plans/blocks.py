@@ -25,8 +25,9 @@ def convert_blocks_to_float8(
     block_lists: Sequence[BlockList], dims: ParallelDims, options: ParallelOptions
 ) -> None:
     """The float8 linears ``options.fp8`` asks for (:mod:`lightning_d9d.plans.fp8`), in every block of
-    ``block_lists``, and the grouped experts' float8 GEMMs where the device allows them (``options.fp8_experts``). A model's plan calls it before its tp plan, which then gives the converted linears torchao's
-    float8 styles; ``parallelize_blocks`` calls it again, converting only what is left."""
+    ``block_lists``, and the grouped experts' float8 GEMMs as ``options.fp8_experts`` asks. A model's plan calls
+    it before its tp plan, which then gives the converted linears torchao's float8 styles; ``parallelize_blocks``
+    calls it again, converting only what is left."""
     if options.fp8 is None:
         return
     # float8 all-gathers pay where FSDP gathers shards; on one rank they only add a cast per block (measured:

@@ -35,9 +35,10 @@ class ParallelOptions:
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
         fp8_experts: with ``fp8`` on, the grouped experts' GEMMs in float8 rowwise through torchao
-            (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`): ``None`` (default) where the device
-            allows it (CUDA, compute capability 9.0+, torchao's MoE package), bf16 elsewhere with one log line;
-            ``True`` requires it (refused where it cannot run); ``False`` keeps the experts in bf16.
+            (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`): ``False`` (default, until its GPU test
+            has run) keeps the experts in bf16; ``None`` where the device allows it (CUDA, compute capability
+            9.0+, torchao's MoE package), bf16 elsewhere with one log line; ``True`` requires it (refused where it
+            cannot run).
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -48,4 +49,4 @@ class ParallelOptions:
     fsdp_on_one_rank: bool = True
     fp8: str | None = None
     fp8_filter: Callable[[nn.Module, str], bool] | None = None
-    fp8_experts: bool | None = None
+    fp8_experts: bool | None = False

@@ -133,10 +133,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
         fp8_experts: with ``fp8`` on, our MoE models' grouped experts run their GEMMs in float8 rowwise through
-            torchao (under either recipe: torchao's grouped GEMM is rowwise): ``None`` (default) where the GPU
-            allows it (compute capability 9.0+), bf16 elsewhere with one log line; ``True`` requires it
-            (refused elsewhere); ``False`` keeps them in bf16 (:func:`~lightning_d9d.plans.fp8.
-            convert_experts_to_float8`).
+            torchao (under either recipe: torchao's grouped GEMM is rowwise): ``False`` (default, until its GPU
+            test has run) keeps them in bf16; ``None`` where the GPU allows it (compute capability 9.0+), bf16
+            elsewhere with one log line; ``True`` requires it (refused elsewhere)
+            (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
         async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
             overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
             Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
@@ -178,7 +178,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         async_save: bool = False,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
-        fp8_experts: bool | None = None,
+        fp8_experts: bool | None = False,
         async_tp: bool = False,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
