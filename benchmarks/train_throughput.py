@@ -110,7 +110,7 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp_autogc": "ours_trainer_compiled_nofsdp without the GarbageCollection callback",
     # FP8 training of the decoder blocks' linear layers through torchao (issue 25): D9DStrategy(fp8=...). Under
     # --model moe the grouped experts' GEMMs too (float8 rowwise under either recipe, torchao's grouped GEMM, on
-    # compute capability 9.0+: fp8_experts=None, which these paths pass); the _bf16experts path keeps them bf16 to compare.
+    # compute capability 9.0+: fp8_experts=None, which these paths pass); the _bf16experts path keeps them bf16.
     "ours_trainer_compiled_fp8_tensorwise": 'ours_trainer_compiled with fp8="tensorwise" (float8 FSDP all-gather;'
     " --model moe: experts rowwise)",
     "ours_trainer_compiled_fp8_rowwise": 'ours_trainer_compiled with fp8="rowwise" (--model moe: the experts too)',
