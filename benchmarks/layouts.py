@@ -31,8 +31,8 @@ GPUs and per GPU), MFU (``num_flops_per_token(seq_len)`` x tokens / (GPUs x ``--
 for MoE), the peak memory of every rank and of the fullest, and every step's loss averaged over the ranks that
 hold different tokens (``losses``, ``last_loss``, ``loss_last10_mean``: a layout that computes something else
 shows there; ``benchmarks/compare_layouts.py`` holds them to the one-GPU row). A run that needs CUDA
-(``--async-tp``, ``--context-attention torch_ring``, ``--dispatcher deepep``) asked for with ``--device cpu``
-prints ``{"skipped": reason, ...}`` instead and exits 0.
+(``--async-tp``, ``--context-attention torch_ring``, ``--dispatcher deepep``, ``--fp8 tensorwise`` under tp) asked
+for with ``--device cpu`` prints ``{"skipped": reason, ...}`` instead and exits 0.
 """
 
 from __future__ import annotations
@@ -218,6 +218,8 @@ def cuda_only(args: argparse.Namespace) -> str | None:
         return "--context-attention torch_ring: torch's ring attention kernels run on CUDA only"
     if args.ep > 1 and args.dispatcher == "deepep":
         return "--dispatcher deepep: DeepEP's kernels run on CUDA only"
+    if args.tp > 1 and args.fp8 == "tensorwise":
+        return "--fp8 tensorwise --tp > 1: tp's float8 all-gathers need NCCL (gloo has no float8 type)"
     return None
 
 
