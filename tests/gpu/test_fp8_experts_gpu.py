@@ -26,7 +26,6 @@ Run: ``PYTHONPATH=. python -m pytest -m gpu tests/gpu/test_fp8_experts_gpu.py -v
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -35,10 +34,12 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from kernel_checks import grads, leaf, relative_error
 
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND, MIN_CAPABILITY, load_torchao_fp8
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zipf_training import train_on_zipf_batches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -105,10 +106,7 @@ def test_float8_grouped_gemm_against_fp32(name: str) -> None:
 
 @functools.cache
 def train(experts_fp8: bool, compiled: bool) -> tuple[list[float], list[str | None]]:
-    from train_throughput import _batches
-
     from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
-    from lightning_d9d.modules.loss import causal_lm_loss
     from lightning_d9d.modules.moe import GroupedExperts
     from lightning_d9d.plans import apply_compile
     from lightning_d9d.plans.fp8 import convert_experts_to_float8
@@ -140,18 +138,8 @@ def train(experts_fp8: bool, compiled: bool) -> tuple[list[float], list[str | No
     backends = [m.gemm_backend for b in blocks for m in b.modules() if isinstance(m, GroupedExperts)]
     if compiled:
         apply_compile(model.model.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), fused=True)
-    args = argparse.Namespace(warmup=0, steps=STEPS, probe_steps=0, batch_size=8, seq_len=512)
-    inputs, labels = _batches(args, config.vocab_size, torch.device("cuda"))
-    losses = []
-    for step in range(STEPS):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = causal_lm_loss(model(inputs[step]), labels[step])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return [float(loss) for loss in losses], backends
+    losses = train_on_zipf_batches(model, config.vocab_size, steps=STEPS, lr=1e-3, batch_size=8, seq_len=512)
+    return losses, backends
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

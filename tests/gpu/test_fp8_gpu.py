@@ -9,7 +9,6 @@ guard (measured: 0.01 % for tensorwise), while both fall by more than 15 % from 
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -17,7 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from zipf_training import train_on_zipf_batches
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,11 +33,8 @@ STEPS = 120
 @functools.cache
 def train(recipe: str | None) -> list[float]:
     pytest.importorskip("torchao")
-    from train_throughput import _batches
-
     from lightning_d9d.mesh import ParallelDims
     from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-    from lightning_d9d.modules.loss import causal_lm_loss
     from lightning_d9d.plans import apply_compile
     from lightning_d9d.plans.fp8 import apply_fp8
 
@@ -49,18 +46,7 @@ def train(recipe: str | None) -> list[float]:
     if recipe is not None:
         apply_fp8(list(model.model.layers.values()), recipe, ParallelDims(dp_shard=1), fsdp=False)
     apply_compile(model.model.layers)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), fused=True)
-    args = argparse.Namespace(warmup=0, steps=STEPS, probe_steps=0, batch_size=4, seq_len=2048)
-    inputs, labels = _batches(args, config.vocab_size, torch.device("cuda"))
-    losses = []
-    for step in range(STEPS):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = causal_lm_loss(model(inputs[step]), labels[step])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-    return [float(loss) for loss in losses]
+    return train_on_zipf_batches(model, config.vocab_size, steps=STEPS, lr=3e-4, batch_size=4, seq_len=2048)
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
