@@ -42,6 +42,7 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
+from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
@@ -68,8 +69,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
     loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
     ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
-    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused
-    (module docstring).
+    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``async_tp``, ``process_group_backend``,
+    ``timeout``. ``pp > 1`` is refused (module docstring).
 
     Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
     parallel parameters, which replace the model's) or the model first (``fabric.setup_module``). A model built
@@ -97,6 +98,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,
         fp8_experts: bool | None = False,
+        async_tp: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -110,6 +112,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         checkpointing_kind(activation_checkpointing)
         check_checkpointing_layout(activation_checkpointing, pp=pp, ep=ep)
         compile_mode(compile)
+        self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DFabricStrategy")
         super().__init__(
             parallelize_fn=self._parallelize,
             save_distributed_checkpoint=True,
@@ -141,9 +144,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
-        dims = (
-            self._resolve_dims()
-        )  # a mesh that does not tile the world fails here, before any process starts
+        # a mesh that does not tile the world fails here, before any process starts
+        dims = self._resolve_dims()
         check_fp8_device(
             self._options.fp8,
             tp=dims.tp,
@@ -151,6 +153,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             owner="D9DFabricStrategy",
             fp8_experts=self._options.fp8_experts,
         )
+        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DFabricStrategy")
         super()._configure_launcher()
 
     @override
@@ -160,6 +163,8 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         self._setup_distributed()
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
+        if self._async_tp:  # before the blocks compile (setup_module)
+            enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
 
     # ---------------------------------------------------------------------------------------- precision
     @property  # type: ignore[override]

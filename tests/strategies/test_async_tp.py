@@ -10,7 +10,7 @@ import pytest
 import torch._inductor.config as inductor_config
 import torch.distributed as dist
 
-from lightning_d9d import D9DStrategy
+from lightning_d9d import D9DFabricStrategy, D9DStrategy
 from lightning_d9d.plans import async_tp
 
 
@@ -37,6 +37,10 @@ def test_refused_without_tp_or_compile(kwargs: dict, message: str) -> None:
 def test_refused_off_cuda_before_any_process_group() -> None:
     with pytest.raises(ValueError, match=r"async_tp=True needs CUDA GPUs .* the accelerator is 'cpu'"):
         L.Trainer(strategy=D9DStrategy(tp=2, compile=True, async_tp=True), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"D9DFabricStrategy: async_tp=True needs CUDA GPUs"):
+        L.Fabric(strategy=D9DFabricStrategy(tp=2, compile=True, async_tp=True), accelerator="cpu", devices=2)
+    with pytest.raises(ValueError, match=r"D9DFabricStrategy: async_tp=True .* needs the blocks compiled"):
+        D9DFabricStrategy(tp=2, async_tp=True)
     assert not dist.is_initialized()
 
 
@@ -74,6 +78,24 @@ def test_the_strategy_enables_it_with_its_tp_group_once_the_mesh_exists(
         strategy._lightning_module = L.LightningModule()
         trainer.strategy.setup_environment()
         assert calls == [strategy.parallel_dims.mesh_for("tp").get_group().group_name]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_fabric_enables_it_with_its_tp_group_once_the_mesh_exists(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same for Fabric's strategy: its setup_environment builds the mesh, then hands the tp group on."""
+    import lightning_d9d.fabric.strategy as fabric_strategy
+
+    calls: list[str] = []
+    monkeypatch.setattr(fabric_strategy, "check_async_tp_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fabric_strategy, "enable_async_tp", calls.append)
+    strategy = D9DFabricStrategy(tp=2, compile=True, async_tp=True)
+    strategy._requested_dims = strategy._requested_dims.__class__(tp=1)  # one process: a 1-rank tp view
+    fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=1)
+    try:
+        fabric.strategy.setup_environment()
+        assert calls == [strategy._dims.mesh_for("tp").get_group().group_name]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
