@@ -147,8 +147,6 @@ def _torchao_matmul(dtype: torch.dtype) -> PaddedMatmul:
 
 
 def torchao_fp8_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
-    """The ``torchao_fp8`` backend: ``[T, K] x [G, K, N] -> [T, N]`` in float8 rowwise (module docstring)."""
-    reason = fp8_grouped_gemm_unsupported(x, w)
-    if reason is not None:
-        raise RuntimeError(reason)
+    """The ``torchao_fp8`` backend: ``[T, K] x [G, K, N] -> [T, N]`` in float8 rowwise (module docstring). The
+    registry has checked :func:`fp8_grouped_gemm_unsupported` on these inputs before it calls this."""
     return padded_grouped_mm(x, w, group_sizes, _torchao_matmul(x.dtype))

@@ -282,8 +282,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # precision plugin), not ModelParallelStrategy's: that one insists on ``configure_model`` and
         # materializes meta modules before sharding, while this strategy parallelizes any module itself.
         Strategy.setup(self, trainer)
-        graphs = self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile))
-        if (self._runner is not None or graphs) and trainer.state.fn == TrainerFn.FITTING:
+        if (
+            self._runner is not None or self._may_record_cuda_graphs
+        ) and trainer.state.fn == TrainerFn.FITTING:
             # Zero gradients before the schedule computes them (a private Lightning class: see compat); with CUDA
             # graphs, before the step's first forward, which may reuse the memory of the last step's gradients
             # (see _mark_cudagraph_step).
@@ -575,8 +576,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         as ``.grad``), which a new generation would hand out again; the window's opening comes after the
         zero-grad-first closure (used whenever CUDA graphs may record: see :meth:`setup`) set them to ``None``.
         Marking where no block records graphs (the plan fell back, or the device is not CUDA) changes nothing."""
-        if self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile)):
+        if self._may_record_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
+
+    @property
+    def _may_record_cuda_graphs(self) -> bool:
+        """A CUDA-graph compile mode on CUDA (the plan may still fall back: marking a step then changes nothing)."""
+        return self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile))
 
     # ----------------------------------------------------------------------------------- gradient sync
     @override
