@@ -32,7 +32,6 @@ from typing_extensions import override
 
 from lightning_d9d.fabric import checkpoint as fabric_checkpoint
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.modules.context_attention import check_context_attention
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
@@ -42,14 +41,13 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
-from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
-from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
-from lightning_d9d.plans.compile import compile_mode
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
+from lightning_d9d.plans.async_tp import enable_async_tp
+from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
+from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.precision import D9DPrecisionBase
 from lightning_d9d.strategies.topology import MeshTopology
 
@@ -109,26 +107,25 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
         )
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DFabricStrategy")
-        checkpointing_kind(activation_checkpointing)
-        check_checkpointing_layout(activation_checkpointing, pp=pp, ep=ep)
-        compile_mode(compile)
-        self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DFabricStrategy")
+        # the precision's part (mp_policy) is known once Fabric handed the strategy its precision plugin
+        self._options = checked_parallel_options(
+            self._requested_dims,
+            owner="D9DFabricStrategy",
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            context_attention=context_attention,
+            reshard_after_forward=reshard_after_forward,
+            fsdp_on_one_rank=fsdp_on_one_rank,
+            fp8=fp8,
+            fp8_filter=fp8_filter,
+            fp8_experts=fp8_experts,
+            async_tp=async_tp,
+        )
         super().__init__(
             parallelize_fn=self._parallelize,
             save_distributed_checkpoint=True,
             process_group_backend=process_group_backend,
             timeout=timeout,
-        )
-        # the precision's part (mp_policy) is known once Fabric handed the strategy its precision plugin
-        self._options = ParallelOptions(
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            context_attention=check_context_attention(context_attention, owner="D9DFabricStrategy"),
-            reshard_after_forward=reshard_after_forward,
-            fsdp_on_one_rank=fsdp_on_one_rank,
-            fp8=check_fp8(fp8, owner="D9DFabricStrategy"),
-            fp8_filter=fp8_filter,
-            fp8_experts=check_fp8_experts(fp8, fp8_experts, owner="D9DFabricStrategy"),
         )
         self._dims: ParallelDims | None = None
 
@@ -145,15 +142,9 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         # a mesh that does not tile the world fails here, before any process starts
-        dims = self._resolve_dims()
-        check_fp8_device(
-            self._options.fp8,
-            tp=dims.tp,
-            device_type=self.root_device.type,
-            owner="D9DFabricStrategy",
-            fp8_experts=self._options.fp8_experts,
+        check_options_on_device(
+            self._options, self._resolve_dims(), self.root_device.type, owner="D9DFabricStrategy"
         )
-        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DFabricStrategy")
         super()._configure_launcher()
 
     @override
@@ -163,7 +154,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         self._setup_distributed()
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
-        if self._async_tp:  # before the blocks compile (setup_module)
+        if self._options.async_tp:  # before the blocks compile (setup_module)
             enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
 
     # ---------------------------------------------------------------------------------------- precision

@@ -39,6 +39,9 @@ class ParallelOptions:
             has run) keeps the experts in bf16; ``None`` where the device allows it (CUDA, compute capability
             9.0+, torchao's MoE package), bf16 elsewhere with one log line; ``True`` requires it (refused where it
             cannot run).
+        async_tp: torch's micro-pipelined tensor parallelism (Inductor's pass over the compiled blocks,
+            :mod:`lightning_d9d.plans.async_tp`). The strategy switches it on for the tp group once the mesh
+            exists, before the blocks compile; no plan reads it.
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -50,3 +53,4 @@ class ParallelOptions:
     fp8: str | None = None
     fp8_filter: Callable[[nn.Module, str], bool] | None = None
     fp8_experts: bool | None = False
+    async_tp: bool = False

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -32,7 +33,7 @@ from lightning_d9d.compat import (
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import fused_loss_ignore_index
 from lightning_d9d.models.hf import hf_pipeline_for
-from lightning_d9d.modules.context_attention import LoadBalancedSplit, check_context_attention
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
 from lightning_d9d.pipeline import (
@@ -52,10 +53,9 @@ from lightning_d9d.plans import (
     require_degrees,
     split_batch,
 )
-from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device, enable_async_tp
-from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
+from lightning_d9d.plans.async_tp import enable_async_tp
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
-from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
+from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -65,6 +65,7 @@ from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
 from lightning_d9d.strategies.memory_report import report_memory_plan
+from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
 from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
@@ -202,18 +203,20 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # every degree has a plan today; this keeps a degree added to ParallelDims from training without one
         require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
         self._dims: ParallelDims | None = None
-        checkpointing_kind(activation_checkpointing)  # refuses anything else, before any process group
-        check_checkpointing_layout(activation_checkpointing, pp=pp, ep=ep)
-        self._activation_checkpointing = activation_checkpointing
-        compile_mode(compile)  # refuses an unknown mode before any process group
-        self._compile = compile
-        self._context_attention = check_context_attention(context_attention, owner="D9DStrategy")
-        self._reshard_after_forward = reshard_after_forward
-        self._fsdp_on_one_rank = fsdp_on_one_rank
-        self._fp8 = check_fp8(fp8, owner="D9DStrategy")
-        self._fp8_filter = fp8_filter
-        self._fp8_experts = check_fp8_experts(fp8, fp8_experts, owner="D9DStrategy")
-        self._async_tp = check_async_tp(async_tp, tp=tp, compile=compile, owner="D9DStrategy")
+        # every plan option refused here if it cannot apply, before any process group
+        self._options = checked_parallel_options(
+            self._requested_dims,
+            owner="D9DStrategy",
+            activation_checkpointing=activation_checkpointing,
+            compile=compile,
+            context_attention=context_attention,
+            reshard_after_forward=reshard_after_forward,
+            fsdp_on_one_rank=fsdp_on_one_rank,
+            fp8=fp8,
+            fp8_filter=fp8_filter,
+            fp8_experts=fp8_experts,
+            async_tp=async_tp,
+        )
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
         self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
@@ -232,14 +235,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
-        dims = self._resolve_dims()
-        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
-        check_fp8_device(
-            self._fp8,
-            tp=dims.tp,
-            device_type=self.root_device.type,
-            owner="D9DStrategy",
-            fp8_experts=self._fp8_experts,
+        check_options_on_device(
+            self._options, self._resolve_dims(), self.root_device.type, owner="D9DStrategy"
         )
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
@@ -254,11 +251,11 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate again (the cluster environment may have changed the world size), still before any collective.
         dims = self._resolve_dims()
-        check_async_tp_device(self._async_tp, self.root_device.type, owner="D9DStrategy")
+        check_options_on_device(self._options, dims, self.root_device.type, owner="D9DStrategy")
         self._setup_distributed()
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
-        if self._async_tp:  # before configure_model and the blocks' compile
+        if self._options.async_tp:  # before configure_model and the blocks' compile
             enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self.device_mesh)
@@ -349,18 +346,12 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         check_pipeline_model(module, self.pipeline, pp, self._stage_layout, PIPELINE_VIEWS)
 
     def parallel_options(self) -> ParallelOptions:
-        return ParallelOptions(
+        return dataclasses.replace(
+            self._options,
             mp_policy=self.precision_plugin.mixed_precision_policy(),
             # Split-backward schedules compute weight gradients after FSDP would have freed the parameters.
-            reshard_after_forward=self._reshard_after_forward
+            reshard_after_forward=self._options.reshard_after_forward
             and not (self._requested_dims.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES),
-            activation_checkpointing=self._activation_checkpointing,
-            compile=self._compile,
-            context_attention=self._context_attention,
-            fsdp_on_one_rank=self._fsdp_on_one_rank,
-            fp8=self._fp8,
-            fp8_filter=self._fp8_filter,
-            fp8_experts=self._fp8_experts,
         )
 
     @override
@@ -582,7 +573,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     @property
     def _may_record_cuda_graphs(self) -> bool:
         """A CUDA-graph compile mode on CUDA (the plan may still fall back: marking a step then changes nothing)."""
-        return self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._compile))
+        return self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._options.compile))
 
     # ----------------------------------------------------------------------------------- gradient sync
     @override

@@ -67,7 +67,7 @@ def test_the_strategy_enables_it_with_its_tp_group_once_the_mesh_exists(
     import lightning_d9d.strategies.d9d as d9d
 
     calls: list[str] = []
-    monkeypatch.setattr(d9d, "check_async_tp_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(d9d, "check_options_on_device", lambda *args, **kwargs: None)
     monkeypatch.setattr(d9d, "enable_async_tp", calls.append)
     strategy = D9DStrategy(tp=2, compile=True, async_tp=True)
     strategy._requested_dims = strategy._requested_dims.__class__(
@@ -88,7 +88,7 @@ def test_fabric_enables_it_with_its_tp_group_once_the_mesh_exists(monkeypatch: p
     import lightning_d9d.fabric.strategy as fabric_strategy
 
     calls: list[str] = []
-    monkeypatch.setattr(fabric_strategy, "check_async_tp_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(fabric_strategy, "check_options_on_device", lambda *args, **kwargs: None)
     monkeypatch.setattr(fabric_strategy, "enable_async_tp", calls.append)
     strategy = D9DFabricStrategy(tp=2, compile=True, async_tp=True)
     strategy._requested_dims = strategy._requested_dims.__class__(tp=1)  # one process: a 1-rank tp view

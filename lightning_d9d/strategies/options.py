@@ -1,0 +1,60 @@
+"""The plan options both strategies take (``D9DStrategy`` for the Trainer, ``D9DFabricStrategy`` for Fabric),
+checked in one place: the same arguments refuse the same way under either, before any process starts.
+
+Two moments: :func:`checked_parallel_options` when the strategy is constructed (the arguments alone), and
+:func:`check_options_on_device` once the accelerator is known (Lightning hands it to the strategy after
+construction), still before any process group.
+"""
+
+from __future__ import annotations
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.modules.context_attention import check_context_attention
+from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device
+from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
+from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
+from lightning_d9d.plans.options import ParallelOptions
+
+
+def checked_parallel_options(
+    dims: ParallelDims,
+    *,
+    owner: str,
+    activation_checkpointing: bool | str,
+    compile: bool | str,
+    context_attention: str,
+    reshard_after_forward: bool,
+    fsdp_on_one_rank: bool,
+    fp8: str | None,
+    fp8_filter: Fp8Filter | None,
+    fp8_experts: bool | None,
+    async_tp: bool,
+) -> ParallelOptions:
+    """The options as given, each refused here when it cannot apply to the requested degrees (``dims``, not
+    yet resolved against the world). ``mp_policy`` stays unset: it comes from the precision plugin, which the
+    strategy gets later."""
+    checkpointing_kind(activation_checkpointing)
+    check_checkpointing_layout(activation_checkpointing, pp=dims.pp, ep=dims.ep)
+    compile_mode(compile)
+    return ParallelOptions(
+        reshard_after_forward=reshard_after_forward,
+        activation_checkpointing=activation_checkpointing,
+        compile=compile,
+        context_attention=check_context_attention(context_attention, owner=owner),
+        fsdp_on_one_rank=fsdp_on_one_rank,
+        fp8=check_fp8(fp8, owner=owner),
+        fp8_filter=fp8_filter,
+        fp8_experts=check_fp8_experts(fp8, fp8_experts, owner=owner),
+        async_tp=check_async_tp(async_tp, tp=dims.tp, compile=compile, owner=owner),
+    )
+
+
+def check_options_on_device(
+    options: ParallelOptions, dims: ParallelDims, device_type: str, *, owner: str
+) -> None:
+    """What the accelerator decides: async TP and some FP8 layouts run on CUDA only."""
+    check_async_tp_device(options.async_tp, device_type, owner=owner)
+    check_fp8_device(
+        options.fp8, tp=dims.tp, device_type=device_type, owner=owner, fp8_experts=options.fp8_experts
+    )
