@@ -58,7 +58,7 @@ def test_the_two_rank_layout_trains_as_the_one_rank_run_in_fp32(name: str) -> No
     expected = one_rank_run(reference.family, reference.fp8, reference.micro_steps)
     assert_applied(layout, got["facts"], expected["facts"])
     errors = differences(got, expected, start_parameters(layout, CPU))
-    print(name, {key: f"{value:.2e}" for key, value in errors.items()})
+    print(name, {key: f"{value:.3g}" for key, value in errors.items()})
     assert errors["steps"] == CPU.steps
     assert errors["learnt"] > 1e-2 and errors["moved"] > 1e-1  # the steps changed the loss and the parameters
     for key, band in FP32_BAND.items():
