@@ -21,7 +21,11 @@
 #   deepep    builds DeepEP v1.2.1 (intranode, NVSHMEM off, -rdc=true dropped) from the carried source in
 #             .fetched/deepep (`git archive v1.2.1` of a fetched DeepEP; never committed), then its GPU test
 #             (equal to the all-to-all dispatcher; both dispatch + combine times printed)
-#   gpu       every gpu-marked test (the two-GPU ones run here)
+#   gpu       every gpu-marked test (the two-GPU ones run here): first tests/gpu/test_two_gpu_layouts_gpu.py
+#             (transformers' Qwen3 / Qwen3-MoE at tp=2, cp=2, pp=2, ep=2 and FP8 dp_shard=2 against one GPU; each
+#             layout's differences printed to $OUT/gpu/two_gpu_layouts.log), then the rest
+# fp8 and gpu install torchao from the carried wheel (.whl/ao18, benchmarks/README.md's FP8 section) into /tmp/site
+# where it does not import.
 # Every run is bounded (`timeout`: RUN_TIMEOUT, 420 s). Exits non-zero when any run or comparison failed.
 # CPU dry run of the whole script (gloo, 2 processes; the numbers mean nothing; CUDA-only runs print a skip):
 #   LAYOUT_ARGS="--device cpu --seq-len 32" DENSE_ARGS="--model tiny" MOE_ARGS="--model moe_tiny" \
@@ -48,6 +52,15 @@ layout() {  # layout <part> <gpus> <layouts.py arguments...>
 }
 compare() {  # compare <part>: every row against its reference, the loss band held
   $PY benchmarks/compare_layouts.py "$OUT/$1/layouts.jsonl" | tee "$OUT/$1/compare.txt" || status=1
+}
+carried_torchao() {  # torchao for the FP8 rows and tests: the carried wheel, where torchao does not import
+  $PY -c "import torchao" 2>/dev/null && return
+  if ls .whl/ao18/*.whl >/dev/null 2>&1; then
+    $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/ao18/*.whl \
+      && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  else
+    echo "torchao does not import and no .whl/ao18 was carried (benchmarks/README.md, FP8)" >&2
+  fi
 }
 deepep_rows() {  # deepep_rows <part> <layouts.py arguments...>: the DeepEP row where deep_ep imports (or on CPU)
   local part=$1; shift
@@ -86,6 +99,7 @@ for part in "${@:-hf layouts fp8 asynctp save scaling moe}"; do
         deepep_rows moe $MOE --compile --global-batch 4 $LONG
         compare moe ;;
       fp8)
+        carried_torchao
         F="--compile --global-batch 8 --dp-shard 2 --steps 30 --warmup 5 $DENSE"
         layout fp8 2 $F
         layout fp8 2 $F --fp8 tensorwise
@@ -123,7 +137,12 @@ for part in "${@:-hf layouts fp8 asynctp save scaling moe}"; do
           | tee "$OUT/deepep/tests.log" | tail -30 || status=1 ;;
       gpu)
         mkdir -p "$OUT/gpu"
-        timeout 900 $PY -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" | tail -5 || status=1 ;;
+        carried_torchao
+        L=tests/gpu/test_two_gpu_layouts_gpu.py  # -s: each layout's measured differences and losses
+        timeout 900 $PY -m pytest -q -s -rs -m gpu $L -p no:cacheprovider 2>&1 | tee "$OUT/gpu/two_gpu_layouts.log" \
+          | tail -40 || status=1
+        timeout 900 $PY -m pytest -q -m gpu tests --ignore=$L -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" \
+          | tail -5 || status=1 ;;
       *) echo "unknown part $name" >&2; exit 2 ;;
     esac
   done

@@ -1,4 +1,5 @@
-"""Run a function on N gloo ranks forked from the test process, and collect what each rank returns.
+"""Run a function on N gloo ranks forked from the test process (or N NCCL ranks, one GPU each, spawned), and
+collect what each rank returns.
 
 Forking is 10-30x cheaper than spawning (no second ``import torch``). Each rank leaves with ``os._exit`` after
 ``destroy_process_group`` because gloo sometimes aborts at interpreter exit after all work succeeded.
@@ -44,6 +45,11 @@ def set_torchrun_environment(rank: int, world_size: int, port: int, run_id: str)
     )
 
 
+# A GPU host's NVLink multicast (NVLS in NCCL, multicast objects in torch's symmetric memory) must stay off there:
+# every NCCL rank of these tests runs with both switched off.
+NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -52,6 +58,7 @@ def _rank_main(
     args: tuple,
     queue: Any,
     group_timeout: timedelta | None = None,
+    backend: str = "gloo",
 ) -> None:
     code = 0
     try:
@@ -63,7 +70,15 @@ def _rank_main(
             LOCAL_RANK=str(rank),
         )
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=group_timeout)
+        if backend == "nccl":
+            os.environ.update(NCCL_ENVIRONMENT)
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(
+                "nccl", rank=rank, world_size=world_size, timeout=group_timeout, device_id=device
+            )
+        else:
+            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=group_timeout)
         result = fn(*args)
         queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:
@@ -98,9 +113,15 @@ def run_distributed(
     *args: Any,
     timeout: float = 300,
     group_timeout: timedelta | None = None,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks (process group initialised, with the collective timeout
     ``group_timeout`` if given) and return results by rank.
+
+    ``backend="nccl"``: rank ``r`` on GPU ``r`` (its current device, the group bound to it), NVLink multicast off
+    (:data:`NCCL_ENVIRONMENT`), the ranks spawned, never forked (a fork of a process that has initialised CUDA,
+    as pytest's has by the time the GPU tests run, cannot use CUDA): ``fn`` and ``args`` must pickle, and the
+    ranks import what ``fn`` needs themselves.
 
     A rank that dies before reporting fails the call at once (not after ``timeout``), naming its exit code; when
     it takes its peers down with it (the store's host gone, they fail to connect), the crash is what is reported.
@@ -111,14 +132,15 @@ def run_distributed(
     (``spawn``: they import what ``fn`` needs themselves, seconds more) where ``fn`` and ``args`` can be pickled:
     a fork of the same process crashed twice in a row once (CI, a fork after threads Lightning's in-process fits
     left behind), a fresh process does not inherit that state."""
+    first = "spawn" if backend == "nccl" else "fork"
     try:
-        return _run_distributed_once(fn, world_size, args, timeout, group_timeout)
+        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, first, backend)
     except RankCrashed as crash:
         if -crash.exitcode not in LIBC_CRASHES:
             raise
-        method = "spawn" if _picklable(fn, args) else "fork"
+        method = "spawn" if _picklable(fn, args) else first
         warnings.warn(f"{crash}; starting the ranks again once ({method})", stacklevel=2)
-        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, method=method)
+        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, method, backend)
 
 
 def _picklable(*objects: Any) -> bool:
@@ -136,13 +158,16 @@ def _run_distributed_once(
     timeout: float,
     group_timeout: timedelta | None,
     method: str = "fork",
+    backend: str = "gloo",
 ) -> list[Any]:
     context = mp.get_context(method)
     queue = context.Queue()
     port = free_port()
     processes = [
         context.Process(
-            target=_rank_main, args=(rank, world_size, port, fn, args, queue, group_timeout), daemon=True
+            target=_rank_main,
+            args=(rank, world_size, port, fn, args, queue, group_timeout, backend),
+            daemon=True,
         )
         for rank in range(world_size)
     ]

@@ -95,12 +95,15 @@ def _top_k_without(router: nn.Module, args: Any, output: Any, *, experts: list[i
     return logits, values.to(logits.dtype), indices
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch ``step``: ``ROWS`` rows of ``SEQ`` ids and labels, the last two labels of each row ignored (as many
-    per row: a mean over rows or microbatches is the token mean)."""
+def batch(
+    step: int, *, rows: int = ROWS, seq: int = SEQ, vocab: int = VOCAB
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Batch ``step``: ``rows`` rows of ``seq`` ids and labels below ``vocab`` (by default the tiny models'
+    ``ROWS``, ``SEQ``, ``VOCAB``), the last two labels of each row ignored (as many per row: a mean over rows or
+    microbatches is the token mean)."""
     generator = torch.Generator().manual_seed(100 + step)
-    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
-    labels = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    ids = torch.randint(0, vocab, (rows, seq), generator=generator)
+    labels = torch.randint(0, vocab, (rows, seq), generator=generator)
     labels[:, -2:] = -100
     return ids, labels
 
