@@ -253,7 +253,8 @@ def install(carried: Path, stashes: list[Path], site: Path, probe: str | None = 
             f"{', '.join('.whl/' + p['folder'] for p in missing)}, while this machine is still warm (~30 s)"
         )
         return INCOMPLETE
-    with tempfile.TemporaryDirectory(dir=site.parent if site.parent.exists() else None) as scratch:
+    site.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=site.parent) as scratch:  # beside the site: files move, not copy
         whole = Path(scratch) / manifest["archive"]
         with whole.open("wb") as out:
             for part in manifest["parts"]:
@@ -274,10 +275,13 @@ def install(carried: Path, stashes: list[Path], site: Path, probe: str | None = 
                     tar.extract(member, unpacked, filter="data")
                 else:
                     tar.extract(member, unpacked)
-        if site.exists():
-            shutil.rmtree(site)
-        site.parent.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(unpacked), str(site))
+        # file by file into the site, which may hold other packages (flash-attn 2 built into the same folder: its
+        # flash_attn package and FA4's flash_attn/cute must share one folder to import both)
+        for path in sorted(unpacked.rglob("*")):
+            if path.is_file():
+                target = site / path.relative_to(unpacked)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(path, target)
     marker.write_text(json.dumps({"sha256": manifest["sha256"], "wheels": manifest.get("wheels", [])}) + "\n")
     say(f"installed {len(manifest.get('wheels', []))} wheels into {site}")
     return run_probe(site, probe)

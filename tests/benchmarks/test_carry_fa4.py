@@ -73,12 +73,16 @@ def test_parts_arrive_one_call_each_in_any_order_and_install(wheels: Path, tmp_p
     assert sum(sizes) == manifest["bytes"]
     assert all(json.loads((f / carry_fa4.MANIFEST).read_text()) == manifest for f in folders)
 
-    device, site = tmp_path / "device", tmp_path / "device" / ".fa4_site"
+    device, site = tmp_path / "device", tmp_path / "device" / "site"
+    # a site holding another package already (flash-attn 2 built there): kept beside the unpacked files
+    (site / "pkg_a").mkdir(parents=True)
+    (site / "pkg_a" / "built_here.py").write_text("KEPT = True\n")
     assert _device_call(device, prepared, "fa4_part3", site) == carry_fa4.INCOMPLETE
     assert _device_call(device, prepared, "fa4_part1", site) == carry_fa4.INCOMPLETE
-    assert not site.exists()
+    assert not (site / "pkg_a" / "blob.bin").exists()
     assert _device_call(device, prepared, "fa4_part2", site) == 0
     assert (site / "pkg_a" / "blob.bin").read_bytes() == BLOB
+    assert (site / "pkg_a" / "built_here.py").read_text() == "KEPT = True\n"
     assert (site / "pkg_a_extra.py").is_file() and not (site / "tool").exists()
     assert json.loads((site / ".installed.json").read_text())["sha256"] == manifest["sha256"]
 
