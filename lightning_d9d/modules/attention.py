@@ -124,7 +124,7 @@ _FLASH_ATTN_INSTALLED = _flash_attn_2_installed()
 
 def _flash_attn_unsupported(q: torch.Tensor) -> str | None:
     if not _FLASH_ATTN_INSTALLED:
-        return "the flash-attn (2) package is not installed"
+        return "needs the flash-attn (2) package, which is not installed"
     return _half_on_cuda(q, 8)
 
 

@@ -22,7 +22,12 @@ from lightning_d9d.kernels import flash_attn4 as fa4
 from lightning_d9d.modules import Attention, RotaryEmbedding
 from lightning_d9d.modules import attention as attention_module
 from lightning_d9d.modules.attention import VarlenDocuments, document_attention, document_attention_mask
-from lightning_d9d.modules.documents import document_causal_mask, document_cu_seqlens, document_ids
+from lightning_d9d.modules.documents import (
+    document_causal_mask,
+    document_cu_seqlens,
+    document_ids,
+    position_ids_from_lengths,
+)
 
 
 def _expected_offsets(positions: torch.Tensor) -> list[int]:
@@ -75,25 +80,37 @@ def test_the_varlen_path_is_the_dense_masked_attention(stand_in: None) -> None:
 
 
 def test_a_compiled_block_attends_varlen_documents_in_one_graph(stand_in: None) -> None:
-    """``VarlenDocuments`` reaches a block compiled with ``fullgraph=True`` as an input, and a batch with another
-    count of documents (another ``cu_seqlens`` length) runs in the same compiled block."""
+    """``VarlenDocuments`` reaches a block compiled with ``fullgraph=True`` as an input. Its two varying parts (the
+    count of documents, ``cu_seqlens``' length, and the longest document) each cost one recompile the first time
+    they change, after which Dynamo keeps them dynamic: later batches compile nothing."""
     torch.manual_seed(0)
     block = Attention(32, 4, 2, 8)
     cos, sin = RotaryEmbedding(8, 64, 10000.0)(None, 12, torch.float32)
     x = torch.randn(3, 12, 32)
-    eager = {}
-    layouts = (ROWS, torch.arange(12).repeat(3, 1))  # 9 documents, then 3
+    layouts = [  # (documents per row): 9 documents, longest 12; then 6 of 6; then others, after both changed
+        ROWS,
+        _positions([[6, 6], [6, 6], [6, 6]]),
+        _positions([[3, 9], [12], [4, 4, 2, 2]]),
+        _positions([[1] * 12, [11, 1], [5, 7]]),
+    ]
+    eager = []
     for positions in layouts:
         documents = VarlenDocuments(*document_cu_seqlens(positions), "flash_attn4")
-        eager[len(documents.cu_seqlens)] = block(x, cos, sin, documents)
+        eager.append(block(x, cos, sin, documents))
         dense = block(x, cos, sin, document_causal_mask(document_ids(positions)))
-        torch.testing.assert_close(eager[len(documents.cu_seqlens)], dense, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(eager[-1], dense, rtol=1e-5, atol=1e-5)
     block.compile(fullgraph=True, backend="aot_eager")
-    for positions in layouts:
+    for i, positions in enumerate(layouts):
         documents = VarlenDocuments(*document_cu_seqlens(positions), "flash_attn4")
-        torch.testing.assert_close(
-            block(x, cos, sin, documents), eager[len(documents.cu_seqlens)], rtol=1e-5, atol=1e-5
-        )
+        torch._dynamo.config.error_on_recompile = i >= 2
+        try:
+            torch.testing.assert_close(block(x, cos, sin, documents), eager[i], rtol=1e-5, atol=1e-5)
+        finally:
+            torch._dynamo.config.error_on_recompile = False
+
+
+def _positions(rows: list[list[int]]) -> torch.Tensor:
+    return torch.stack([position_ids_from_lengths(lengths, sum(lengths)) for lengths in rows])
 
 
 def test_the_varlen_paths_are_refused_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
