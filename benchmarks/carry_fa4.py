@@ -152,6 +152,13 @@ def prepare(wheel_dir: Path, out_root: Path, part_mib: float, use_python: bool =
         raise SystemExit(
             f"no wheels in {wheel_dir}: download them first (benchmarks/README.md, 'FlashAttention 4')"
         )
+    # the DSL's CUDA 12 and 13 libraries write different files (no clash to catch below), each 92 MB: the
+    # machine's torch is CUDA 13, so the CUDA 12 one would only double what travels
+    cuda12 = [w.name for w in wheels if w.name.startswith("nvidia_cutlass_dsl_libs_cu12")]
+    if cuda12:
+        raise SystemExit(
+            f"{cuda12[0]} is not needed (the GPU machine's torch is CUDA 13): remove it from {wheel_dir}"
+        )
     with tempfile.TemporaryDirectory() as scratch:
         tar_path, xz_path = Path(scratch) / f"{NAME}.tar", Path(scratch) / ARCHIVE
         stats = build_tar(wheels, tar_path)

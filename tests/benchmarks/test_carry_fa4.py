@@ -122,3 +122,12 @@ def test_two_wheels_writing_one_file_are_refused(wheels: Path, tmp_path: Path) -
     _wheel(wheels / "pkg_a-2.0-py3-none-any.whl", {"pkg_a/__init__.py": b"VALUE = 2\n"})
     with pytest.raises(SystemExit, match="keep one version"):
         carry_fa4.prepare(wheels, tmp_path / ".whl", part_mib=1, use_python=True)
+
+
+def test_the_cuda_12_libraries_are_refused(wheels: Path, tmp_path: Path) -> None:
+    _wheel(
+        wheels / "nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+        {"x/cu12.so": b""},
+    )
+    with pytest.raises(SystemExit, match="is not needed"):
+        carry_fa4.prepare(wheels, tmp_path / ".whl", part_mib=1, use_python=True)
