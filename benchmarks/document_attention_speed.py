@@ -7,6 +7,11 @@ bf16), to pick ``auto``'s choice by measurement.
     flex            FlexAttention on lightning_d9d's block mask (modules.documents.document_block_mask), compiled
     varlen          torch.nn.attention.varlen.varlen_attn (flash) on cumulative sequence lengths; the lengths are
                     read on the host (nonzero), which a training step would pay once per forward
+    flash_attn4_varlen, flash_attn_varlen
+                    lightning_d9d's varlen paths (LIGHTNING_D9D_DOCUMENT_ATTENTION=flash_attn4 / flash_attn):
+                    FlashAttention 4's / 2's varlen kernel on the rows end to end, q/k/v as the attention block
+                    hands them over (transposed views of [B, T, heads, D]); their cu_seqlens are built once per
+                    forward in training, so outside the timing: ``varlen_mask_build`` times that build (one host sync)
 
 Rows come from benchmarks/packed_throughput.py's length mix. Run from the repository root on a GPU machine:
 
@@ -20,6 +25,7 @@ import json
 import statistics
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +47,13 @@ def time_ms(function: Callable[[], torch.Tensor], repeats: int) -> float:
 
 def main() -> None:
     from benchmarks.packed_throughput import make_batches
-    from lightning_d9d.modules.attention import document_attention
-    from lightning_d9d.modules.documents import document_block_mask, document_causal_mask, document_ids
+    from lightning_d9d.modules.attention import document_attention, document_attention_mask
+    from lightning_d9d.modules.documents import (
+        document_block_mask,
+        document_causal_mask,
+        document_cu_seqlens,
+        document_ids,
+    )
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -82,11 +93,31 @@ def main() -> None:
         out = varlen_attn(qf, kf, vf, cu, cu, longest, longest, window_size=(-1, 0))
         return out  # type: ignore[return-value]
 
+    # the block's layout: [B, heads, T, D] views of [B, T, heads, D] (what the varlen paths flatten without a copy)
+    qb, kb, vb = (x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v))
+
+    def ours(kernel: str) -> Callable[[], torch.Tensor]:
+        documents: list[Any] = []
+
+        def run() -> torch.Tensor:
+            if not documents:  # built once (per forward in training), refused here if the kernel cannot run
+                documents.append(document_attention_mask(positions, kernel))
+            return document_attention(qb, kb, vb, documents[0])
+
+        return run
+
+    def mask_build() -> torch.Tensor:
+        cu_seqlens, _ = document_cu_seqlens(positions)
+        return cu_seqlens.float().requires_grad_()  # time_ms sums and backpropagates what it is given
+
     candidates: dict[str, Callable[[], torch.Tensor]] = {
         "causal_nomask": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
         "sdpa_dense": lambda: document_attention(q, k, v, dense),
         "flex": lambda: document_attention(q, k, v, block_mask),
         "varlen": varlen,
+        "flash_attn4_varlen": ours("flash_attn4"),
+        "flash_attn_varlen": ours("flash_attn"),
+        "varlen_mask_build": mask_build,
     }
     with torch.no_grad():
         reference = document_attention(q, k, v, dense).float()
@@ -97,7 +128,8 @@ def main() -> None:
                 out = function()
             if name == "varlen":
                 out = out.reshape(b, t, heads, dim).transpose(1, 2)
-            error = float((out.float() - reference).abs().max()) if name != "causal_nomask" else float("nan")
+            exact = name not in ("causal_nomask", "varlen_mask_build")
+            error = float((out.float() - reference).abs().max()) if exact else float("nan")
             ms = time_ms(function, args.repeats)
             results[name] = {"fwd_bwd_ms": ms, "max_abs_diff_vs_sdpa_dense": error}
             print(f"{name:14s} {ms:8.2f} ms fwd+bwd   max |diff| vs dense-mask SDPA {error:.2e}", flush=True)

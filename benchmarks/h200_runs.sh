@@ -17,6 +17,11 @@
 #            torchtitan's MoE at that shape, ours with and without FSDP on the one rank
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
 #            graphs, at seq 4096 x 4 and at a launch-bound seq 1024 x 1
+#   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
+#            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
+#            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min)
+#   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run (~5 min)
+#   fa4_packed  packed rows of the 0.6B shape: FlexAttention against FA4's varlen kernel (~5 min)
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,6 +31,13 @@ OUT=${OUT:-runs/h200}
 bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 --matmul-peak "$@"; }
 titan="" titan_fp8=""
 python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled," && titan_fp8="titan_compiled_fp8_rowwise,"
+# FlashAttention 4 from the carried parts (exit 3 while a part is missing: carry it in the next call); its compiled
+# kernels cached on disk for every process of the part (the gpu tests, the benchmarks' workers)
+fa4_env() {
+  python3 benchmarks/carry_fa4.py install || return 1
+  export PYTHONPATH="$(python3 benchmarks/carry_fa4.py pythonpath):$PYTHONPATH" LIGHTNING_D9D_REQUIRE_FA4=1 \
+    FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$PWD/.fa4_site/jit_cache"
+}
 status=0
 for part in "${@:-dense moe}"; do
   for name in $part; do
@@ -52,6 +64,17 @@ for part in "${@:-dense moe}"; do
             --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_cudagraphs || status=1
         done ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
+      fa4) fa4_env && {
+          python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_flash_attn4_gpu.py \
+            "tests/gpu/test_kernels_gpu.py::test_attention_backends_equal_fp32_attention" 2>&1 | tee "$OUT/fa4/tests.log"
+          test "${PIPESTATUS[0]}" = 0 || status=1
+          python3 benchmarks/kernel_speed.py --only attention --quick --out "$OUT/fa4/kernels.json" || status=1
+          python3 benchmarks/document_attention_speed.py --out "$OUT/fa4"
+        } ;;
+      fa4_train) fa4_env && bench --seq-len 4096 --batch-size 4 --path-timeout 300 --out "$OUT/fa4_train" \
+          --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fa4 ;;
+      fa4_packed) fa4_env && python3 benchmarks/packed_throughput.py --out "$OUT/fa4_packed" \
+          --paths packed_flex,packed_flash_attn4 ;;
       gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;
       *) echo "unknown part $name" >&2; exit 2 ;;
     esac || status=1

@@ -7,9 +7,10 @@ Per kernel and shape: forward and forward+backward time, achieved GB/s (the byte
 counted once) against the copy bandwidth measured in the same run; the fused LM-head cross-entropy's peak
 memory against logits + cross-entropy at vocab 151,936; and the attention table: SDPA's backends (and
 ``flash-attn`` through our ``flash_attn`` backend, if installed, and what the registry picks) at seq
-2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s; the grouped GEMM backends (``torch``,
-``triton``, the ``grouped_gemm`` package if installed, ``loop``, and ``torchao_fp8``, float8 rowwise through
-torchao, where it runs: compute capability 9.0+ with torchao installed) at the MoE shapes.
+2048/4096/8192, head dim 128, GQA 16/8, forward+backward TFLOP/s, and on the attention block's layout the
+``sdpa_cudnn``, ``flash_attn4`` (FlashAttention 4) and ``flash_attn`` backends side by side; the grouped GEMM
+backends (``torch``, ``triton``, the ``grouped_gemm`` package if installed, ``loop``, and ``torchao_fp8``, float8
+rowwise through torchao, where it runs: compute capability 9.0+ with torchao installed) at the MoE shapes.
 Everything is bf16. Results go to docs/benchmarks.md by hand (with the GPU, versions and date printed here).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import itertools
 import json
 import math
@@ -348,6 +350,35 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
         shape = f"B{batch} T{seq} H16/8 D128"
         for name, forward in variants.items():
             rows.append(flops_row("attention", shape, name, forward, [q, k, v], flops, 3.5 * flops, iters=10))
+        # The attention block's layout: [B, heads, T, D] views of [B, T, heads, D], which the flash kernels take
+        # without a copy (the rows above hand them contiguous [B, heads, T, D], which they would copy first);
+        # cuDNN beside them on the same inputs, the pair auto's choice waits on (issue 25).
+        qb, kb, vb = (
+            x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)
+        )
+        for backend in ("sdpa_cudnn", "flash_attn4", "flash_attn"):
+            try:
+                run = select_attention_backend(qb, backend).run
+            except ValueError as refusal:  # not installed, or not this GPU: said once per shape
+                print(
+                    json.dumps(
+                        {"kernel": "attention", "shape": shape, "impl": backend, "skipped": str(refusal)}
+                    )
+                )
+                continue
+            name = f"backend {backend} (block layout)"
+            rows.append(
+                flops_row(
+                    "attention",
+                    shape,
+                    name,
+                    partial(run, qb, kb, vb),
+                    [qb, kb, vb],
+                    flops,
+                    3.5 * flops,
+                    iters=10,
+                )
+            )
     return rows
 
 
@@ -520,6 +551,12 @@ def main() -> None:
             env[lib] = getattr(module, "__version__", "installed")
         except Exception as error:
             env[lib] = f"not available ({type(error).__name__})"
+    # FA4's flash_attn is a namespace package (no __version__): its distribution says which one ran
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            env[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            env[dist] = "not installed"
     print(json.dumps(env), flush=True)
     parts = set(args.only.split(","))
     copy_gbs = copy_bandwidth()

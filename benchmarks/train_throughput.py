@@ -131,7 +131,13 @@ PATHS: dict[str, str] = {
     # CUDA graphs (issue 25): compile="reduce-overhead" (Inductor's CUDA graph trees around each compiled block);
     # without FSDP on the one rank, whose per-step all-gathers would give the blocks new parameter addresses.
     "ours_trainer_compiled_nofsdp_cudagraphs": 'ours_trainer_compiled_nofsdp with compile="reduce-overhead"',
+    # FlashAttention 4 (issue 25): the attention backend forced by LIGHTNING_D9D_ATTENTION=flash_attn4 in the
+    # worker (refused, so the path fails, where flash_attn.cute cannot run); the pair to measure against cuDNN
+    "ours_trainer_compiled_fa4": "ours_trainer_compiled with the flash_attn4 attention backend (FlashAttention 4)",
+    "ours_trainer_compiled_nofsdp_fa4": "ours_trainer_compiled_nofsdp with the flash_attn4 attention backend",
 }
+#: The attention backend a path forces in its worker (LIGHTNING_D9D_ATTENTION), by the path's suffix.
+ATTENTION_SUFFIXES = {"_fa4": "flash_attn4"}
 DEFAULT_PATHS = [
     p
     for p in PATHS
@@ -160,6 +166,8 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp_fp8_tensorwise",
         "ours_trainer_compiled_nofsdp_fp8_rowwise",
         "ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts",
+        "ours_trainer_compiled_fa4",
+        "ours_trainer_compiled_nofsdp_fa4",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
@@ -926,6 +934,8 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
     # announces it once per process (a private set: None where this version has none).
     announced = getattr(sys.modules.get("lightning_d9d.models.causal_lm"), "_ANNOUNCED", None)
     result["fused_loss"] = None if announced is None else "fused" in announced
+    # a named backend runs or refuses (the path then fails): the name is what ran
+    result["attention_backend"] = os.environ.get("LIGHTNING_D9D_ATTENTION") or "auto"
     if path.startswith("hf_trainer"):  # which loss ran: causal_lm_loss itself, or the logits wrapper
         lean = path.endswith("_lean")
         result["loss_fn"] = (
@@ -1025,6 +1035,12 @@ def flops_per_token(args: argparse.Namespace) -> int:
         return int(_model_class(config)(config).num_flops_per_token(args.seq_len))
 
 
+def path_environment(path: str) -> dict[str, str]:
+    """The variables a path's worker runs with beyond the caller's: the attention backend its suffix forces."""
+    backend = next((b for suffix, b in ATTENTION_SUFFIXES.items() if path.endswith(suffix)), None)
+    return {} if backend is None else {"LIGHTNING_D9D_ATTENTION": backend}
+
+
 def launch(job: int, path: str, gpu: str, args: argparse.Namespace, logdir: Path) -> dict[str, Any]:
     """Run one path in a fresh interpreter pinned to one GPU; its result is the last JSON line it prints."""
     env = dict(os.environ)
@@ -1037,6 +1053,7 @@ def launch(job: int, path: str, gpu: str, args: argparse.Namespace, logdir: Path
         env["CUDA_VISIBLE_DEVICES"] = gpu
     if args.compile_threads:
         env["TORCHINDUCTOR_COMPILE_THREADS"] = str(args.compile_threads)
+    env.update(path_environment(path))
     if not args.shared_compile_cache:  # cold compile caches: warm-up times do not depend on the path order
         env["TORCHINDUCTOR_CACHE_DIR"] = str(logdir / f"{job:02d}_inductor")
         env["TRITON_CACHE_DIR"] = str(logdir / f"{job:02d}_triton")

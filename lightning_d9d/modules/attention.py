@@ -10,8 +10,12 @@ On an H200 (bf16, head dim 128, GQA 16/8, seq 2048-8192; docs/benchmarks.md) SDP
 heads is the fastest (410-540 TFLOP/s forward+backward), flash is about half of it, memory-efficient has no
 grouped-heads kernel (it needs the heads repeated) and math is 20x slower: CUDA bf16/fp16 takes
 ``sdpa_cudnn``, then ``sdpa_flash``; everything else (CPU, fp32) plain ``sdpa``, which lets torch choose as
-before. ``flash_attn`` is registered when the package is installed. Other paths (e.g. a context-parallel one)
-join with :func:`register_attention_backend`.
+before. ``flash_attn`` (FlashAttention 2) runs when its package is installed, ``flash_attn4`` (FlashAttention 4,
+``flash_attn.cute``: :mod:`lightning_d9d.kernels.flash_attn4`) when that one is, by name only until an H200 measures
+it against cuDNN. Other paths (e.g. a context-parallel one) join with :func:`register_attention_backend`.
+
+Packed rows (:func:`document_attention_mask`) take FlexAttention's block mask, SDPA's dense mask, or, by name, the
+varlen kernels of FlashAttention 4 or 2: the rows laid end to end as one batch of documents (``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -29,8 +33,15 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from lightning_d9d.kernels import flash_attn4 as fa4
 from lightning_d9d.kernels.registry import BackendRegistry
-from lightning_d9d.modules.documents import BLOCK, document_block_mask, document_causal_mask, document_ids
+from lightning_d9d.modules.documents import (
+    BLOCK,
+    document_block_mask,
+    document_causal_mask,
+    document_cu_seqlens,
+    document_ids,
+)
 from lightning_d9d.modules.norm import RMSNorm
 from lightning_d9d.modules.rope import apply_rotary
 
@@ -100,15 +111,26 @@ def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tens
     return out.transpose(1, 2)
 
 
+def _flash_attn_2_installed() -> bool:
+    # flash-attn 2's compiled extension, not the flash_attn package: FA4's wheel installs a flash_attn package too
+    # (holding only flash_attn.cute), with no flash_attn_func in it
+    return importlib.util.find_spec("flash_attn_2_cuda") is not None
+
+
 # Looked up once at import: Dynamo refuses to trace importlib's find_spec, and a compiled block whose queries
 # are fp32 (under autocast) reaches this check when the backend is chosen inside the graph.
-_FLASH_ATTN_INSTALLED = importlib.util.find_spec("flash_attn") is not None
+_FLASH_ATTN_INSTALLED = _flash_attn_2_installed()
 
 
 def _flash_attn_unsupported(q: torch.Tensor) -> str | None:
     if not _FLASH_ATTN_INSTALLED:
-        return "the flash-attn package is not installed"
+        return "needs the flash-attn (2) package, which is not installed"
     return _half_on_cuda(q, 8)
+
+
+def _flash_attn4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # FA4 takes [B, T, heads, D]: the block's q/k/v are transposed views of that layout (no copy)
+    return fa4.flash_attn4(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
 
 
 _REGISTRY: BackendRegistry[AttentionBackend] = BackendRegistry(
@@ -157,6 +179,10 @@ register_attention_backend(
         "flash_attn", _flash_attn, _flash_attn_unsupported, lambda q: _flash_attn_unsupported(q) is None
     )
 )
+# By name only (LIGHTNING_D9D_ATTENTION=flash_attn4, Attention.attention_backend): auto keeps cuDNN until an H200
+# measures FA4 against it (issue 25: kernel_speed.py's attention rows, train_throughput.py's *_fa4 paths); if FA4
+# wins, prefer it where it runs and register it before "sdpa_cudnn".
+register_attention_backend(AttentionBackend("flash_attn4", _flash_attn4, fa4.flash_attn4_unsupported, _never))
 register_attention_backend(
     AttentionBackend(
         "sdpa_flash",
@@ -178,19 +204,51 @@ register_attention_backend(AttentionBackend("sdpa", _sdpa_with(None), _can_alway
 
 
 DOCUMENT_ENV_VAR = "LIGHTNING_D9D_DOCUMENT_ATTENTION"
+#: The varlen paths for packed rows, by name only until an H200 measures them against FlexAttention: FlashAttention
+#: 4's (``flash_attn.cute``) and 2's ``flash_attn_varlen_func`` on the rows laid end to end.
+VARLEN_DOCUMENT_ATTENTION = ("flash_attn4", "flash_attn")
 #: The attention paths for packed rows: ``flex`` (FlexAttention on the block-sparse mask), ``sdpa`` (SDPA with the
-#: dense ``[B, 1, T, T]`` mask), ``auto``.
-DOCUMENT_ATTENTION = ("auto", "flex", "sdpa")
-DocumentMask = torch.Tensor | BlockMask
+#: dense ``[B, 1, T, T]`` mask), the varlen kernels, ``auto``.
+DOCUMENT_ATTENTION = ("auto", "flex", "sdpa", *VARLEN_DOCUMENT_ATTENTION)
+
+
+@dataclass(frozen=True)
+class VarlenDocuments:
+    """Packed rows as one batch of documents for a varlen kernel: the ``[B, T]`` rows laid end to end into ``B * T``
+    tokens, document ``i`` at ``cu_seqlens[i]:cu_seqlens[i + 1]`` (int32, on the rows' device), none longer than
+    ``max_seqlen``; ``kernel`` is one of :data:`VARLEN_DOCUMENT_ATTENTION`."""
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    kernel: str
+
+
+DocumentMask = torch.Tensor | BlockMask | VarlenDocuments
 _document_logged: set[str] = set()
 
 
+def _varlen_unsupported(kernel: str, position_ids: torch.Tensor) -> str | None:
+    """Why the varlen path ``kernel`` cannot take these rows, as far as their positions tell (the queries' dtype
+    and head dim are checked when attention runs)."""
+    if kernel == "flash_attn4" and not fa4.INSTALLED:
+        return "needs the flash-attn-4 package (flash_attn.cute), which is not installed"
+    if kernel == "flash_attn" and not _FLASH_ATTN_INSTALLED:
+        return "needs the flash-attn (2) package, which is not installed"
+    if not position_ids.is_cuda:
+        return f"runs on CUDA only, got {position_ids.device}"
+    major, minor = torch.cuda.get_device_capability(position_ids.device)
+    needed = 9 if kernel == "flash_attn4" else 8
+    if major < needed:
+        return f"needs compute capability >= {needed}.0, got {major}.{minor}"
+    return None
+
+
 def document_attention_path(position_ids: torch.Tensor, name: str | None = None) -> str:
-    """``flex`` or ``sdpa`` for packed rows of ``position_ids`` (``name``, else ``$LIGHTNING_D9D_DOCUMENT_ATTENTION``,
-    else ``auto``), refusing with the reason a path that cannot run them. ``auto`` takes FlexAttention on CUDA for
-    rows whose length is a multiple of its block (it skips the tiles that cross no document and needs no
-    ``[T, T]`` mask: faster on an H200, docs/packing.md) and the dense mask elsewhere (CPU: torch has no
-    FlexAttention backward there)."""
+    """The path of :data:`DOCUMENT_ATTENTION` for packed rows of ``position_ids`` (``name``, else
+    ``$LIGHTNING_D9D_DOCUMENT_ATTENTION``, else ``auto``), refusing with the reason a path that cannot run them.
+    ``auto`` takes FlexAttention on CUDA for rows whose length is a multiple of its block (it skips the tiles that
+    cross no document and needs no ``[T, T]`` mask: faster on an H200, docs/packing.md) and the dense mask elsewhere
+    (CPU: torch has no FlexAttention backward there); never a varlen kernel (not measured yet)."""
     asked = name or os.environ.get(DOCUMENT_ENV_VAR) or "auto"
     if asked not in DOCUMENT_ATTENTION:
         raise ValueError(
@@ -209,6 +267,12 @@ def document_attention_path(position_ids: torch.Tensor, name: str | None = None)
                 "document attention 'flex' cannot train on CPU (torch's FlexAttention has no CPU backward): "
                 "choose 'sdpa' (or 'auto')"
             )
+    if asked in VARLEN_DOCUMENT_ATTENTION:
+        reason = _varlen_unsupported(asked, position_ids)
+        if reason is not None:
+            raise ValueError(
+                f"document attention {asked!r} cannot run these rows: it {reason}; choose 'auto'"
+            )
     chosen = asked
     if asked == "auto":
         chosen = "flex" if position_ids.is_cuda and length % BLOCK == 0 else "sdpa"
@@ -220,14 +284,19 @@ def document_attention_path(position_ids: torch.Tensor, name: str | None = None)
 
 def document_attention_mask(position_ids: torch.Tensor, name: str | None = None) -> DocumentMask:
     """The mask every layer of one forward attends packed rows with (built once per forward): FlexAttention's
-    :class:`BlockMask` or SDPA's dense ``[B, 1, T, T]`` boolean mask (:func:`document_attention_path`)."""
+    :class:`BlockMask`, SDPA's dense ``[B, 1, T, T]`` boolean mask, or a varlen kernel's :class:`VarlenDocuments`
+    (:func:`document_attention_path`; its ``cu_seqlens`` cost one host synchronisation)."""
     if position_ids.dim() != 2 or position_ids.is_floating_point():
         raise ValueError(
             f"position_ids of a packed batch must be an integer [batch, sequence] tensor, got "
             f"{position_ids.dtype} of shape {tuple(position_ids.shape)}"
         )
+    path = document_attention_path(position_ids, name)
+    if path in VARLEN_DOCUMENT_ATTENTION:
+        cu_seqlens, max_seqlen = document_cu_seqlens(position_ids)
+        return VarlenDocuments(cu_seqlens, max_seqlen, path)
     documents = document_ids(position_ids)
-    if document_attention_path(position_ids, name) == "flex":
+    if path == "flex":
         return document_block_mask(documents)
     return document_causal_mask(documents)
 
@@ -248,6 +317,30 @@ def _flex(
     return _compiled_flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
 
 
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: VarlenDocuments, scale: float | None
+) -> torch.Tensor:
+    batch, heads, length, _ = q.shape
+    kernel = documents.kernel
+    unsupported = fa4.flash_attn4_unsupported if kernel == "flash_attn4" else _flash_attn_unsupported
+    reason = unsupported(q)
+    if reason is not None:
+        raise ValueError(
+            f"document attention {kernel!r} cannot run {q.dtype} queries of head dim {q.shape[-1]} on {q.device}: "
+            f"it {reason}; choose another with ${DOCUMENT_ENV_VAR}"
+        )
+    # [B, heads, T, D] -> [B * T, heads, D]: the rows end to end, as cu_seqlens counts them (no copy when q/k/v are
+    # transposed views of [B, T, heads, D], as the blocks' are)
+    fq, fk, fv = (x.transpose(1, 2).reshape(batch * length, x.shape[1], x.shape[3]) for x in (q, k, v))
+    cu, longest = documents.cu_seqlens, documents.max_seqlen
+    if kernel == "flash_attn4":
+        out = fa4.flash_attn4_varlen(fq, fk, fv, cu, longest, scale)
+    else:
+        function = importlib.import_module("flash_attn").flash_attn_varlen_func
+        out = function(fq, fk, fv, cu, cu, longest, longest, softmax_scale=scale, causal=True)
+    return out.view(batch, length, heads, -1).transpose(1, 2)
+
+
 def document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -257,11 +350,14 @@ def document_attention(
     scale: float | None = None,
 ) -> torch.Tensor:
     """Causal attention within each document of a packed row, ``document_mask`` from
-    :func:`document_attention_mask`: FlexAttention on its block mask, or SDPA with the dense boolean mask, exact
+    :func:`document_attention_mask`: FlexAttention on its block mask, SDPA with the dense boolean mask, exact
     on every device (torch picks the kernel that takes a mask: on CPU its fused kernel, on CUDA the
-    memory-efficient one). ``scale``: the softmax scale, ``None`` for ``1 / sqrt(head_dim)``."""
+    memory-efficient one), or a varlen kernel on :class:`VarlenDocuments` (CUDA). ``scale``: the softmax scale,
+    ``None`` for ``1 / sqrt(head_dim)``."""
     if isinstance(document_mask, BlockMask):
         return _flex(q, k, v, document_mask, scale)
+    if isinstance(document_mask, VarlenDocuments):
+        return _varlen(q, k, v, document_mask, scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=document_mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
     )
@@ -328,8 +424,10 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rotary(q, k, cos, sin)
         if self.context is not None:
-            if isinstance(document_mask, BlockMask):  # run_decoder builds the dense rows under cp
-                raise TypeError("context-parallel attention takes the dense document mask, not a BlockMask")
+            # run_decoder builds the dense rows under cp
+            if isinstance(document_mask, BlockMask | VarlenDocuments):
+                kind = type(document_mask).__name__
+                raise TypeError(f"context-parallel attention takes the dense document mask, not a {kind}")
             # keyword only when given: a path registered elsewhere may take (q, k, v) alone
             out = self.context(q, k, v) if document_mask is None else self.context(q, k, v, document_mask)
             return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))

@@ -4,7 +4,8 @@ The boundary format is the one RoPE needs anyway: each document's tokens count `
 document starts at 0 again (``[0 1 2 3 0 1 0 1 2]`` is three documents of 4, 2 and 3 tokens). From it
 :func:`document_ids` numbers the documents of a row (``[0 0 0 0 1 1 2 2 2]``) on the device, with no host
 synchronisation, and attention lets a token see only the earlier tokens of its own document
-(:func:`document_causal_mask`). Cumulative sequence lengths convert with :func:`position_ids_from_lengths`.
+(:func:`document_causal_mask`). Cumulative sequence lengths convert with :func:`position_ids_from_lengths`, and
+back with :func:`document_cu_seqlens` (the varlen kernels' format, the rows laid end to end).
 
 On CUDA the same mask goes to FlexAttention as a block-sparse :func:`document_block_mask`: blocks of 128 queries x
 128 keys that hold no pair of one document are skipped, blocks inside one document run without a mask, and only
@@ -25,6 +26,22 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     minus one (a row whose first position is not 0 continues a document from elsewhere: its first tokens are
     document -1, a document of their own)."""
     return (position_ids == 0).cumsum(-1, dtype=torch.int32) - 1
+
+
+def document_cu_seqlens(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``[B, T]`` positions -> (``cu_seqlens``, longest): the rows laid end to end as one batch of ``B * T`` tokens,
+    in the varlen kernels' format: int32 ``[n + 1]`` offsets of the ``n`` documents (``[0, ..., B * T]``, on the
+    positions' device), and the longest document's length. A document starts where a position is 0 and at every
+    row's first token (rows never attend each other; a row that starts inside a document holds that document's
+    tail, document -1 of :func:`document_ids`). One host synchronisation: the count of documents sets the tensor's
+    length."""
+    rows, length = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True
+    offsets = starts.reshape(-1).cpu().nonzero().squeeze(1)  # the one synchronisation: [B * T] bools
+    offsets = torch.cat((offsets, torch.tensor([rows * length])))
+    longest = int((offsets[1:] - offsets[:-1]).max())
+    return offsets.to(device=position_ids.device, dtype=torch.int32), longest
 
 
 def document_causal_mask(documents: torch.Tensor, queries: torch.Tensor | None = None) -> torch.Tensor:

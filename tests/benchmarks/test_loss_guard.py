@@ -54,3 +54,12 @@ def test_every_path_gets_the_same_fresh_batch_each_step() -> None:
     counts = torch.bincount(inputs.flatten(), minlength=500).float()
     entropy = -(counts / counts.sum() * (counts / counts.sum()).clamp(min=1e-12).log()).sum()
     assert entropy < math.log(500) - 0.3  # learnable: well below the uniform distribution's ln(vocab)
+
+
+def test_the_fa4_paths_force_the_flash_attn4_backend_and_the_others_nothing() -> None:
+    from train_throughput import DEFAULT_PATHS, PATHS, path_environment
+
+    for path in ("ours_trainer_compiled_fa4", "ours_trainer_compiled_nofsdp_fa4"):
+        assert path in PATHS and path not in DEFAULT_PATHS  # by name: each needs flash_attn.cute
+        assert path_environment(path) == {"LIGHTNING_D9D_ATTENTION": "flash_attn4"}
+    assert path_environment("ours_trainer_compiled_nofsdp") == {}
