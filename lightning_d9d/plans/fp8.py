@@ -236,6 +236,17 @@ def fp8_linear_filter(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def gathers_weights_in_float8(recipe: str, *, fsdp: bool, tp: int) -> bool:
+    """Whether FSDP2 all-gathers the float8 linears' weights in float8 (cast on each shard before the gather):
+    tensorwise under FSDP, but not where tp splits the weights as well. torchao takes the amax of a float8
+    all-gather over the FSDP mesh only, so under FSDP x tp each tp rank would scale its shard of a weight by that
+    shard's own amax, where the whole (DTensor) weight has one amax on one process (on CPU at dp_shard=2 x tp=2:
+    the tiny Qwen3's first gradients 0.18 of their largest entry off one process's, 5e-7 with the weights gathered
+    in their own dtype). There the float8 linear casts the gathered tp shard as tp alone does, its amax reduced
+    over tp: one process's scale, at the cost of gathering the weights in bf16."""
+    return recipe == "tensorwise" and fsdp and tp == 1
+
+
 def apply_fp8(
     blocks: Sequence[nn.Module],
     recipe: str,
@@ -248,13 +259,14 @@ def apply_fp8(
     float8 linears the blocks hold. Linears converted by an earlier call stay as they are (a model's plan converts
     before its tp plan, ``parallelize_blocks`` again for plans that did not).
 
-    ``fsdp``: whether FSDP2 will shard these blocks (then tensorwise casts before the all-gather)."""
+    ``fsdp``: whether FSDP2 will shard these blocks (then tensorwise casts before the all-gather, unless tp splits
+    the weights too: :func:`gathers_weights_in_float8`)."""
     check_fp8(recipe, owner="apply_fp8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config: Any = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise" and fsdp:  # the recipe's casts, the weights all-gathered in float8
+    if gathers_weights_in_float8(recipe, fsdp=fsdp, tp=dims.tp):  # the recipe's casts, gathered in float8
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     chosen = module_filter or fp8_linear_filter
     converted = 0
