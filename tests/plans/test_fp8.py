@@ -18,6 +18,7 @@ from fp8_runs import (
     STEPS,
     TP_LR,
     converted_by_hand,
+    first_attention_input,
     float8_names,
     full_parameters,
     gloo_gathers_float8_as_bytes,
@@ -113,27 +114,6 @@ def test_fsdp_over_two_ranks_trains_the_float8_model_as_one_process(recipe: str)
         > 1e-4
     )
     assert reference["losses"][-1] < 0.9 * reference["losses"][0]  # 5.56 -> 4.89 (tensorwise), 4.85 (rowwise)
-
-
-def first_attention_input(model: nn.Module) -> dict[str, Any]:
-    """Filled by the first forward: what layer 0's attention receives (hook on its input norm's output and on
-    the attention's own input)."""
-    seen: dict[str, Any] = {"float8 inputs": 0}
-    layer = model.model.layers["0"]  # type: ignore[index]
-
-    def norm_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        seen.setdefault("amax", float(output.detach().abs().max()))
-
-    def attention_input(module: nn.Module, args: tuple[Any, ...]) -> None:
-        local = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
-        if type(local).__name__ == "Float8TrainingTensor":  # torchao's float8 gather: scale and all
-            seen["float8 inputs"] += 1
-            seen.setdefault("scale", float(local._scale))
-
-    if hasattr(layer.input_layernorm, "register_forward_hook"):
-        layer.input_layernorm.register_forward_hook(norm_output)
-    layer.self_attn.register_forward_pre_hook(attention_input)
-    return seen
 
 
 def tp_rank(recipe: str | None) -> dict[str, Any]:
