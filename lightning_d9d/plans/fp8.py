@@ -5,7 +5,8 @@ float8 with dynamic scales (the master weights, the optimizer and the rest of th
 Two recipes:
 
 - ``"tensorwise"``: one scale per tensor; the fastest on Hopper. Under FSDP2 the weights are cast to float8
-  *before* the all-gather (``enable_fsdp_float8_all_gather``), so the gather moves half the bytes of bf16.
+  *before* the all-gather (``enable_fsdp_float8_all_gather``), so the gather moves half the bytes of bf16; not
+  where tp splits the weights too (:func:`gathers_weights_in_float8`: the scales would be per tp shard).
 - ``"rowwise"``: one scale per row (per token of the activations, per output channel of the weights), more
   robust to outliers; torchao's recommended recipe for accuracy, gathered in bf16 under FSDP2.
 
@@ -28,7 +29,8 @@ elsewhere the experts stay in bf16 with one log line, unless ``fp8_experts=True`
 Applied first, before tensor parallelism, checkpointing, compile and FSDP (``plans.blocks.convert_blocks_to_float8``,
 which each model's plan calls before its tp plan; ``parallelize_blocks`` converts what a plan left unconverted): the
 conversion swaps modules, tp's styles must find the float8 linears to cast around them, and compile must see the
-float8 casts to fuse them.
+float8 casts to fuse them. (Checkpointing's wrapper and ``Module.compile``, which traces at the first call, would
+also take linears converted after them: the order is load-bearing for tp and FSDP, which split the weights.)
 
 Under tp (:func:`float8_tensor_plan`, applied by ``parallelize_tensor``): a tensorwise ``Float8Linear`` gets
 torchao's float8 styles in place of torch's column- and row-parallel ones, and a block's sequence gather becomes
@@ -49,7 +51,23 @@ what one process does when each float8 linear multiplies per block of N (``tests
 within 2 fp32 last bits over 5 steps), not the one-process rowwise model: at tp=2 on the tiny Qwen3 1.2e-5 apart
 in the first loss and 6e-3 in the parameters after 5 AdamW steps at lr=1e-3, float8 rounding that differs, not a
 bias. A shard's amax is at most its row's, so no element is scaled more coarsely than one process scales it.
-"""
+
+
+Compositions proven on CPU, each against one process with torchao's conversion applied by hand
+(``tests/plans/test_fp8.py``, ``tests/plans/test_fp8_compositions.py``; the tiny Qwen3, 5 AdamW steps, losses,
+first gradients and parameters): FSDP (dp_shard=2); tp=2; activation recompute, full and selective (bitwise:
+the recompute casts the same tensors; selective keeps the float8 matmuls' outputs, which reach its policy as
+``aten.mm``); compile=True with selective recompute (bitwise through the plan on ``aot_eager``, one graph for both
+blocks with the casts inside; Inductor compiles torchao's float8 casts on CPU into its own C++ kernels, bitwise
+eager's on a float8 block; the tiny Qwen3 with its blocks compiled by Inductor has eager's first loss and its first
+gradients within 9e-7 of their largest entries, as the fp32 model has: measured, not in CI, whose 2 cores take half
+a minute to generate the code); FSDP x tp (dp_shard=2 x tp=2: tensorwise one
+process's first step and tp alone's run bitwise, rowwise one process's with per-shard scales); cp=2 (each cp
+rank's linears scale over its own positions, as a data-parallel rank's over its rows: one process whose linears
+multiply each rank's positions on their own, within fp32's last bits); pp=2 (each stage converts its block; 1F1B
+bitwise one process running the microbatches one after the other). Not proven here: Qwen3-MoE or the
+transformers adapter under tp with float8, HSDP, ep with float8 linears, full recompute of compiled blocks under
+tp (which compiles before it checkpoints)."""
 
 from __future__ import annotations
 
@@ -236,6 +254,17 @@ def fp8_linear_filter(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def gathers_weights_in_float8(recipe: str, *, fsdp: bool, tp: int) -> bool:
+    """Whether FSDP2 all-gathers the float8 linears' weights in float8 (cast on each shard before the gather):
+    tensorwise under FSDP, but not where tp splits the weights as well. torchao takes the amax of a float8
+    all-gather over the FSDP mesh only, so under FSDP x tp each tp rank would scale its shard of a weight by that
+    shard's own amax, where the whole (DTensor) weight has one amax on one process (on CPU at dp_shard=2 x tp=2:
+    the tiny Qwen3's first gradients 0.18 of their largest entry off one process's, 5e-7 with the weights gathered
+    in their own dtype). There the float8 linear casts the gathered tp shard as tp alone does, its amax reduced
+    over tp: one process's scale, at the cost of gathering the weights in bf16."""
+    return recipe == "tensorwise" and fsdp and tp == 1
+
+
 def apply_fp8(
     blocks: Sequence[nn.Module],
     recipe: str,
@@ -248,13 +277,14 @@ def apply_fp8(
     float8 linears the blocks hold. Linears converted by an earlier call stay as they are (a model's plan converts
     before its tp plan, ``parallelize_blocks`` again for plans that did not).
 
-    ``fsdp``: whether FSDP2 will shard these blocks (then tensorwise casts before the all-gather)."""
+    ``fsdp``: whether FSDP2 will shard these blocks (then tensorwise casts before the all-gather, unless tp splits
+    the weights too: :func:`gathers_weights_in_float8`)."""
     check_fp8(recipe, owner="apply_fp8")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     from torchao.float8.float8_linear import Float8Linear
 
     config: Any = Float8LinearConfig.from_recipe_name(recipe)
-    if recipe == "tensorwise" and fsdp:  # the recipe's casts, the weights all-gathered in float8
+    if gathers_weights_in_float8(recipe, fsdp=fsdp, tp=dims.tp):  # the recipe's casts, gathered in float8
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     chosen = module_filter or fp8_linear_filter
     converted = 0

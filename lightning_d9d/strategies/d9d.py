@@ -126,8 +126,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             (the state copied to CPU memory first), complete under their name once every rank's write ended
             (``strategies/async_save.py``); the next save and the end of training wait for the previous one.
         fp8: train the transformer blocks' linear layers in float8 through torchao (``pip install
-            'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8) or
-            ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
+            'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8 where tp
+            is 1) or ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
             (:mod:`lightning_d9d.plans.fp8`). Under tp > 1 tensorwise takes torchao's float8 tp styles (one
             process's scales); rowwise torch's plain ones, its scales per tp shard where tp splits a contraction.
             ``None`` (default): off.
