@@ -14,14 +14,23 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
+from float8_training import (
+    STEPS,
+    convert_by_hand,
+    float8_names,
+    full_parameters,
+    gloo_gathers_float8_as_bytes,
+    record_attention_input,
+    split_forward,
+    train,
+)
 from torch import nn
 
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import GroupedExperts
-from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
+from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import (
     check_fp8,
     check_fp8_device,
@@ -33,13 +42,6 @@ from lightning_d9d.plans.fp8 import (
 from lightning_d9d.strategies import D9DStrategy
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (pyproject's test extra)")
-STEPS = 5
-
-
-def float8_names(model: nn.Module) -> list[str]:
-    from torchao.float8.float8_linear import Float8Linear
-
-    return sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
 
 
 def conversion_rank(kind: str) -> list[str]:
@@ -81,49 +83,6 @@ def test_bad_fp8_settings_are_refused_before_any_process_group() -> None:
     assert check_fp8(None, owner="x") is None
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    generator = torch.Generator().manual_seed(1)
-    # a pattern a model can learn within a few steps: each row counts up from a random start
-    starts = torch.randint(0, 200, (STEPS, 4, 1), generator=generator)
-    tokens = (starts + torch.arange(33)) % 256
-    return [(row[:, :-1], row[:, 1:]) for row in tokens]
-
-
-def train(
-    model: nn.Module, ranks: range, world: int, *, vocab_parallel: bool = False, lr: float = 1e-2
-) -> list[float]:
-    """5 AdamW steps; each step's batch cut into ``world`` equal parts of which this process runs ``ranks``.
-
-    One process runs both halves one after the other (their gradients summed, each loss halved): float8's
-    dynamic scales of the activations are taken over the tensor a matmul sees, so the reference must see each
-    rank's half on its own, as the ranks do. ``vocab_parallel``: the logits come vocabulary-sharded (tp), the
-    loss runs under ``loss_parallel``."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    losses = []
-    for inputs, labels in batches():
-        step_loss = torch.zeros(())
-        for rank in ranks:
-            part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
-            with maybe_loss_parallel(vocab_parallel):
-                loss = local_loss(causal_lm_loss(model(inputs[part]), labels[part])) / len(ranks)
-                loss.backward()
-            step_loss += loss.detach()
-        optimizer.step()
-        optimizer.zero_grad()
-        if len(ranks) < world:
-            torch.distributed.all_reduce(step_loss)
-            step_loss /= world
-        losses.append(float(step_loss))
-    return losses
-
-
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for name, p in model.named_parameters()
-    }
-
-
 def fsdp_rank(recipe: str | None) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -137,16 +96,16 @@ def fsdp_rank(recipe: str | None) -> dict[str, Any]:
 
 def converted_by_hand(recipe: str | None) -> Qwen3ForCausalLM:
     """The seeded tiny model, one process, no DTensor: torchao's conversion applied to the blocks by hand."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(Qwen3Config.tiny())
-    if recipe is not None:
-        for block in model.model.layers.values():
-            convert_to_float8_training(
-                block, module_filter_fn=fp8_linear_filter, config=Float8LinearConfig.from_recipe_name(recipe)
-            )
+    convert_by_hand(model.model.layers.values(), recipe)
     return model
+
+
+def first_attention_input(model: nn.Module) -> dict[str, Any]:
+    """Filled by every forward: what layer 0's attention receives (:func:`record_attention_input`)."""
+    layer = model.model.layers["0"]  # type: ignore[index]
+    return record_attention_input(layer.input_layernorm, layer.self_attn)
 
 
 def plain_float8_run(recipe: str | None) -> dict[str, Any]:
@@ -172,50 +131,6 @@ def test_fsdp_over_two_ranks_trains_the_float8_model_as_one_process(recipe: str)
         > 1e-4
     )
     assert reference["losses"][-1] < 0.9 * reference["losses"][0]  # 5.56 -> 4.89 (tensorwise), 4.85 (rowwise)
-
-
-def gloo_gathers_float8_as_bytes() -> None:
-    """gloo has no float8 type ("Invalid scalar type"); NCCL gathers float8 as bytes. torchao's float8 all-gather
-    (the activations before tp's sequence gather, the gradients in backward) then moves the same bytes as uint8
-    here: this rank's process only (the ranks are forked)."""
-    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
-
-    funcol = torch.ops._c10d_functional
-    gather = FLOAT8_OPS_TABLE[funcol.all_gather_into_tensor.default]
-
-    def as_bytes(aten_op: Any, args: Any, kwargs: Any = None) -> Any:
-        def through_bytes(data: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
-            out = funcol.wait_tensor(aten_op(data.view(torch.uint8), *rest, **kw))
-            return out.view(data.dtype)
-
-        return gather(through_bytes, args, kwargs or {})
-
-    for op in (
-        torch.ops.c10d_functional.all_gather_into_tensor.default,
-        funcol.all_gather_into_tensor.default,
-    ):
-        FLOAT8_OPS_TABLE[op] = as_bytes
-
-
-def first_attention_input(model: nn.Module) -> dict[str, Any]:
-    """Filled by the first forward: what layer 0's attention receives (hook on its input norm's output and on
-    the attention's own input)."""
-    seen: dict[str, Any] = {"float8 inputs": 0}
-    layer = model.model.layers["0"]  # type: ignore[index]
-
-    def norm_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
-        seen.setdefault("amax", float(output.detach().abs().max()))
-
-    def attention_input(module: nn.Module, args: tuple[Any, ...]) -> None:
-        local = args[0].to_local() if hasattr(args[0], "to_local") else args[0]
-        if type(local).__name__ == "Float8TrainingTensor":  # torchao's float8 gather: scale and all
-            seen["float8 inputs"] += 1
-            seen.setdefault("scale", float(local._scale))
-
-    if hasattr(layer.input_layernorm, "register_forward_hook"):
-        layer.input_layernorm.register_forward_hook(norm_output)
-    layer.self_attn.register_forward_pre_hook(attention_input)
-    return seen
 
 
 # AdamW moves an element by about lr per step whatever its gradient's size (step 1: lr * sign(g)); in float8 a
@@ -268,30 +183,6 @@ def test_tp_over_two_ranks_trains_the_float8_model_as_one_process() -> None:
     print(f"tp float8 losses {ranks[0]['losses']}, fp32 {plain_tp['losses']}")
     assert max(abs(a - b) for a, b in zip(ranks[0]["losses"], plain_tp["losses"], strict=True)) > 1e-4
     assert ranks[0]["losses"][-1] < 0.95 * ranks[0]["losses"][0]  # 5.56 -> 5.14: it learns
-
-
-def split_forward(module: nn.Module, *, column: bool, parts: int = 2) -> None:
-    """``module`` (a one-process ``Float8Linear``) multiplies per tp shard, as ``parts`` tp ranks do under torch's
-    plain styles: column-parallel, per block of output features (its outputs concatenated; in backward its
-    grad_input is the sum of the blocks' products, each operand scaled over its own block of the contraction);
-    row-parallel, per block of input features (the blocks' outputs summed, each scaled over its own block)."""
-    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
-
-    def product(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return matmul_with_hp_or_float8_args.apply(a, weight.t(), module.linear_mm_config, module.config)
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if column:
-            return torch.cat([product(x, w) for w in module.weight.chunk(parts, 0)], dim=-1)
-        outputs = [
-            product(a, w) for a, w in zip(x.chunk(parts, -1), module.weight.chunk(parts, 1), strict=True)
-        ]
-        total = outputs[0]
-        for output in outputs[1:]:
-            total = total + output
-        return total
-
-    module.forward = forward  # type: ignore[method-assign]
 
 
 LINEAR_SHAPE = (8, 64, 96)  # tokens, input features, output features
