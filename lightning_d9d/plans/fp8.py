@@ -32,7 +32,9 @@ float8 casts to fuse them.
 
 Under tp (:func:`float8_tensor_plan`, applied by ``parallelize_tensor``): a tensorwise ``Float8Linear`` gets
 torchao's float8 styles in place of torch's column- and row-parallel ones, and a block's sequence gather becomes
-a float8 gather where every column-parallel linear it feeds is converted. The activations are cast *before* the
+a float8 gather where every column-parallel linear it feeds is converted (torch's ``PrepareModuleInput`` becomes
+torchao's ``PrepareFloat8ModuleInput``; a model's own gather style, as the transformers adapter's, says how through
+:class:`Float8InputGather`). The activations are cast *before* the
 sequence all-gather and the gradients before their reduce, so tp's collectives move float8 and each scale is
 the amax of the whole (DTensor) tensor: the same scales as one process. gloo has no float8 type: tp's float8
 gathers run on NCCL (the CPU tests move them as bytes).
@@ -59,7 +61,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -320,7 +322,7 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
         else:
             out[name] = style
     for name, style in plan.items():
-        if type(style) is not PrepareModuleInput:
+        if type(style) is not PrepareModuleInput and not isinstance(style, Float8InputGather):
             continue
         inside = [
             key
@@ -329,12 +331,68 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
             and "." not in key[len(name) + 1 :]
             and isinstance(child, ColwiseParallel)
         ]
-        if inside and all(tensorwise(key) for key in inside):
-            # the input is cast once, before the all-gather, and every projection reuses it; torchao's
-            # float8 styles take it as a DTensor (use_local_output=False), as torchtitan runs them
-            out[name] = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts,
-                desired_input_layouts=style.desired_input_layouts,
-                use_local_output=False,
-            )
+        if not inside or not all(tensorwise(key) for key in inside):
+            continue
+        if isinstance(style, Float8InputGather):  # a model's own gather (the transformers adapter's)
+            out[name] = style.in_float8()
+            continue
+        # the input is cast once, before the all-gather, and every projection reuses it; torchao's
+        # float8 styles take it as a DTensor (use_local_output=False), as torchtitan runs them
+        out[name] = PrepareFloat8ModuleInput(
+            input_layouts=style.input_layouts,
+            desired_input_layouts=style.desired_input_layouts,
+            use_local_output=False,
+        )
     return out
+
+
+@runtime_checkable
+class Float8InputGather(Protocol):
+    """A tp style of a model's own that all-gathers a module's input for the column-parallel linears inside it
+    (the transformers adapter's ``HiddenStatesLayout``: its layers call their regions by keyword or by position,
+    which torch's ``PrepareModuleInput`` cannot take both of). Where every such linear is a tensorwise
+    ``Float8Linear``, :func:`float8_tensor_plan` swaps in :meth:`in_float8`, as it swaps ``PrepareModuleInput``
+    for torchao's ``PrepareFloat8ModuleInput``."""
+
+    def in_float8(self) -> ParallelStyle:
+        """The same gather, casting the input to float8 before it (:func:`float8_input_cast`) and handing the
+        module the gathered ``DTensor`` of float8 data, which torchao's float8 styles take without a second cast."""
+        ...
+
+
+def float8_input_cast(module: nn.Module) -> Callable[[DTensor], DTensor]:
+    """The cast every tensorwise ``Float8Linear`` inside ``module`` applies to its input, as one function of a
+    (sequence-sharded) ``DTensor``: one scale, the amax of the whole tensor (a max over the shards), so a gather
+    after it moves float8 and each linear reuses the cast, with one process's scale. The linears must cast alike
+    (same float8 dtype, matmul config and scale rounding), as torchao's ``PrepareFloat8ModuleInput`` asks."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    casts = {
+        (
+            linear.linear_mm_config,
+            linear.config.cast_config_input.target_dtype,
+            linear.config.round_scales_to_power_of_2,
+        )
+        for linear in module.modules()
+        if isinstance(linear, Float8Linear)
+    }
+    if len(casts) != 1:
+        raise ValueError(
+            f"float8 input gather of {type(module).__name__}: its float8 linears cast their inputs in "
+            f"{len(casts)} ways; convert them with one recipe, or keep the gather in high precision"
+        )
+    ((mm_config, dtype, power_of_2),) = casts
+
+    def cast(tensor: DTensor) -> DTensor:
+        float8: Any = hp_tensor_to_float8_dynamic(
+            tensor,
+            dtype,
+            mm_config,
+            gemm_input_role=GemmInputRole.INPUT,
+            round_scales_to_power_of_2=power_of_2,
+        )
+        return float8
+
+    return cast
