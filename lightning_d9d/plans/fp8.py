@@ -10,16 +10,20 @@ Two recipes:
   robust to outliers; torchao's recommended recipe for accuracy, gathered in bf16 under FSDP2.
 
 What is converted (:func:`fp8_linear_filter`, which a user may replace): the linear layers inside the repeated
-blocks (attention projections, dense MLPs, a transformers MoE's per-expert linears) whose both dimensions divide
-by 16, as float8 matmuls require. Not the embedding, the LM head (outside the blocks: its logits feed the loss,
-where precision matters most), and not routers (a linear named ``gate`` or ``router``: their top-k choice is
-discontinuous, and they are small).
+blocks (attention projections, dense and shared-expert MLPs, the per-expert linears of a transformers MoE that
+keeps them as modules) whose both dimensions divide by 16, as float8 matmuls require. Not the embedding, the LM
+head (outside the blocks: its logits feed the loss, where precision matters most), and not routers (a linear named
+``gate`` or ``router``, as AFMoE's ``mlp.router.gate``: their top-k choice is discontinuous, and they are small;
+Qwen3-MoE's and Mixtral's routers in transformers 5 are no ``nn.Linear``).
 
-Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`) are not ``nn.Linear``s:
+Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`), and a transformers MoE's
+stacked experts (``gate_up_proj [E, 2 * ffn, hidden]``, ``down_proj``: 3-D parameters, which the transformers
+adapter offers to this plan, ``models/hf/expert.offer_experts_to_float8``), are not ``nn.Linear``s:
 :func:`convert_experts_to_float8` points them at the ``torchao_fp8`` grouped GEMM backend
 (:mod:`lightning_d9d.kernels.grouped_gemm_fp8`: torchao's float8 rowwise grouped GEMM, forward and both backward
 products), under either recipe, since torchao's grouped GEMM is rowwise only. A backend, not torchao's
-tensor-subclass conversion of the weights: our experts reach their GEMMs through our registry, not through
+tensor-subclass conversion of the weights: the experts reach their GEMMs through our registry (a transformers
+model's through the adapter's forward, which replaces transformers' own where they train in float8), not through
 ``torch._grouped_mm`` on the parameters, and plain parameters leave FSDP2, ep's ``DTensor``s, the checkpoints and
 the Hugging Face mapping as they are (a subclass would have to survive each). Only on CUDA with compute
 capability 9.0+ and torchao's MoE package (:func:`fp8_experts_blocker`, :func:`choose_fp8_experts`, pure):
@@ -81,7 +85,7 @@ from lightning_d9d.kernels.grouped_gemm_fp8 import (
     torchao_fp8_importable,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.modules.moe.experts import GroupedExperts
+from lightning_d9d.modules.moe.experts import GroupedGemmExperts
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 Fp8Filter = Callable[[nn.Module, str], bool]
@@ -169,7 +173,7 @@ def choose_fp8_experts(recipe: str | None, fp8_experts: bool | None, blocker: st
     return False
 
 
-def experts_fp8_shape_blocker(experts: GroupedExperts) -> str | None:
+def experts_fp8_shape_blocker(experts: GroupedGemmExperts) -> str | None:
     """Why these experts' widths do not fit the float8 grouped GEMM (``None``: they do): both GEMMs contract
     and produce multiples of 16 (hidden, and the expert width, whole on every rank: tp does not split them)."""
     if experts.hidden_size % FP8_GROUP_ALIGNMENT or experts.intermediate_size % FP8_GROUP_ALIGNMENT:
@@ -192,12 +196,14 @@ def convert_experts_to_float8(
     device_type: str,
     capability: tuple[int, int] | None = None,
 ) -> int:
-    """Point every :class:`~lightning_d9d.modules.moe.GroupedExperts` in ``blocks`` at the float8 grouped GEMM
-    (``gemm_backend="torchao_fp8"``) where :func:`choose_fp8_experts` says so; returns how many run in float8.
+    """Point all experts in ``blocks`` that run their grouped GEMMs through the registry
+    (:class:`~lightning_d9d.modules.moe.GroupedGemmExperts`: ours, a transformers model's where the adapter offers
+    them) at the float8 grouped GEMM (``gemm_backend="torchao_fp8"``) where :func:`choose_fp8_experts` says so;
+    returns how many run in float8.
     Where they cannot (off CUDA, before Hopper, without torchao's MoE package, widths not multiples of 16) they
     stay in bf16 with one INFO line, or, with ``fp8_experts=True``, the conversion is refused. ``capability``:
     the CUDA device's (read from the current device when ``None``)."""
-    found = [m for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]
+    found = [m for block in blocks for m in block.modules() if isinstance(m, GroupedGemmExperts)]
     if recipe is None or fp8_experts is False or not found:
         return 0
     if capability is None and device_type == "cuda" and torch.cuda.is_available():
