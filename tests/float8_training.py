@@ -48,16 +48,18 @@ def train(
     lr: float = 1e-2,
     eps: float = 1e-8,
     forward: Forward = logits_of,
+    after_step: Callable[[int], None] | None = None,
 ) -> list[float]:
     """5 AdamW steps; each step's batch cut into ``world`` equal parts of which this process runs ``ranks``.
 
     One process runs both halves one after the other (their gradients summed, each loss halved): float8's
     dynamic scales of the activations are taken over the tensor a matmul sees, so the reference must see each
     rank's half on its own, as the ranks do. ``vocab_parallel``: the logits come vocabulary-sharded (tp), the
-    loss runs under ``loss_parallel``. ``eps``: AdamW's (the transformers tests say why they take 1e-4)."""
+    loss runs under ``loss_parallel``. ``eps``: AdamW's (the transformers tests say why they take 1e-4).
+    ``after_step(i)``: called after the ``i``-th optimizer step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses = []
-    for inputs, labels in batches():
+    for step, (inputs, labels) in enumerate(batches()):
         step_loss = torch.zeros(())
         for rank in ranks:
             part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
@@ -67,6 +69,8 @@ def train(
             step_loss += loss.detach()
         optimizer.step()
         optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step)
         if len(ranks) < world:
             torch.distributed.all_reduce(step_loss)
             step_loss /= world
