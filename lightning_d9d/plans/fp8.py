@@ -11,16 +11,20 @@ Two recipes:
   robust to outliers; torchao's recommended recipe for accuracy, gathered in bf16 under FSDP2.
 
 What is converted (:func:`fp8_linear_filter`, which a user may replace): the linear layers inside the repeated
-blocks (attention projections, dense MLPs, a transformers MoE's per-expert linears) whose both dimensions divide
-by 16, as float8 matmuls require. Not the embedding, the LM head (outside the blocks: its logits feed the loss,
-where precision matters most), and not routers (a linear named ``gate`` or ``router``: their top-k choice is
-discontinuous, and they are small).
+blocks (attention projections, dense and shared-expert MLPs, the per-expert linears of a transformers MoE that
+keeps them as modules) whose both dimensions divide by 16, as float8 matmuls require. Not the embedding, the LM
+head (outside the blocks: its logits feed the loss, where precision matters most), and not routers (a linear named
+``gate`` or ``router``, as AFMoE's ``mlp.router.gate``: their top-k choice is discontinuous, and they are small;
+Qwen3-MoE's and Mixtral's routers in transformers 5 are no ``nn.Linear``).
 
-Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`) are not ``nn.Linear``s:
+Our MoE models' grouped experts (:class:`~lightning_d9d.modules.moe.GroupedExperts`), and a transformers MoE's
+stacked experts (``gate_up_proj [E, 2 * ffn, hidden]``, ``down_proj``: 3-D parameters, which the transformers
+adapter offers to this plan, ``models/hf/expert.offer_experts_to_float8``), are not ``nn.Linear``s:
 :func:`convert_experts_to_float8` points them at the ``torchao_fp8`` grouped GEMM backend
 (:mod:`lightning_d9d.kernels.grouped_gemm_fp8`: torchao's float8 rowwise grouped GEMM, forward and both backward
 products), under either recipe, since torchao's grouped GEMM is rowwise only. A backend, not torchao's
-tensor-subclass conversion of the weights: our experts reach their GEMMs through our registry, not through
+tensor-subclass conversion of the weights: the experts reach their GEMMs through our registry (a transformers
+model's through the adapter's forward, which replaces transformers' own where they train in float8), not through
 ``torch._grouped_mm`` on the parameters, and plain parameters leave FSDP2, ep's ``DTensor``s, the checkpoints and
 the Hugging Face mapping as they are (a subclass would have to survive each). Only on CUDA with compute
 capability 9.0+ and torchao's MoE package (:func:`fp8_experts_blocker`, :func:`choose_fp8_experts`, pure):
@@ -34,7 +38,9 @@ also take linears converted after them: the order is load-bearing for tp and FSD
 
 Under tp (:func:`float8_tensor_plan`, applied by ``parallelize_tensor``): a tensorwise ``Float8Linear`` gets
 torchao's float8 styles in place of torch's column- and row-parallel ones, and a block's sequence gather becomes
-a float8 gather where every column-parallel linear it feeds is converted. The activations are cast *before* the
+a float8 gather where every column-parallel linear it feeds is converted (torch's ``PrepareModuleInput`` becomes
+torchao's ``PrepareFloat8ModuleInput``; a model's own gather style, as the transformers adapter's, says how through
+:class:`Float8InputGather`). The activations are cast *before* the
 sequence all-gather and the gradients before their reduce, so tp's collectives move float8 and each scale is
 the amax of the whole (DTensor) tensor: the same scales as one process. gloo has no float8 type: tp's float8
 gathers run on NCCL (the CPU tests move them as bytes).
@@ -50,7 +56,10 @@ grad_weight) contract over a dim every rank holds whole, and are one process's b
 what one process does when each float8 linear multiplies per block of N (``tests/plans/test_fp8.py``: losses
 within 2 fp32 last bits over 5 steps), not the one-process rowwise model: at tp=2 on the tiny Qwen3 1.2e-5 apart
 in the first loss and 6e-3 in the parameters after 5 AdamW steps at lr=1e-3, float8 rounding that differs, not a
-bias. A shard's amax is at most its row's, so no element is scaled more coarsely than one process scales it.
+bias. A shard's amax is at most its row's, so no element is scaled more coarsely than one process scales it. On
+a transformers Qwen3 (``tests/models/hf/test_hf_fp8.py``) the per-shard model holds for the first step only: after
+it any two rowwise runs whose fp32 sums differ in their last bits part, since a row's power-of-two scale re-rounds
+the whole row when its amax crosses a power of two.
 
 
 Compositions proven on CPU, each against one process with torchao's conversion applied by hand
@@ -65,8 +74,8 @@ a minute to generate the code); FSDP x tp (dp_shard=2 x tp=2: tensorwise one
 process's first step and tp alone's run bitwise, rowwise one process's with per-shard scales); cp=2 (each cp
 rank's linears scale over its own positions, as a data-parallel rank's over its rows: one process whose linears
 multiply each rank's positions on their own, within fp32's last bits); pp=2 (each stage converts its block; 1F1B
-bitwise one process running the microbatches one after the other). Not proven here: Qwen3-MoE or the
-transformers adapter under tp with float8, HSDP, ep with float8 linears, full recompute of compiled blocks under
+bitwise one process running the microbatches one after the other). Not proven here: Qwen3-MoE (ours or transformers') under tp
+with float8 (a transformers Qwen3 under FSDP and tp is: ``tests/models/hf/test_hf_fp8.py``), HSDP, ep with float8 linears, full recompute of compiled blocks under
 tp (which compiles before it checkpoints)."""
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -97,7 +106,7 @@ from lightning_d9d.kernels.grouped_gemm_fp8 import (
     torchao_fp8_importable,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.modules.moe.experts import GroupedExperts
+from lightning_d9d.modules.moe.experts import GroupedGemmExperts
 
 FP8_RECIPES = ("tensorwise", "rowwise")
 Fp8Filter = Callable[[nn.Module, str], bool]
@@ -185,7 +194,7 @@ def choose_fp8_experts(recipe: str | None, fp8_experts: bool | None, blocker: st
     return False
 
 
-def experts_fp8_shape_blocker(experts: GroupedExperts) -> str | None:
+def experts_fp8_shape_blocker(experts: GroupedGemmExperts) -> str | None:
     """Why these experts' widths do not fit the float8 grouped GEMM (``None``: they do): both GEMMs contract
     and produce multiples of 16 (hidden, and the expert width, whole on every rank: tp does not split them)."""
     if experts.hidden_size % FP8_GROUP_ALIGNMENT or experts.intermediate_size % FP8_GROUP_ALIGNMENT:
@@ -208,12 +217,14 @@ def convert_experts_to_float8(
     device_type: str,
     capability: tuple[int, int] | None = None,
 ) -> int:
-    """Point every :class:`~lightning_d9d.modules.moe.GroupedExperts` in ``blocks`` at the float8 grouped GEMM
-    (``gemm_backend="torchao_fp8"``) where :func:`choose_fp8_experts` says so; returns how many run in float8.
+    """Point all experts in ``blocks`` that run their grouped GEMMs through the registry
+    (:class:`~lightning_d9d.modules.moe.GroupedGemmExperts`: ours, a transformers model's where the adapter offers
+    them) at the float8 grouped GEMM (``gemm_backend="torchao_fp8"``) where :func:`choose_fp8_experts` says so;
+    returns how many run in float8.
     Where they cannot (off CUDA, before Hopper, without torchao's MoE package, widths not multiples of 16) they
     stay in bf16 with one INFO line, or, with ``fp8_experts=True``, the conversion is refused. ``capability``:
     the CUDA device's (read from the current device when ``None``)."""
-    found = [m for block in blocks for m in block.modules() if isinstance(m, GroupedExperts)]
+    found = [m for block in blocks for m in block.modules() if isinstance(m, GroupedGemmExperts)]
     if recipe is None or fp8_experts is False or not found:
         return 0
     if capability is None and device_type == "cuda" and torch.cuda.is_available():
@@ -350,7 +361,7 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
         else:
             out[name] = style
     for name, style in plan.items():
-        if type(style) is not PrepareModuleInput:
+        if type(style) is not PrepareModuleInput and not isinstance(style, Float8InputGather):
             continue
         inside = [
             key
@@ -359,12 +370,68 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
             and "." not in key[len(name) + 1 :]
             and isinstance(child, ColwiseParallel)
         ]
-        if inside and all(tensorwise(key) for key in inside):
-            # the input is cast once, before the all-gather, and every projection reuses it; torchao's
-            # float8 styles take it as a DTensor (use_local_output=False), as torchtitan runs them
-            out[name] = PrepareFloat8ModuleInput(
-                input_layouts=style.input_layouts,
-                desired_input_layouts=style.desired_input_layouts,
-                use_local_output=False,
-            )
+        if not inside or not all(tensorwise(key) for key in inside):
+            continue
+        if isinstance(style, Float8InputGather):  # a model's own gather (the transformers adapter's)
+            out[name] = style.in_float8()
+            continue
+        # the input is cast once, before the all-gather, and every projection reuses it; torchao's
+        # float8 styles take it as a DTensor (use_local_output=False), as torchtitan runs them
+        out[name] = PrepareFloat8ModuleInput(
+            input_layouts=style.input_layouts,
+            desired_input_layouts=style.desired_input_layouts,
+            use_local_output=False,
+        )
     return out
+
+
+@runtime_checkable
+class Float8InputGather(Protocol):
+    """A tp style of a model's own that all-gathers a module's input for the column-parallel linears inside it
+    (the transformers adapter's ``HiddenStatesLayout``: its layers call their regions by keyword or by position,
+    which torch's ``PrepareModuleInput`` cannot take both of). Where every such linear is a tensorwise
+    ``Float8Linear``, :func:`float8_tensor_plan` swaps in :meth:`in_float8`, as it swaps ``PrepareModuleInput``
+    for torchao's ``PrepareFloat8ModuleInput``."""
+
+    def in_float8(self) -> ParallelStyle:
+        """The same gather, casting the input to float8 before it (:func:`float8_input_cast`) and handing the
+        module the gathered ``DTensor`` of float8 data, which torchao's float8 styles take without a second cast."""
+        ...
+
+
+def float8_input_cast(module: nn.Module) -> Callable[[DTensor], DTensor]:
+    """The cast every tensorwise ``Float8Linear`` inside ``module`` applies to its input, as one function of a
+    (sequence-sharded) ``DTensor``: one scale, the amax of the whole tensor (a max over the shards), so a gather
+    after it moves float8 and each linear reuses the cast, with one process's scale. The linears must cast alike
+    (same float8 dtype, matmul config and scale rounding), as torchao's ``PrepareFloat8ModuleInput`` asks."""
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    casts = {
+        (
+            linear.linear_mm_config,
+            linear.config.cast_config_input.target_dtype,
+            linear.config.round_scales_to_power_of_2,
+        )
+        for linear in module.modules()
+        if isinstance(linear, Float8Linear)
+    }
+    if len(casts) != 1:
+        raise ValueError(
+            f"float8 input gather of {type(module).__name__}: its float8 linears cast their inputs in "
+            f"{len(casts)} ways; convert them with one recipe, or keep the gather in high precision"
+        )
+    ((mm_config, dtype, power_of_2),) = casts
+
+    def cast(tensor: DTensor) -> DTensor:
+        float8: Any = hp_tensor_to_float8_dynamic(
+            tensor,
+            dtype,
+            mm_config,
+            gemm_input_role=GemmInputRole.INPUT,
+            round_scales_to_power_of_2=power_of_2,
+        )
+        return float8
+
+    return cast

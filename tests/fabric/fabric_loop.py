@@ -13,7 +13,8 @@ partly ignored: ranks hold different numbers of tokens), ``clip`` (max norm; def
 so that the norm is recorded and the gradient scale seen), ``meta_init`` (built under
 ``fabric.init_module(empty_init=True)``), ``setup`` ("joint": ``fabric.setup(model, optimizer)``; "module_first":
 ``setup_module`` then ``setup_optimizers``), ``save_at`` / ``ckpt`` (``fabric.save`` after that step),
-``resume_from`` (``fabric.load`` before training), ``steps``.
+``resume_from`` (``fabric.load`` before training), ``steps``. ``dims`` may hold the strategy's other options too
+(``fp8``: the reference converts its decoder layers by hand, torchao's own conversion).
 """
 
 from __future__ import annotations
@@ -165,6 +166,15 @@ def call(model: nn.Module, inputs: tuple[torch.Tensor, ...] | dict[str, torch.Te
     return model(**inputs) if isinstance(inputs, dict) else model(*inputs)
 
 
+def rows_of(
+    inputs: tuple[torch.Tensor, ...] | dict[str, torch.Tensor], rank: int, dp: int
+) -> tuple[torch.Tensor, ...] | dict[str, torch.Tensor]:
+    """Data rank ``rank``'s rows of the global batch: rows ``rank``, ``rank + dp``, ..."""
+    if isinstance(inputs, dict):
+        return {key: value[rank::dp] for key, value in inputs.items()}
+    return tuple(t[rank::dp] for t in inputs)
+
+
 # ------------------------------------------------------------------------------------------ the Fabric loop
 def fabric_run(config: dict) -> None:
     fabric = L.Fabric(
@@ -237,6 +247,11 @@ def reference_run(config: dict, dp: int, device: str = "cpu") -> dict:
     config = {**BASE, **config}
     torch.manual_seed(config["seed"])
     model = build_model(config).to(device)
+    fp8 = config.get("dims", {}).get("fp8")
+    if fp8 is not None:
+        from float8_training import convert_by_hand
+
+        convert_by_hand(model.model.layers, fp8)
     optimizer = optimizer_for(model, config)
     scheduler = scheduler_for(optimizer)
     train = corpus(config)
@@ -250,9 +265,13 @@ def reference_run(config: dict, dp: int, device: str = "cpu") -> dict:
         for batch in DataLoader(train, batch_size=config["global_batch"], sampler=sampler):
             inputs = model_inputs({key: value.to(device) for key, value in batch.items()}, config)
             labels = batch["labels"].to(device)
-            if moe:  # rank r's batch is rows r, r + dp, ... of the global batch
+            # each rank's rows on their own: an MoE's router losses are each rank's, and float8 scales an
+            # activation over the rows a matmul sees; rank r's batch is rows r, r + dp, ... of the global batch
+            if moe or fp8 is not None:
                 counts = torch.stack([(labels[r::dp] != -100).sum() for r in range(dp)])
-                parts = [causal_lm_loss(model(*(t[r::dp] for t in inputs)), labels[r::dp]) for r in range(dp)]
+                parts = [
+                    loss_for(config)(call(model, rows_of(inputs, r, dp)), labels[r::dp]) for r in range(dp)
+                ]
                 loss = (torch.stack(parts) * counts).sum() / counts.sum()  # the token mean over the ranks
             else:
                 loss = loss_for(config)(call(model, inputs), labels)

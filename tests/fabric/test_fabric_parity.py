@@ -3,7 +3,7 @@
 steps, for FSDP, tp, cp, tp x FSDP with padded labels, ep (Qwen3-MoE), litgpt's ``GPT``, a ``transformers``
 Qwen3 under tp, packed rows of several documents (FSDP, tp, ep, cp, ep x cp, tp x cp; on transformers' Qwen3 under
 FSDP with the fused head + loss and under tp and cp, on its Qwen3-MoE under ep and on one process), norm
-clipping that bites,
+clipping that bites, FP8 (tensorwise) on a ``transformers`` Qwen3 under FSDP,
 and ``fabric.save`` on FSDP resumed by ``fabric.load`` on tp, on one process and on 4 FSDP ranks.
 
 All runs share one launch (``fabric_loop.py --fork``).
@@ -54,6 +54,9 @@ CASES: dict[str, dict] = {
     "hf_tp2_packed": {"devices": 2, "dims": {"tp": 2}, "model": "hf_qwen3", "packed": True},
     "hf_ep2_moe_packed": {"devices": 2, "dims": {"ep": 2}, "model": "hf_qwen3_moe", "packed": True},
     "hf_cp2_packed": {"devices": 2, "dims": {"cp": 2}, "model": "hf_qwen3", "packed": True, "fused": True},
+    # FP8 on a transformers model: against one process with torchao's conversion by hand, each rank's rows on
+    # their own (float8 scales over the rows a matmul sees); the weights all-gathered in float8
+    "hf_fsdp2_fp8": {"devices": 2, "dims": {"dp_shard": 2, "fp8": "tensorwise"}, "model": "hf_qwen3"},
     # under cp each rank's queries attend every rank's keys of their own document: rows of 16, chunks of 4
     "cp2_packed": {"devices": 2, "dims": {"cp": 2}, "packed": True},
     "cp2_ep2_moe_packed": {"devices": 2, "dims": {"cp": 2, "ep": 2}, "model": "moe", "packed": True},
@@ -116,7 +119,12 @@ def reference(name: str) -> dict:
     case = CASES[name]
     dp = DATA_RANKS.get(name, case["devices"])
     moe_dp = dp if case.get("model") == "moe" else 0
-    key = repr((case.get("model"), case.get("pad"), case.get("packed"), case.get("clip"), moe_dp))
+    fp8 = case["dims"].get("fp8")
+    # float8's reference runs each data rank's rows on its own, as the MoE's does
+    fp8_dp = dp if fp8 is not None else 0
+    key = repr(
+        (case.get("model"), case.get("pad"), case.get("packed"), case.get("clip"), moe_dp, fp8, fp8_dp)
+    )
     if key not in _references:
         # one intra-op thread, as the ranks have: the tiny MoE's many small ops ran 25-100x slower on two threads
         # of a busy 2-core box (OpenMP's waiting threads; ep2_moe_packed's reference 24 s against 0.1 s)

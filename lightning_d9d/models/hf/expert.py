@@ -28,6 +28,7 @@ Nothing here imports ``transformers``.
 from __future__ import annotations
 
 import inspect
+import logging
 import types
 from typing import Any
 
@@ -36,9 +37,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
+from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
-from lightning_d9d.modules.moe import Routing, TokenDispatcher, expert_parallel_dispatcher
+from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
 from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.options import ParallelOptions
 
@@ -47,6 +49,7 @@ WEIGHTS = ("gate_up_proj", "down_proj")
 ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 # The instance attributes an expert-parallel experts module holds its dispatcher and its number of experts in.
 _DISPATCHER, _NUM_EXPERTS = "_d9d_dispatcher", "_d9d_num_experts"
+log = logging.getLogger("lightning_d9d.models.hf")
 
 
 def check_hf_expert_model(model: nn.Module, ep: int) -> None:
@@ -67,28 +70,38 @@ def check_hf_expert_model(model: nn.Module, ep: int) -> None:
         _check_layout(name, module_name, experts, ep)
 
 
-def _check_layout(name: str, module_name: str, experts: nn.Module, ep: int) -> None:
+def _layout_problem(experts: nn.Module) -> str | None:
+    """Why the adapter's forward (:func:`expert_parallel_forward`) cannot run ``experts`` (``None``: it can):
+    it takes ``transformers``' stacked layout only."""
     own = dict(experts.named_parameters(recurse=False))
-    prefix = f"{name}: ep={ep}: {module_name} ({type(experts).__name__})"
     act_fn = getattr(experts, "act_fn", None)
     others = [child for child in experts.children() if child is not act_fn]
     if sorted(own) != sorted(WEIGHTS) or others:
-        raise NotImplementedError(
-            f"{prefix} holds {sorted(own)}; the adapter splits only transformers' stacked experts "
-            f"({' and '.join(WEIGHTS)}, no biases); use ep=1"
+        return (
+            f"holds {sorted(own)}; the adapter takes only transformers' stacked experts "
+            f"({' and '.join(WEIGHTS)}, no biases)"
         )
     arguments = [p for p in inspect.signature(type(experts).forward).parameters if p != "self"]
     if tuple(arguments[: len(ARGUMENTS)]) != ARGUMENTS or not callable(act_fn):
-        raise NotImplementedError(
-            f"{prefix}: its forward takes {arguments} and it has act_fn={act_fn!r}; the "
-            f"adapter's expert-parallel forward replaces forward({', '.join(ARGUMENTS)}) with an act_fn; use ep=1"
+        return (
+            f"has a forward taking {arguments} and act_fn={act_fn!r}; the adapter's forward replaces "
+            f"forward({', '.join(ARGUMENTS)}) with an act_fn"
         )
     experts_count, double_ffn, hidden = own["gate_up_proj"].shape
     if own["down_proj"].shape != (experts_count, hidden, double_ffn // 2):
-        raise NotImplementedError(
-            f"{prefix}: gate_up_proj {tuple(own['gate_up_proj'].shape)} and down_proj "
-            f"{tuple(own['down_proj'].shape)} are not transformers' [E, 2 * ffn, hidden] / [E, hidden, ffn]; use ep=1"
+        return (
+            f"has gate_up_proj {tuple(own['gate_up_proj'].shape)} and down_proj {tuple(own['down_proj'].shape)}, "
+            "not transformers' [E, 2 * ffn, hidden] / [E, hidden, ffn]"
         )
+    return None
+
+
+def _check_layout(name: str, module_name: str, experts: nn.Module, ep: int) -> None:
+    prefix = f"{name}: ep={ep}: {module_name} ({type(experts).__name__})"
+    problem = _layout_problem(experts)
+    if problem is not None:
+        raise NotImplementedError(f"{prefix} {problem}; use ep=1")
+    experts_count = experts.get_parameter("gate_up_proj").shape[0]
     if experts_count % ep:
         raise ValueError(
             f"{prefix}: ep ({ep}) must divide the number of experts ({experts_count}): each ep rank holds "
@@ -96,26 +109,65 @@ def _check_layout(name: str, module_name: str, experts: nn.Module, ep: int) -> N
         )
 
 
+def offer_experts_to_float8(model: nn.Module, options: ParallelOptions) -> list[nn.Module]:
+    """Where the FP8 plan may train the experts in float8 (``options.fp8`` set, ``fp8_experts`` not ``False``):
+    give every experts module of ``model`` in ``transformers``' stacked layout the
+    :class:`~lightning_d9d.modules.moe.GroupedGemmExperts` trait (``gemm_backend=None``, its widths), so that
+    :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8` decides on it as on our experts; returns them.
+    :func:`parallelize_hf_experts` then runs those it pointed at the float8 backend through our forward. A layout
+    the adapter cannot run keeps ``transformers``' forward, in bf16: refused under ``fp8_experts=True``. Call it
+    before the float8 conversion."""
+    if options.fp8 is None or options.fp8_experts is False:
+        return []
+    offered = []
+    for module_name, experts in expert_modules(model).items():
+        problem = _layout_problem(experts)
+        if problem is not None:
+            if options.fp8_experts:
+                raise ValueError(
+                    f"fp8_experts=True: {type(model).__name__}'s {module_name} ({type(experts).__name__}) {problem}; "
+                    "leave fp8_experts=None (its experts then keep transformers' forward, in bf16)"
+                )
+            log.info("fp8: %s keeps transformers' experts forward, in bf16: it %s", module_name, problem)
+            continue
+        _, double_ffn, hidden = experts.get_parameter("gate_up_proj").shape
+        # plain attributes (the module is transformers'): read by the FP8 plan and by expert_parallel_forward
+        setattr(experts, "gemm_backend", None)  # noqa: B010
+        setattr(experts, "hidden_size", int(hidden))  # noqa: B010
+        setattr(experts, "intermediate_size", int(double_ffn) // 2)  # noqa: B010
+        offered.append(experts)
+    return offered
+
+
 def parallelize_hf_experts(
     model: nn.Module, dims: ParallelDims, options: ParallelOptions, *, dispatch_backend: str | None = None
 ) -> list[nn.Module]:
     """Split every experts module of ``model`` over ``ep`` (see the module docstring); returns them. Without ep
-    it does nothing. Call it after tp / cp and before the block plan (recompute, compile, FSDP)."""
+    only the experts the FP8 plan pointed at the float8 grouped GEMM (:func:`offer_experts_to_float8`) change:
+    our forward with a local dispatcher, since ``transformers``' own never reaches our registry. Call it after
+    tp / cp and before the block plan (recompute, compile, FSDP)."""
     if not dims.ep_enabled:
-        return []
+        changed = []
+        for experts in expert_modules(model).values():
+            if getattr(experts, "gemm_backend", None) == FLOAT8_BACKEND:
+                _run_ours(experts, LocalDispatcher())
+                changed.append(experts)
+        return changed
     check_hf_expert_model(model, dims.ep)
     group = dims.mesh_for("ep").get_group()
     changed = []
     for experts in expert_modules(model).values():
         num_experts = int(experts.get_parameter("gate_up_proj").shape[0])
         split_expert_weights(experts, dims, options)
-        setattr(
-            experts, _DISPATCHER, expert_parallel_dispatcher(group, num_experts, backend=dispatch_backend)
-        )
-        setattr(experts, _NUM_EXPERTS, num_experts)
-        experts.forward = types.MethodType(expert_parallel_forward, experts)  # type: ignore[method-assign]
+        _run_ours(experts, expert_parallel_dispatcher(group, num_experts, backend=dispatch_backend))
         changed.append(experts)
     return changed
+
+
+def _run_ours(experts: nn.Module, dispatcher: TokenDispatcher) -> None:
+    setattr(experts, _DISPATCHER, dispatcher)
+    setattr(experts, _NUM_EXPERTS, int(experts.get_parameter("gate_up_proj").shape[0]))
+    experts.forward = types.MethodType(expert_parallel_forward, experts)  # type: ignore[method-assign]
 
 
 def expert_parallel_forward(
@@ -130,10 +182,14 @@ def expert_parallel_forward(
     empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
     routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
     dispatched = dispatcher.dispatch(hidden_states, routing)
-    gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), dispatched.tokens_per_expert)
+    # the FP8 plan's backend where it chose float8 (offer_experts_to_float8), else the registry's choice; the
+    # transposed weights are column-major per expert, the float8 kernels' layout, so they are read without a copy
+    backend = getattr(self, "gemm_backend", None)
+    counts = dispatched.tokens_per_expert
+    gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), counts, backend=backend)
     gate, up = gate_up.chunk(2, dim=-1)
     act_fn: Any = self.act_fn
-    output = grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), dispatched.tokens_per_expert)
+    output = grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), counts, backend=backend)
     return dispatcher.combine(output, dispatched)
 
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import moe_blocks
-from lightning_d9d.models.hf.expert import parallelize_hf_experts
+from lightning_d9d.models.hf.expert import offer_experts_to_float8, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.tensor import (
@@ -243,6 +243,7 @@ class TransformersStage(nn.Module):
         )
         swap_hf_kernels(self)
         layers = getattr(self.base_model, LAYERS)
+        offer_experts_to_float8(self, options)  # as parallelize_hf
         convert_blocks_to_float8([layers], dims, options)  # before tp, as parallelize_hf
         if dims.tp_enabled:
             check_tensor_parallel_model(self, dims.tp)

@@ -17,7 +17,11 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.attention import causal_attention_without_mask_sync
 from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
-from lightning_d9d.models.hf.expert import check_hf_expert_model, parallelize_hf_experts
+from lightning_d9d.models.hf.expert import (
+    check_hf_expert_model,
+    offer_experts_to_float8,
+    parallelize_hf_experts,
+)
 from lightning_d9d.models.hf.kernels import swap_hf_kernels, unwrap_hub_kernel_forwards
 from lightning_d9d.models.hf.routing import count_router_load
 from lightning_d9d.models.hf.tensor import (
@@ -86,6 +90,10 @@ def parallelize_hf(
     1b. Our kernels in place of matching modules' forwards (:func:`~.kernels.swap_hf_kernels`: the RMSNorms;
        ``$LIGHTNING_D9D_HF_KERNELS=0`` keeps ``transformers``' own); MoE routers count their experts' load
        (:func:`~.routing.count_router_load`; the selection bias where the user added it).
+    1c. ``options.fp8``: the decoder layers' linears become torchao's float8 linears, before tp (whose plan then
+       takes torchao's float8 styles for tensorwise ones, the regions' sequence gathers in float8 too); the
+       experts take the float8 grouped GEMM where ``fp8_experts`` and the device allow it
+       (:func:`~.expert.offer_experts_to_float8`).
     2. tp > 1: the model's own tp plan translated onto torch's styles (:func:`~.tensor.hf_tensor_plan`:
        sequence parallelism where the decoder allows it, the embedding split over the vocabulary, loss
        parallelism for the head; a tied head stays one Parameter), applied on the ``tp`` mesh.
@@ -94,8 +102,9 @@ def parallelize_hf(
        without a mask skips ``transformers``' mask preparation and its host sync
        (:func:`~.attention.causal_attention_without_mask_sync`).
     2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
-       (:func:`~.expert.parallelize_hf_experts`). Under tp each MoE block routes this rank's sequence shard,
-       its weights whole, its gradients summed over tp (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
+       (:func:`~.expert.parallelize_hf_experts`; without ep, only experts in float8 run our forward). Under tp
+       each MoE block routes this rank's sequence shard, its weights whole, its gradients summed over tp
+       (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
     3. In training no KV cache (:func:`train_without_cache`); under compile, no ``kernels`` routing wrapper
        around forwards (:func:`~.kernels.unwrap_hub_kernel_forwards`: it cannot compile inside recompute).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
@@ -107,7 +116,9 @@ def parallelize_hf(
     check_hf_model(model, dims)
     swap_hf_kernels(model)  # before any plan: only forwards change, names and shapes stay
     count_router_load(model)  # MoE routers count their load for ExpertLoadBalancing (outputs unchanged)
-    # float8 linears before tp (its plan gives them torchao's float8 styles), after the kernel swaps' probes
+    # float8 linears before tp (its plan gives them torchao's float8 styles), after the kernel swaps' probes; the
+    # experts where fp8_experts lets them (run by our forward then, parallelize_hf_experts)
+    offer_experts_to_float8(model, options)
     convert_blocks_to_float8(repeated_blocks(model), dims, options)
     if dims.tp_enabled:
         plan = hf_tensor_plan(model, sequence_parallel=sequence_parallel)

@@ -26,7 +26,7 @@ its attributes.
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -41,6 +41,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan, moe_blocks
+from lightning_d9d.plans.fp8 import float8_input_cast
 from lightning_d9d.plans.tensor import (
     SEQUENCE_DIM,
     check_sequence_length,
@@ -190,27 +191,54 @@ def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) 
 class HiddenStatesLayout(ParallelStyle):
     """Redistribute a module's hidden states (its first positional argument, or ``hidden_states=``, as
     ``transformers`` layers are called either way) from ``input_layout`` to ``desired_layout`` on the tp mesh,
-    handing the module a plain tensor. ``check_length``: refuse a sequence tp does not divide, by name."""
+    handing the module a plain tensor. ``check_length``: refuse a sequence tp does not divide, by name.
+
+    ``float8``: cast the hidden states to float8 before the redistribution and hand the module the ``DTensor``
+    (:meth:`in_float8`, which the FP8 plan asks for where every column-parallel linear of the module is a
+    tensorwise float8 one: ``lightning_d9d.plans.fp8.float8_tensor_plan``): a region's sequence gather then moves
+    float8, with one scale over the whole sequence, and its projections take the cast input as torchao's float8
+    styles take ``PrepareFloat8ModuleInput``'s."""
 
     def __init__(
-        self, input_layout: Placement, desired_layout: Placement, *, check_length: bool = False
+        self,
+        input_layout: Placement,
+        desired_layout: Placement,
+        *,
+        check_length: bool = False,
+        float8: bool = False,
     ) -> None:
         super().__init__()
         self.input_layout, self.desired_layout, self.check_length = input_layout, desired_layout, check_length
+        self.float8 = float8
 
-    def _convert(self, tensor: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    def in_float8(self) -> ParallelStyle:
+        """This gather in float8; a layout that gathers nothing (a shard kept, a cut) stays as it is."""
+        if not (isinstance(self.input_layout, Shard) and isinstance(self.desired_layout, Replicate)):
+            return self
+        return HiddenStatesLayout(
+            self.input_layout, self.desired_layout, check_length=self.check_length, float8=True
+        )
+
+    def _convert(
+        self, tensor: torch.Tensor, mesh: DeviceMesh, cast: Callable[[DTensor], DTensor] | None
+    ) -> torch.Tensor:
         if self.check_length:
             check_sequence_length(tensor.shape[SEQUENCE_DIM], mesh.size())
         if not isinstance(tensor, DTensor):
             tensor = DTensor.from_local(tensor, mesh, [self.input_layout], run_check=False)
+        if cast is not None:  # torchao's float8 styles take the float8 DTensor as it is
+            return cast(tensor).redistribute(mesh, [self.desired_layout])
         return tensor.redistribute(mesh, [self.desired_layout]).to_local()
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        cast = float8_input_cast(module) if self.float8 else None
+
         def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple, dict]:
             if args:
-                return (self._convert(args[0], device_mesh), *args[1:]), kwargs
+                return (self._convert(args[0], device_mesh, cast), *args[1:]), kwargs
             if "hidden_states" in kwargs:
-                return args, {**kwargs, "hidden_states": self._convert(kwargs["hidden_states"], device_mesh)}
+                hidden = self._convert(kwargs["hidden_states"], device_mesh, cast)
+                return args, {**kwargs, "hidden_states": hidden}
             raise TypeError(f"{type(module).__name__} was called without hidden states to redistribute")
 
         module.register_forward_pre_hook(hook, with_kwargs=True)

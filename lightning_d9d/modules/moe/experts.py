@@ -19,6 +19,7 @@ one count per local expert.
 from __future__ import annotations
 
 import math
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,6 +28,19 @@ from torch.distributed.tensor import DTensor
 from lightning_d9d.kernels import grouped_mm
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.kernels.swiglu import swiglu
+
+
+@runtime_checkable
+class GroupedGemmExperts(Protocol):
+    """Experts that run their grouped GEMMs through the registry (:func:`~lightning_d9d.kernels.grouped_mm`) by the
+    backend they name (``None``: the registry's choice), contracting and producing ``hidden_size`` and
+    ``intermediate_size`` (the expert width) features: :class:`GroupedExperts`, and a ``transformers`` model's
+    stacked experts where the adapter runs them (``models/hf/expert.py``). The FP8 plan finds experts by this
+    trait (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`)."""
+
+    gemm_backend: str | None
+    hidden_size: int
+    intermediate_size: int
 
 
 class GroupedExperts(nn.Module):

@@ -111,7 +111,7 @@ def test_experts_in_another_layout_are_refused() -> None:
     with pytest.raises(
         NotImplementedError,
         match=r"^Qwen3MoeForCausalLM: ep=2: model\.layers\.0\.mlp\.experts \(Qwen3MoeExperts\) holds "
-        r"\['down_proj', 'down_proj_bias', 'gate_up_proj'\]; the adapter splits only transformers' stacked experts",
+        r"\['down_proj', 'down_proj_bias', 'gate_up_proj'\]; the adapter takes only transformers' stacked experts",
     ):
         check_hf_model(model, ParallelDims(ep=2))
 

@@ -26,10 +26,23 @@ FAMILIES = {
         transformers.MixtralConfig,
         transformers.MixtralForCausalLM,
     ),  # routers only (test_hf_routing.py)
+    # its router is an nn.Linear (mlp.router.gate), which FP8 must leave alone (test_hf_fp8.py)
+    "afmoe": (transformers.AfmoeConfig, transformers.AfmoeForCausalLM),
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
-FAMILY_FIELDS = {"qwen3_moe": MOE, "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
+FAMILY_FIELDS = {
+    "qwen3_moe": MOE,
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # 16 experts: a router width float8 could multiply; layer 0 dense, a shared expert beside the routed ones
+    "afmoe": {
+        "num_experts": 16,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "num_dense_layers": 1,
+        "num_shared_experts": 1,
+    },
+}
 
 
 def tiny_config(family: str, *, layers: int = 2, tied: bool = False, **overrides: Any) -> Any:

@@ -1,0 +1,165 @@
+"""What the FP8 tests share (``tests/plans/test_fp8.py`` for our models, ``tests/models/hf/test_hf_fp8.py`` for
+``transformers`` models): a batch stream a model learns within a few steps, the training loop that splits each
+step's batch as data-parallel ranks do, torchao's conversion applied by hand for the one-process references, the
+float8 linears' names, gloo moving float8 as bytes, and one process multiplying per tp shard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import local_loss, maybe_loss_parallel
+from lightning_d9d.plans.fp8 import fp8_linear_filter
+
+STEPS = 5
+Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, input ids) -> logits
+
+
+def float8_names(model: nn.Module) -> list[str]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
+
+
+def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    # a pattern a model can learn within a few steps: each row counts up from a random start
+    starts = torch.randint(0, 200, (steps, 4, 1), generator=generator)
+    tokens = (starts + torch.arange(33)) % 256
+    return [(row[:, :-1], row[:, 1:]) for row in tokens]
+
+
+def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Our models return the logits; a ``transformers`` model returns an output holding them."""
+    out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def train(
+    model: nn.Module,
+    ranks: range,
+    world: int,
+    *,
+    vocab_parallel: bool = False,
+    lr: float = 1e-2,
+    eps: float = 1e-8,
+    forward: Forward = logits_of,
+    after_step: Callable[[int], None] | None = None,
+) -> list[float]:
+    """5 AdamW steps; each step's batch cut into ``world`` equal parts of which this process runs ``ranks``.
+
+    One process runs both halves one after the other (their gradients summed, each loss halved): float8's
+    dynamic scales of the activations are taken over the tensor a matmul sees, so the reference must see each
+    rank's half on its own, as the ranks do. ``vocab_parallel``: the logits come vocabulary-sharded (tp), the
+    loss runs under ``loss_parallel``. ``eps``: AdamW's (the transformers tests say why they take 1e-4).
+    ``after_step(i)``: called after the ``i``-th optimizer step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
+    losses = []
+    for step, (inputs, labels) in enumerate(batches()):
+        step_loss = torch.zeros(())
+        for rank in ranks:
+            part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
+            with maybe_loss_parallel(vocab_parallel):
+                loss = local_loss(causal_lm_loss(forward(model, inputs[part]), labels[part])) / len(ranks)
+                loss.backward()
+            step_loss += loss.detach()
+        optimizer.step()
+        optimizer.zero_grad()
+        if after_step is not None:
+            after_step(step)
+        if len(ranks) < world:
+            torch.distributed.all_reduce(step_loss)
+            step_loss /= world
+        losses.append(float(step_loss))
+    return losses
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+        for name, p in model.named_parameters()
+    }
+
+
+def convert_by_hand(blocks: Iterable[nn.Module], recipe: str | None) -> None:
+    """torchao's own conversion of each block with the default filter: the one-process references' float8."""
+    if recipe is None:
+        return
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    for block in blocks:
+        convert_to_float8_training(
+            block, module_filter_fn=fp8_linear_filter, config=Float8LinearConfig.from_recipe_name(recipe)
+        )
+
+
+def gloo_gathers_float8_as_bytes() -> None:
+    """gloo has no float8 type ("Invalid scalar type"); NCCL gathers float8 as bytes. torchao's float8 all-gather
+    (the activations before tp's sequence gather, the gradients in backward) then moves the same bytes as uint8
+    here: this rank's process only (the ranks are forked)."""
+    from torchao.float8.float8_ops import FLOAT8_OPS_TABLE
+
+    funcol = torch.ops._c10d_functional
+    gather = FLOAT8_OPS_TABLE[funcol.all_gather_into_tensor.default]
+
+    def as_bytes(aten_op: Any, args: Any, kwargs: Any = None) -> Any:
+        def through_bytes(data: torch.Tensor, *rest: Any, **kw: Any) -> torch.Tensor:
+            out = funcol.wait_tensor(aten_op(data.view(torch.uint8), *rest, **kw))
+            return out.view(data.dtype)
+
+        return gather(through_bytes, args, kwargs or {})
+
+    for op in (
+        torch.ops.c10d_functional.all_gather_into_tensor.default,
+        funcol.all_gather_into_tensor.default,
+    ):
+        FLOAT8_OPS_TABLE[op] = as_bytes
+
+
+def record_attention_input(norm: nn.Module, attention: nn.Module) -> dict[str, Any]:
+    """Filled by every forward: the amax of ``norm``'s first output (the attention's input before any gather),
+    how often ``attention`` received its hidden states (first positional argument or ``hidden_states=``) as
+    torchao's float8 (cast before tp's gather), and the first such scale."""
+    seen: dict[str, Any] = {"float8 inputs": 0}
+
+    def norm_output(module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        seen.setdefault("amax", float(output.detach().abs().max()))
+
+    def attention_input(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        local = hidden.to_local() if hasattr(hidden, "to_local") else hidden
+        if type(local).__name__ == "Float8TrainingTensor":  # torchao's float8 gather: scale and all
+            seen["float8 inputs"] += 1
+            seen.setdefault("scale", float(local._scale))
+
+    norm.register_forward_hook(norm_output)
+    attention.register_forward_pre_hook(attention_input, with_kwargs=True)
+    return seen
+
+
+def split_forward(module: nn.Module, *, column: bool, parts: int = 2) -> None:
+    """``module`` (a one-process ``Float8Linear``) multiplies per tp shard, as ``parts`` tp ranks do under torch's
+    plain styles: column-parallel, per block of output features (its outputs concatenated; in backward its
+    grad_input is the sum of the blocks' products, each operand scaled over its own block of the contraction);
+    row-parallel, per block of input features (the blocks' outputs summed, each scaled over its own block)."""
+    from torchao.float8.float8_linear import matmul_with_hp_or_float8_args
+
+    def product(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return matmul_with_hp_or_float8_args.apply(a, weight.t(), module.linear_mm_config, module.config)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if column:
+            return torch.cat([product(x, w) for w in module.weight.chunk(parts, 0)], dim=-1)
+        outputs = [
+            product(a, w) for a, w in zip(x.chunk(parts, -1), module.weight.chunk(parts, 1), strict=True)
+        ]
+        total = outputs[0]
+        for output in outputs[1:]:
+            total = total + output
+        return total
+
+    module.forward = forward  # type: ignore[method-assign]
