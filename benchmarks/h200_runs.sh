@@ -22,6 +22,8 @@
 #            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min)
 #   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run (~5 min)
 #   fa4_packed  packed rows of the 0.6B shape: FlexAttention against FA4's varlen kernel (~5 min)
+#   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case) and the
+#            FP8 linears' test after the FP8 x tp / FSDP x tp changes (torchao on the path; ~5 min)
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -75,6 +77,9 @@ for part in "${@:-dense moe}"; do
           --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fa4 ;;
       fa4_packed) fa4_env && python3 benchmarks/packed_throughput.py --out "$OUT/fa4_packed" \
           --paths packed_flex,packed_flash_attn4 ;;
+      unrun) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \
+          tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_fp8_gpu.py 2>&1 \
+          | tee "$OUT/unrun/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
       gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;
       *) echo "unknown part $name" >&2; exit 2 ;;
     esac || status=1
