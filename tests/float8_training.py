@@ -1,7 +1,11 @@
-"""What the FP8 tests share (``tests/plans/test_fp8.py`` for our models, ``tests/models/hf/test_hf_fp8.py`` for
-``transformers`` models): a batch stream a model learns within a few steps, the training loop that splits each
-step's batch as data-parallel ranks do, torchao's conversion applied by hand for the one-process references, the
-float8 linears' names, gloo moving float8 as bytes, and one process multiplying per tp shard."""
+"""What the FP8 tests share (``tests/plans/test_fp8.py`` and ``test_fp8_compositions.py`` for our models, through
+``tests/plans/fp8_runs.py``; ``tests/models/hf/test_hf_fp8.py`` for ``transformers`` models; the Fabric loop's
+reference, ``tests/fabric/fabric_loop.py``): a batch stream a model learns within a few steps, the training loop that
+splits each step's batch as data-parallel ranks do (and, under cp, each sequence as the cp ranks do), the whole
+parameters and gradients it ends with, torchao's conversion applied by hand for the one-process references, the
+float8 linears' names, gloo moving float8 as bytes, what an attention receives, and one process multiplying per tp
+shard. ``tests/`` is on ``sys.path`` (``tests/conftest.py``): ``from float8_training import ...`` from any test
+folder."""
 
 from __future__ import annotations
 
@@ -9,14 +13,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
-from lightning_d9d.plans import local_loss, maybe_loss_parallel
+from lightning_d9d.plans import local_loss, maybe_loss_parallel, split_batch
 from lightning_d9d.plans.fp8 import fp8_linear_filter
 
 STEPS = 5
+ROWS, SEQUENCE = 4, 32  # each batch: 4 rows of 32 tokens
 Forward = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (model, input ids) -> logits
+
+# Under activation checkpointing a block's parameters are named inside its wrapper: compared by the plain name
+_WRAPPED = "._checkpoint_wrapped_module"
 
 
 def float8_names(model: nn.Module) -> list[str]:
@@ -25,11 +35,11 @@ def float8_names(model: nn.Module) -> list[str]:
     return sorted(name for name, module in model.named_modules() if isinstance(module, Float8Linear))
 
 
-def batches(steps: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(1)
     # a pattern a model can learn within a few steps: each row counts up from a random start
-    starts = torch.randint(0, 200, (steps, 4, 1), generator=generator)
-    tokens = (starts + torch.arange(33)) % 256
+    starts = torch.randint(0, 200, (STEPS, ROWS, 1), generator=generator)
+    tokens = (starts + torch.arange(SEQUENCE + 1)) % 256
     return [(row[:, :-1], row[:, 1:]) for row in tokens]
 
 
@@ -37,6 +47,22 @@ def logits_of(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """Our models return the logits; a ``transformers`` model returns an output holding them."""
     out = model(ids)
     return out if isinstance(out, torch.Tensor) else out.logits
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().clone()
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name.replace(_WRAPPED, ""): _whole(p) for name, p in model.named_parameters()}
+
+
+def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
+    grads = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        grads[name.replace(_WRAPPED, "")] = _whole(p.grad)
+    return grads
 
 
 def train(
@@ -48,41 +74,54 @@ def train(
     lr: float = 1e-2,
     eps: float = 1e-8,
     forward: Forward = logits_of,
+    context: LoadBalancedSplit | None = None,
+    first_grads: dict[str, torch.Tensor] | None = None,
     after_step: Callable[[int], None] | None = None,
 ) -> list[float]:
     """5 AdamW steps; each step's batch cut into ``world`` equal parts of which this process runs ``ranks``.
 
-    One process runs both halves one after the other (their gradients summed, each loss halved): float8's
-    dynamic scales of the activations are taken over the tensor a matmul sees, so the reference must see each
-    rank's half on its own, as the ranks do. ``vocab_parallel``: the logits come vocabulary-sharded (tp), the
-    loss runs under ``loss_parallel``. ``eps``: AdamW's (the transformers tests say why they take 1e-4).
-    ``after_step(i)``: called after the ``i``-th optimizer step."""
+    One process runs several parts one after the other (their gradients summed, each loss divided by their
+    number): float8's dynamic scales of the activations are taken over the tensor a matmul sees, so the reference
+    must see each rank's part on its own, as the ranks do. ``vocab_parallel``: the logits come vocabulary-sharded
+    (tp), the loss runs under ``loss_parallel``. ``eps``: AdamW's (the transformers tests say why they take 1e-4).
+    ``forward``: the logits of a batch (:func:`logits_of` by default; a ``transformers`` model's packed rows pass
+    their positions). ``context``: this cp rank's split of every sequence.
+
+    The loss reported is the mean over the process group's processes (each process's own being the mean over the
+    parts it ran): data-parallel ranks hold different parts, cp ranks different tokens, and tp ranks the same loss
+    (whose mean is that loss, bitwise). ``first_grads``: filled with the whole gradients of the first step, before
+    the optimizer's. ``after_step(i)``: called after the ``i``-th optimizer step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses = []
     for step, (inputs, labels) in enumerate(batches()):
         step_loss = torch.zeros(())
         for rank in ranks:
             part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)
+            ids, target = inputs[part], labels[part]
+            if context is not None:
+                (ids,), target = split_batch(context, (ids,), target)
             with maybe_loss_parallel(vocab_parallel):
-                loss = local_loss(causal_lm_loss(forward(model, inputs[part]), labels[part])) / len(ranks)
+                loss = local_loss(causal_lm_loss(forward(model, ids), target)) / len(ranks)
                 loss.backward()
             step_loss += loss.detach()
+        if step == 0 and first_grads is not None:
+            first_grads.update(full_gradients(model))
         optimizer.step()
         optimizer.zero_grad()
         if after_step is not None:
             after_step(step)
-        if len(ranks) < world:
-            torch.distributed.all_reduce(step_loss)
-            step_loss /= world
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(step_loss)
+            step_loss /= dist.get_world_size()
         losses.append(float(step_loss))
     return losses
 
 
-def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {
-        name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-        for name, p in model.named_parameters()
-    }
+def trained(model: nn.Module, ranks: range = range(1), world: int = 1, **options: Any) -> dict[str, Any]:
+    """:func:`train`'s losses, its first gradients and the parameters it ends with."""
+    grads: dict[str, torch.Tensor] = {}
+    losses = train(model, ranks, world, first_grads=grads, **options)
+    return {"losses": losses, "grads": grads, "params": full_parameters(model)}
 
 
 def convert_by_hand(blocks: Iterable[nn.Module], recipe: str | None) -> None:

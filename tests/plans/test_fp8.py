@@ -14,19 +14,15 @@ from typing import Any
 import pytest
 import torch
 from distributed import run_distributed
-from fp8_runs import (
+from float8_training import (
     STEPS,
-    TP_LR,
-    converted_by_hand,
-    first_attention_input,
     float8_names,
     full_parameters,
     gloo_gathers_float8_as_bytes,
-    reference_run,
     split_forward,
-    split_like_tp,
     train,
 )
+from fp8_runs import TP_LR, converted_by_hand, first_attention_input, reference_run, split_like_tp
 from torch import nn
 
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND

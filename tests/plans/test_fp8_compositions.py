@@ -1,5 +1,5 @@
 """FP8 (``D9DStrategy(fp8=...)``, ``plans/fp8.py``) composed with the rest of a plan, on CPU, each against one process
-with torchao's conversion applied by hand (``fp8_runs.py``): activation recompute (full and selective), the
+with torchao's conversion applied by hand (``fp8_runs.py``, ``float8_training.py``): activation recompute (full and selective), the
 per-block ``torch.compile`` (dynamo and AOTAutograd through our plan; Inductor's float8 casts on a float8 block),
 FSDP x tp on a 2-D mesh (dp_shard=2 x tp=2), context parallelism (cp=2) and a pipeline (pp=2, 1F1B). Each run
 also says how often the plan converted: once (the model's plan converts, ``parallelize_blocks`` finds nothing
@@ -17,20 +17,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from fp8_runs import (
+from float8_training import (
     STEPS,
-    TP_LR,
     batches,
-    converted_by_hand,
-    first_attention_input,
     float8_names,
     full_gradients,
     full_parameters,
     gloo_gathers_float8_as_bytes,
-    gradient_differences,
-    reference_run,
     trained,
 )
+from fp8_runs import TP_LR, converted_by_hand, first_attention_input, gradient_differences, reference_run
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -47,7 +47,7 @@ VOCAB = 256  # the count-up batches' ids (float8_training.batches)
 # parameters); with 1e-4 the same runs agree to fp32's last bits
 EPS = 1e-4
 LR = 1e-2
-TP_LR = 1e-3  # as tests/plans/test_fp8.py: flips compound at 1e-2 under tp's split sums
+TP_LR = 1e-3  # as tests/plans/fp8_runs.py's TP_LR: flips compound at 1e-2 under tp's split sums
 # packed rows: every row holds documents of 5, 11 and 16 tokens, positions restarting at 0 at each
 PACKED = torch.cat([torch.arange(n) for n in (5, 11, 16)])
 
