@@ -212,21 +212,23 @@ def test_loop_traces_under_torch_compile(sizes: list[int]) -> None:
         torch.testing.assert_close(grad, torch.zeros_like(leaf) if expected_grad is None else expected_grad)
 
 
-def test_loop_compiles_with_inductor_on_a_transposed_weight(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_loop_compiles_with_inductor_on_a_transposed_weight() -> None:
     """transformers' experts hand the grouped GEMM a transposed view of their ``[G, N, K]`` weight. Inductor checks
     each custom operator's outputs against the layout its fake kernel promised: the backward's weight gradient is
     a fresh contiguous tensor, so the fake must promise that, not the input's transposed strides (it did: an
     ``assert_size_stride`` failure in the first compiled backward of a transformers MoE at ep=2 on CPU)."""
     import torch._inductor.config as inductor_config
 
-    # a graph cached before a change to the fake kernel would keep its old layout promise (the cache key misses it)
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
     x, w, group_sizes = _inputs(SIZES)
     stored = w.detach().transpose(1, 2).contiguous().requires_grad_()  # [G, N, K], as transformers keeps it
     torch._dynamo.reset()
     compiled = torch.compile(lambda a, b: grouped_mm(a, b.transpose(1, 2), group_sizes, backend="loop"))
-    out = compiled(x, stored)
-    grad_x, grad_stored = torch.autograd.grad(out.square().sum(), (x, stored))
+    # A graph cached before a change to the fake kernel would keep its old layout promise (the cache key misses
+    # it). The config's own patch, not pytest's monkeypatch: monkeypatch's undo deletes the module attribute,
+    # which leaves torch._inductor.config without fx_graph_cache for every later compile in the process.
+    with inductor_config.patch(fx_graph_cache=False):
+        out = compiled(x, stored)
+        grad_x, grad_stored = torch.autograd.grad(out.square().sum(), (x, stored))
     expected = rowwise_reference(x, w, SIZES)
     expected_x, expected_w = torch.autograd.grad(expected.square().sum(), (x, w))
     torch.testing.assert_close(out, expected)
