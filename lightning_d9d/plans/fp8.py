@@ -74,9 +74,17 @@ a minute to generate the code); FSDP x tp (dp_shard=2 x tp=2: tensorwise one
 process's first step and tp alone's run bitwise, rowwise one process's with per-shard scales); cp=2 (each cp
 rank's linears scale over its own positions, as a data-parallel rank's over its rows: one process whose linears
 multiply each rank's positions on their own, within fp32's last bits); pp=2 (each stage converts its block; 1F1B
-bitwise one process running the microbatches one after the other). Not proven here: Qwen3-MoE (ours or transformers') under tp
-with float8 (a transformers Qwen3 under FSDP and tp is: ``tests/models/hf/test_hf_fp8.py``), HSDP, ep with float8 linears, full recompute of compiled blocks under
-tp (which compiles before it checkpoints)."""
+bitwise one process running the microbatches one after the other); HSDP (dp_replicate=2 x dp_shard=2, both
+recipes: each data rank's rows scaled on their own, within fp32's last bits; tensorwise's float8 all-gather takes
+its amax over the shard mesh only, which holds the whole weight in each replica: one process's scale). Our
+Qwen3-MoE (its float8 linears: attention and the dense layers; the experts bf16 off the GPU, the router
+unconverted) under tp=2 (tensorwise against one process on the whole batch, rowwise against one process scaling
+per tp shard: the first steps within fp32's last bits, later ones up to 5.5e-4 apart in the loss, measured, where
+float8 rounding that a last bit flipped has moved AdamW's steps enough to flip a few tokens' top-2 choice; the fp32
+MoE under tp flips none) and ep=2 (each data rank's rows on their own, within fp32's last bits over 5 steps). Not
+proven here: a transformers Qwen3-MoE under tp with float8 (a transformers Qwen3 under FSDP and tp is:
+``tests/models/hf/test_hf_fp8.py``), ep x tp with float8, full recompute of compiled blocks under tp (which
+compiles before it checkpoints)."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 from float8_training import SEQUENCE, convert_by_hand, record_attention_input, split_forward, trained
 from torch import nn
 
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 
 # AdamW moves an element by about lr per step whatever its gradient's size (step 1: lr * sign(g)); in float8 a
@@ -22,17 +22,24 @@ from lightning_d9d.modules.context_attention import LoadBalancedSplit
 TP_LR = 1e-3
 
 
-def converted_by_hand(recipe: str | None) -> Qwen3ForCausalLM:
-    """The seeded tiny model, one process, no DTensor: torchao's conversion applied to the blocks by hand."""
+def tiny_model(*, moe: bool = False) -> Qwen3ForCausalLM | Qwen3MoeForCausalLM:
+    """The seeded tiny Qwen3, or with ``moe`` the tiny Qwen3-MoE (layers 0 and 2 sparse, 1 dense)."""
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config.tiny())
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny()) if moe else Qwen3ForCausalLM(Qwen3Config.tiny())
+
+
+def converted_by_hand(recipe: str | None, *, moe: bool = False) -> Any:
+    """The seeded tiny model (:func:`tiny_model`), one process, no DTensor: torchao's conversion applied to the
+    blocks by hand (an MoE block's router and grouped experts are no ``nn.Linear``: they stay as they are)."""
+    model = tiny_model(moe=moe)
     convert_by_hand(model.model.layers.values(), recipe)
     return model
 
 
-def split_like_tp(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
-    """Every float8 linear of the one-process ``model`` multiplies per shard of tp=2 (:func:`split_forward`), as
-    Qwen3's tensor plan splits it (column- or row-parallel)."""
+def split_like_tp(model: Any) -> Any:
+    """Every float8 linear of the one-process ``model`` (a Qwen3 or a Qwen3-MoE) multiplies per shard of tp=2
+    (:func:`split_forward`), as Qwen3's tensor plan splits it (column- or row-parallel; an MoE block is no part of
+    the split: it routes whole weights on each rank's positions)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torchao.float8.float8_linear import Float8Linear
 
@@ -46,7 +53,7 @@ def split_like_tp(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
     return model
 
 
-def split_like_cp(model: Qwen3ForCausalLM, cp: int) -> Qwen3ForCausalLM:
+def split_like_cp(model: Any, cp: int) -> Any:
     """Every float8 linear of the one-process ``model`` multiplies the positions each of ``cp`` ranks holds
     (:class:`LoadBalancedSplit`) on their own, as the cp ranks do: a linear sees its rank's tokens only, so its
     dynamic scales of the activations (and, in backward, of grad_output) are taken over them, and its weight's
@@ -72,13 +79,16 @@ def split_like_cp(model: Qwen3ForCausalLM, cp: int) -> Qwen3ForCausalLM:
 
 
 def reference_run(
-    recipe: str | None, *, parts: int = 1, lr: float = TP_LR, tp: bool = False, cp: int = 1
+    recipe: str | None, *, parts: int = 1, lr: float = TP_LR, tp: bool = False, cp: int = 1, moe: bool = False
 ) -> dict[str, Any]:
     """One process, no DTensor, torchao's conversion by hand: the batch in ``parts`` parts one after the other (as
     ``parts`` data-parallel ranks or pipeline microbatches see it); with ``tp``, every float8 linear multiplies per
     tp shard (:func:`split_like_tp`: rowwise under tp scales per shard); with ``cp``, per cp rank's positions
-    (:func:`split_like_cp`)."""
-    model = converted_by_hand(recipe)
+    (:func:`split_like_cp`). ``moe``: the tiny Qwen3-MoE, whose router losses (attached to each part's backward)
+    count ``1 / parts`` as each part's loss does: the data ranks' gradients are averaged."""
+    model = converted_by_hand(recipe, moe=moe)
+    if moe:
+        model.set_router_loss_scale(1 / parts)
     if tp:
         split_like_tp(model)
     if cp > 1:

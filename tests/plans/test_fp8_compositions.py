@@ -1,7 +1,9 @@
 """FP8 (``D9DStrategy(fp8=...)``, ``plans/fp8.py``) composed with the rest of a plan, on CPU, each against one process
 with torchao's conversion applied by hand (``fp8_runs.py``, ``float8_training.py``): activation recompute (full and selective), the
 per-block ``torch.compile`` (dynamo and AOTAutograd through our plan; Inductor's float8 casts on a float8 block),
-FSDP x tp on a 2-D mesh (dp_shard=2 x tp=2), context parallelism (cp=2) and a pipeline (pp=2, 1F1B). Each run
+FSDP x tp on a 2-D mesh (dp_shard=2 x tp=2), context parallelism (cp=2), a pipeline (pp=2, 1F1B), HSDP
+(dp_replicate=2 x dp_shard=2), and our Qwen3-MoE under tp=2 and ep=2 (its float8 linears: attention and the dense
+layer; experts in bf16 off the GPU, router unconverted). Each run
 also says how often the plan converted: once (the model's plan converts, ``parallelize_blocks`` finds nothing
 left)."""
 
@@ -26,7 +28,14 @@ from float8_training import (
     gloo_gathers_float8_as_bytes,
     trained,
 )
-from fp8_runs import TP_LR, converted_by_hand, first_attention_input, gradient_differences, reference_run
+from fp8_runs import (
+    TP_LR,
+    converted_by_hand,
+    first_attention_input,
+    gradient_differences,
+    reference_run,
+    tiny_model,
+)
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -66,13 +75,12 @@ def conversion_lines() -> Iterator[list[str]]:
 
 
 def planned(
-    recipe: str, degrees: dict[str, int], **options: Any
-) -> tuple[Qwen3ForCausalLM, ParallelDims, list[str]]:
-    """The seeded tiny Qwen3 under its own plan, over the mesh of ``degrees`` (all of this process group's ranks),
-    with ``fp8=recipe`` and ``options``; and the plan's conversion log lines."""
+    recipe: str, degrees: dict[str, int], *, moe: bool = False, **options: Any
+) -> tuple[Any, ParallelDims, list[str]]:
+    """The seeded tiny Qwen3 (``moe``: Qwen3-MoE) under its own plan, over the mesh of ``degrees`` (all of this
+    process group's ranks), with ``fp8=recipe`` and ``options``; and the plan's conversion log lines."""
     dims = ParallelDims(**degrees).resolve(dist.get_world_size()).build_mesh("cpu")
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config.tiny())
+    model = tiny_model(moe=moe)
     with conversion_lines() as lines:
         model.parallelize(dims, ParallelOptions(fp8=recipe, **options))
     return model, dims, lines
@@ -228,21 +236,31 @@ def test_inductor_compiles_float8_casts_on_cpu_as_eager_rounds_them() -> None:
 
 
 # ----------------------------------------------------------------------------------------- FSDP x tp, cp
-def plan_rank(recipe: str, degrees: dict[str, int], parts: int) -> dict[str, Any]:
-    """Our plan over ``degrees`` and 5 steps: each step's batch in ``parts`` parts; a data-parallel rank runs its
-    own, a rank without data parallelism all of them one after the other."""
+def plan_rank(recipe: str, degrees: dict[str, int], parts: int, moe: bool = False) -> dict[str, Any]:
+    """Our plan over ``degrees`` and 5 steps: each step's batch in ``parts`` parts; a data-parallel rank (FSDP,
+    HSDP, ep: the ``dp`` view) runs its own, a rank without data parallelism all of them one after the other."""
     gloo_gathers_float8_as_bytes()
-    model, dims, lines = planned(recipe, degrees)
+    model, dims, lines = planned(recipe, degrees, moe=moe)
     seen = first_attention_input(model)
-    if dims.dp_shard > 1:
-        dp = dims.mesh_for("dp_shard").get_local_rank()
+    if dims.dp > 1:
+        dp = dims.mesh_for("dp").get_local_rank()
         ranks = range(dp, dp + 1)
     else:
         ranks = range(parts)
     run = trained(
         model, ranks, parts, vocab_parallel=dims.tp_enabled, lr=TP_LR, context=model.model.context_split
     )
-    return {**run, **seen, "lines": lines, "float8": len(float8_names(model))}
+    float8_weights = sum(
+        type(getattr(p, "_local_tensor", p)).__name__ == "WeightWithDynamicFloat8CastTensor"
+        for p in model.parameters()
+    )  # FSDP all-gathers these in float8
+    return {
+        **run,
+        **seen,
+        "lines": lines,
+        "float8": len(float8_names(model)),
+        "float8 weights": float8_weights,
+    }
 
 
 def test_fsdp_x_tp_tensorwise_trains_as_one_process() -> None:
@@ -357,3 +375,127 @@ def test_pp_trains_the_float8_model_bitwise_as_one_process_per_microbatch(recipe
         assert rank["float8"] == LINEARS // 2  # this stage's block
         assert rank["lines"] == [f"fp8 ({recipe}): {LINEARS // 2} linear layers train in float8"]
         assert_equal_runs(rank, reference)
+
+
+# ----------------------------------------------------------------------------------------------- HSDP
+def hsdp_rank() -> dict[str, dict[str, Any]]:
+    """Both recipes in one launch of 4 processes (dp_replicate=2 x dp_shard=2), each data rank its own row."""
+    return {recipe: plan_rank(recipe, {"dp_replicate": 2, "dp_shard": 2}, 4) for recipe in RECIPES}
+
+
+def test_hsdp_trains_the_float8_model_as_one_process_per_data_rank() -> None:
+    """dp_replicate=2 x dp_shard=2: each of the 4 data ranks' linears scale their activations and gradients over
+    its own row, as one process running the 4 rows one after the other does (``reference_run(parts=4)``).
+
+    The weights' scales (tensorwise, whose weights FSDP all-gathers in float8): torchao's
+    ``fsdp_pre_all_gather`` takes the amax of each rank's shard and all-reduces it (MAX) over the mesh FSDP2
+    hands it, which under HSDP is the *shard* mesh only (``FSDPParam._init_shard_mesh``: the HSDP mesh's last
+    dim), not the replicate dim. That is the whole weight's amax: each replica's shard group holds the whole
+    weight between them, and the replicas hold the same weight (their gradients are all-reduced over
+    dp_replicate before the identical optimizer step), so the max over one replica's shards is one process's
+    amax, bitwise. Rowwise gathers the weights in their own dtype and casts the gathered whole weight."""
+    ranks = run_distributed(hsdp_rank, 4, timeout=240)
+    for recipe in RECIPES:
+        reference = reference_run(recipe, parts=4)
+        for rank in ranks:
+            run = rank[recipe]
+            assert run["float8"] == LINEARS
+            assert run["lines"] == [f"fp8 ({recipe}): {LINEARS} linear layers train in float8"]
+            # the weights go through torchao's float8 all-gather where it is tensorwise
+            assert run["float8 weights"] == (LINEARS if recipe == "tensorwise" else 0)
+            # the same float8 operands, the loss and the dp mean summed in another order: losses within fp32's
+            # last bit at 5.6 (4.8e-7 measured), first gradients 6.5e-8 apart, parameters 3.2e-7 (measured)
+            torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=1e-6)
+            differences = gradient_differences(run["grads"], reference["grads"])
+            assert max(differences.values()) < 1e-6, differences
+            for name, param in reference["params"].items():
+                torch.testing.assert_close(run["params"][name], param, rtol=0, atol=1e-6, msg=name)
+    assert ranks[0]["rowwise"]["losses"][-1] < 0.95 * ranks[0]["rowwise"]["losses"][0]  # it learns
+
+
+# ------------------------------------------------------------------------------------- Qwen3-MoE: tp, ep
+# q, k, v, o in each of the tiny Qwen3-MoE's 3 blocks; gate, up, down in its dense one (layer 1)
+MOE_LINEARS = 15
+# MoE routing is discontinuous: under tp the fp32 sums differ from one process's in their last bits (attention,
+# the row-parallel halves), which flip a few float8 roundings; AdamW turns those into lr-sized steps, and from
+# there a router's top-2 choice flips for a few tokens (measured by the routers' expert loads: tensorwise from
+# step 2 on, 5 tokens; rowwise from step 3 on). A flipped choice moves the loss by up to 5.5e-4 (measured); the
+# fp32 MoE under tp stays within fp32's last bit of one process at every step and flips none.
+ROUTING_FLIPS = 2e-3
+
+
+def test_moe_under_tp_tensorwise_trains_as_one_process() -> None:
+    """Our Qwen3-MoE at tp=2, tensorwise: attention and the dense layer take torchao's float8 styles (every scale
+    the whole tensor's, as for Qwen3); each MoE block routes its rank's positions through whole weights, its
+    router (no ``nn.Linear``) and grouped experts (bf16 off the GPU) unconverted, and its gradients summed over
+    tp. So the whole batch on one process is the reference: the first step within fp32's last bits; later steps
+    apart by the routing flips that float8's rounding sets off (``ROUTING_FLIPS``)."""
+    ranks = run_distributed(plan_rank, 2, "tensorwise", {"tp": 2}, 1, True, timeout=240)
+    reference = reference_run("tensorwise", moe=True)
+    per_shard = reference_run("tensorwise", tp=True, moe=True)
+    for rank in ranks:
+        assert rank["float8"] == MOE_LINEARS
+        assert rank["lines"] == [f"fp8 (tensorwise): {MOE_LINEARS} linear layers train in float8"]
+        assert rank["float8 inputs"] == STEPS  # the sequence gather moved float8 (torchao's float8 styles)
+        # first loss bitwise (measured); the second within fp32's last bits (2.9e-6 measured: flipped float8
+        # roundings, no flipped routing); first gradients 4.1e-7 apart (measured)
+        assert rank["losses"][0] == reference["losses"][0]
+        assert abs(rank["losses"][1] - reference["losses"][1]) <= 1e-5
+        differences = gradient_differences(rank["grads"], reference["grads"])
+        assert max(differences.values()) < 1e-6, differences
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=0, atol=ROUTING_FLIPS)
+    # the scales matter: one process scaling per tp shard has other first gradients (0.25 measured)
+    differences = gradient_differences(ranks[0]["grads"], per_shard["grads"])
+    assert max(differences.values()) > 100 * GRADIENTS, differences
+    assert ranks[0]["losses"][-1] < 0.95 * ranks[0]["losses"][0]  # it learns
+
+
+def test_moe_under_tp_rowwise_trains_as_one_process_with_per_shard_scales() -> None:
+    """Our Qwen3-MoE at tp=2, rowwise: torch's plain styles, so attention and the dense layer scale per tp shard
+    where tp splits a contraction (``test_fp8.py``), as one process whose float8 linears multiply per shard
+    (``split_like_tp``, which the MoE model's tensor plan fits: its float8 linears are Qwen3's); the MoE blocks
+    as under tensorwise. The first steps within fp32's last bits, later ones apart by routing flips."""
+    ranks = run_distributed(plan_rank, 2, "rowwise", {"tp": 2}, 1, True, timeout=240)
+    per_shard = reference_run("rowwise", tp=True, moe=True)
+    whole = reference_run("rowwise", moe=True)
+    for rank in ranks:
+        assert rank["float8"] == MOE_LINEARS
+        assert rank["float8 inputs"] == 0  # torch's plain styles: the sequence gather moves fp32
+        # losses 4.8e-7 and 1e-5 apart in the first 3 steps (measured; no routing flipped before step 3),
+        # first gradients 3.4e-6 (a flipped float8 rounding: rowwise's row scales re-round a row)
+        torch.testing.assert_close(rank["losses"][:3], per_shard["losses"][:3], rtol=0, atol=2e-5)
+        differences = gradient_differences(rank["grads"], per_shard["grads"])
+        assert max(differences.values()) < GRADIENTS / 10, differences
+        torch.testing.assert_close(rank["losses"], per_shard["losses"], rtol=0, atol=ROUTING_FLIPS)
+    # the per-shard scales matter: the whole-scale model's first loss is 1.8e-4 off, its first gradients 0.2
+    # (measured: enough to flip a routing choice in the first step)
+    assert abs(ranks[0]["losses"][0] - whole["losses"][0]) > 1e-5
+    differences = gradient_differences(ranks[0]["grads"], whole["grads"])
+    assert max(differences.values()) > 100 * GRADIENTS, differences
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_moe_under_ep_trains_as_one_process_per_data_rank(recipe: str) -> None:
+    """ep=2 (carved from dp_shard=2: the ep ranks are the data ranks): the experts split over both ranks, the
+    tokens dispatched to them all-to-all; attention and the dense layer in float8 on each rank's own rows, so
+    their scales are taken over those rows, as one process running each rank's rows on their own
+    (``reference_run(parts=2)``, the router losses counted 1/2 a part) takes them. The experts stay in bf16 off
+    the GPU and the router unconverted: ep moves their tokens, not their operands' scales. No routing flips
+    (losses equal): the whole run within fp32's last bits."""
+    ranks = run_distributed(plan_rank, 2, recipe, {"ep": 2}, 2, True, timeout=240)
+    reference = reference_run(recipe, parts=2, moe=True)
+    full_precision = reference_run(None, parts=2, moe=True)
+    for rank in ranks:
+        assert rank["float8"] == MOE_LINEARS
+        assert rank["lines"] == [f"fp8 ({recipe}): {MOE_LINEARS} linear layers train in float8"]
+        assert rank["float8 weights"] == (MOE_LINEARS if recipe == "tensorwise" else 0)  # FSDP over dp_shard
+        # losses bitwise but one last bit at step 4 (rowwise), first gradients 1.2e-7 apart, parameters 2e-6
+        # (measured: AdamW divides by the root of tiny second moments, which amplifies the last bits)
+        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=0, atol=1e-6)
+        differences = gradient_differences(rank["grads"], reference["grads"])
+        assert max(differences.values()) < 1e-6, differences
+        for name, param in reference["params"].items():
+            torch.testing.assert_close(rank["params"][name], param, rtol=0, atol=1e-5, msg=name)
+    # the conversion bites under ep: the fp32 model's first gradients are elsewhere
+    differences = gradient_differences(ranks[0]["grads"], full_precision["grads"])
+    assert max(differences.values()) > 100 * GRADIENTS, differences
