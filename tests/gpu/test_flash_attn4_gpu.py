@@ -16,6 +16,7 @@ dv (twice the output's band). A wrong mask, a dropped tile or a mis-indexed kv h
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
@@ -94,30 +95,49 @@ def test_flash_attn4_equals_fp32_attention(batch: int, seq: int) -> None:
 
 def test_a_compiled_block_on_flash_attn4_is_one_graph_and_compiles_once() -> None:
     """The 0.6B model's attention block on ``flash_attn4``, compiled with ``fullgraph=True`` (a graph break
-    raises) by Inductor: equal to the eager block, and a second batch of the same shape compiles nothing."""
+    raises) by Inductor: as close to the fp32 block as the eager bf16 block is, and a second batch of the same
+    shape compiles nothing.
+
+    Compiled against eager directly is no bound: Inductor fuses the norms, RoPE and casts around the kernel in
+    another order, and on the H200 (2026-12-05) the two bf16 blocks were 4.8e-3 apart, over one bf16 rounding
+    (2**-8), while both are right. So each is held to the fp32 block (the same weights, fp32 math attention) and
+    the compiled one may be at most twice as far from it as the eager one (the ratio flash-attention's own tests
+    use against a bf16 reference); a wrong fake layout or a dropped operand in the graph is O(1) off."""
     require()
     torch.manual_seed(0)
     block = Attention(1024, HEADS, KV_HEADS, HEAD_DIM, device="cuda").bfloat16()
     block.attention_backend = "flash_attn4"
-    cos, sin = RotaryEmbedding(HEAD_DIM, 4096, 1_000_000.0, device="cuda")(None, 4096, torch.bfloat16)
+    reference = copy.deepcopy(block).float()
+    reference.attention_backend = "sdpa_math"
+    rope = RotaryEmbedding(HEAD_DIM, 4096, 1_000_000.0, device="cuda")
 
-    def step(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        x = leaf(2, 4096, 1024, dtype=torch.bfloat16, device="cuda", seed=seed)
-        out = block(x, cos, sin)
+    def step(module: torch.nn.Module, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope(None, 4096, dtype)
+        # the same bf16 draws for both blocks (the reference computes on them exactly, in fp32)
+        x = (
+            leaf(2, 4096, 1024, dtype=torch.bfloat16, device="cuda", seed=seed)
+            .detach()
+            .to(dtype)
+            .requires_grad_()
+        )
+        out = module(x, cos, sin)
         (dx,) = grads((out,), (x,))
         return out.detach(), dx
 
-    eager = step(30)
+    want = step(reference, 30, torch.float32)
+    eager = step(block, 30, torch.bfloat16)
     block.compile(fullgraph=True)
-    compiled = step(30)
+    compiled = step(block, 30, torch.bfloat16)
     torch._dynamo.config.error_on_recompile = True
     try:
-        step(31)
+        step(block, 31, torch.bfloat16)
     finally:
         torch._dynamo.config.error_on_recompile = False
-    for got, want in zip(compiled, eager, strict=True):
-        # the same kernels; Inductor fuses the norms, RoPE and casts around them in another order (bf16 roundings)
-        assert relative_error(got, want) < 2**-8
+    for name, got, base, ref in zip(("out", "dx"), compiled, eager, want, strict=True):
+        compiled_error, eager_error = relative_error(got, ref), relative_error(base, ref)
+        print(f"{name}: compiled {compiled_error:.2e}, eager {eager_error:.2e} from the fp32 block")
+        assert eager_error < GRAD_BOUND, (name, eager_error)
+        assert compiled_error <= 2 * eager_error, (name, compiled_error, eager_error)
 
 
 def packed_positions(batch: int, seq: int, seed: int) -> torch.Tensor:
@@ -169,7 +189,14 @@ def test_a_compiled_qwen3_trains_packed_rows_on_flash_attn4_varlen(monkeypatch: 
     from lightning_d9d.plans import apply_compile
 
     torch.manual_seed(0)
-    config = Qwen3Config.tiny(hidden_size=512, intermediate_size=1024, head_dim=HEAD_DIM, vocab_size=4000)
+    # positions reach 2047 in a row of 2048: the tiny shape's 512-position rotary table would be indexed past its end
+    config = Qwen3Config.tiny(
+        hidden_size=512,
+        intermediate_size=1024,
+        head_dim=HEAD_DIM,
+        vocab_size=4000,
+        max_position_embeddings=4096,
+    )
     model = Qwen3ForCausalLM(config).cuda().bfloat16()
     ids = torch.randint(1, 4000, (2, 2048), device="cuda")
 
