@@ -7,12 +7,13 @@ first backend of the registry's order that prefers these inputs; a name (``Atten
 once per backend.
 
 On an H200 (bf16, head dim 128, GQA 16/8, seq 2048-8192; docs/benchmarks.md) SDPA's cuDNN kernel with grouped
-heads is the fastest (410-540 TFLOP/s forward+backward), flash is about half of it, memory-efficient has no
-grouped-heads kernel (it needs the heads repeated) and math is 20x slower: CUDA bf16/fp16 takes
-``sdpa_cudnn``, then ``sdpa_flash``; everything else (CPU, fp32) plain ``sdpa``, which lets torch choose as
-before. ``flash_attn`` (FlashAttention 2) runs when its package is installed, ``flash_attn4`` (FlashAttention 4,
-``flash_attn.cute``: :mod:`lightning_d9d.kernels.flash_attn4`) when that one is, by name only until an H200 measures
-it against cuDNN. Other paths (e.g. a context-parallel one) join with :func:`register_attention_backend`.
+heads is the fastest of torch's (410-540 TFLOP/s forward+backward), flash is about half of it, memory-efficient
+has no grouped-heads kernel (it needs the heads repeated) and math is 20x slower; FlashAttention 4
+(``flash_attn4``, ``flash_attn.cute``: :mod:`lightning_d9d.kernels.flash_attn4`, the optional flash-attn-4
+package) beats cuDNN there (438-539 TFLOP/s, 4-9 % less time). So CUDA bf16/fp16 takes ``flash_attn4`` on Hopper
+where it is installed, then ``sdpa_cudnn``, then ``sdpa_flash``; everything else (CPU, fp32) plain ``sdpa``, which
+lets torch choose as before. ``flash_attn`` (FlashAttention 2) runs when its package is installed and is preferred
+only below Hopper. Other paths (e.g. a context-parallel one) join with :func:`register_attention_backend`.
 
 Packed rows (:func:`document_attention_mask`) take FlexAttention's block mask, SDPA's dense mask, or, by name, the
 varlen kernels of FlashAttention 4 or 2: the rows laid end to end as one batch of documents (``cu_seqlens``).
@@ -166,6 +167,17 @@ def _can_always(q: torch.Tensor) -> str | None:
     return None
 
 
+def _flash_attn4_preferred(q: torch.Tensor) -> bool:
+    """FA4 where it runs on Hopper: on an H200 (2026-12-05, docs/benchmarks.md) its forward + backward took 1.79 ms
+    against cuDNN's 1.94 at the 0.6B block's shape (seq 4096 x 4) and the compiled 0.6B step 176.4 ms against
+    180.2. Blackwell is not measured, so there it stays by name only."""
+    return fa4.flash_attn4_unsupported(q) is None and torch.cuda.get_device_capability(q.device)[0] == 9
+
+
+# First in auto's order where the flash-attn-4 package is installed (an optional extra); cuDNN otherwise.
+register_attention_backend(
+    AttentionBackend("flash_attn4", _flash_attn4, fa4.flash_attn4_unsupported, _flash_attn4_preferred)
+)
 register_attention_backend(
     AttentionBackend(
         "sdpa_cudnn",
@@ -179,10 +191,6 @@ register_attention_backend(
         "flash_attn", _flash_attn, _flash_attn_unsupported, lambda q: _flash_attn_unsupported(q) is None
     )
 )
-# By name only (LIGHTNING_D9D_ATTENTION=flash_attn4, Attention.attention_backend): auto keeps cuDNN until an H200
-# measures FA4 against it (issue 25: kernel_speed.py's attention rows, train_throughput.py's *_fa4 paths); if FA4
-# wins, prefer it where it runs and register it before "sdpa_cudnn".
-register_attention_backend(AttentionBackend("flash_attn4", _flash_attn4, fa4.flash_attn4_unsupported, _never))
 register_attention_backend(
     AttentionBackend(
         "sdpa_flash",

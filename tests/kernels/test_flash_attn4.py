@@ -155,13 +155,22 @@ def test_a_missing_package_or_a_cpu_tensor_is_refused_by_name(monkeypatch: pytes
         select_attention_backend(q, "flash_attn4")
 
 
-def test_auto_never_takes_it_until_measured(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Even where it runs (here: every input), ``auto`` keeps its order; a name picks it."""
-    monkeypatch.setattr(attention_module, "_half_on_cuda", lambda q, capability: "stand-in: no CUDA")
-    backend = attention_module._REGISTRY.backends["flash_attn4"]
-    assert backend.preferred(torch.zeros(1)) is False
-    assert select_attention_backend(torch.randn(1, 4, 3, 8)).name == "sdpa"
-    assert "flash_attn4" in attention_module.attention_backends()
+@pytest.mark.parametrize(
+    ("runs", "capability", "expected"),
+    [(True, (9, 0), "flash_attn4"), (True, (10, 0), "sdpa_cudnn"), (False, (9, 0), "sdpa_cudnn")],
+)
+def test_auto_takes_it_first_where_it_runs_on_hopper(
+    monkeypatch: pytest.MonkeyPatch, runs: bool, capability: tuple[int, int], expected: str
+) -> None:
+    """Measured ahead of cuDNN on an H200 only (docs/benchmarks.md, 2026-12-05): ``auto`` takes FA4 on
+    compute capability 9.x where it runs, cuDNN on Blackwell (not measured) and where FA4 cannot run (not
+    installed, a head dim it does not take). The CUDA checks are stood in for: this runs on CPU."""
+    monkeypatch.setattr(fa4, "flash_attn4_unsupported", lambda q: None if runs else "stand-in: cannot run")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention_module, "_half_on_cuda", lambda q, minimum: None)
+    names = attention_module.attention_backends()
+    assert names.index("flash_attn4") < names.index("sdpa_cudnn")
+    assert select_attention_backend(torch.randn(1, 4, 3, 8)).name == expected
 
 
 def _site(root: Any, files: dict[str, str]) -> Any:
