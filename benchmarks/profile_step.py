@@ -8,6 +8,7 @@ profiled steps; prints the CUDA kernels by total time, the GPU time per step, an
 
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --out runs/profile
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --path hf_fsdp_compiled --out runs/profile
+    PYTHONPATH=. python benchmarks/profile_step.py --model 4b --path ours_fsdp_compiled --out runs/profile4b
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_throughput import build_model, parse_args
+from train_throughput import QWEN3_SHAPES, build_model, parse_args
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", choices=["0.6b", "moe"], default="moe")
+    parser.add_argument("--model", choices=["0.6b", *QWEN3_SHAPES, "moe"], default="moe")
     parser.add_argument("--path", default="ours_fsdp_compiled")
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -134,8 +134,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
         fp8_experts: with ``fp8`` on, the MoE experts (ours, and a ``transformers`` MoE's stacked experts through
-            the adapter's forward) run their GEMMs in float8 rowwise through torchao (under either recipe: torchao's grouped GEMM is rowwise): ``False`` (default, until its GPU
-            test has run) keeps them in bf16; ``None`` where the GPU allows it (compute capability 9.0+), bf16
+            the adapter's forward) run their GEMMs in float8 rowwise through torchao (under either recipe:
+            torchao's grouped GEMM is rowwise): ``False`` (default: its GPU test passes, on an H200 on
+            2026-12-05, but its speed is not measured yet) keeps them in bf16; ``None`` where the GPU allows it (compute capability 9.0+), bf16
             elsewhere with one log line; ``True`` requires it (refused elsewhere)
             (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
         async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
