@@ -20,7 +20,8 @@
 #   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
 #            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
 #            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min)
-#   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run (~5 min)
+#   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run, each by name
+#            (auto takes FA4 once it is on the path, which fa4_env puts it on for every later part too) (~5 min)
 #   fa4_packed  packed rows of the 0.6B shape: FlexAttention against FA4's varlen kernel (~5 min)
 #   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case) and the
 #            FP8 linears' test after the FP8 x tp / FSDP x tp changes (torchao on the path; ~5 min)
@@ -74,7 +75,7 @@ for part in "${@:-dense moe}"; do
           python3 benchmarks/document_attention_speed.py --out "$OUT/fa4"
         } ;;
       fa4_train) fa4_env && bench --seq-len 4096 --batch-size 4 --path-timeout 300 --out "$OUT/fa4_train" \
-          --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fa4 ;;
+          --paths ours_trainer_compiled_nofsdp_cudnn,ours_trainer_compiled_nofsdp_fa4 ;;
       fa4_packed) fa4_env && python3 benchmarks/packed_throughput.py --out "$OUT/fa4_packed" \
           --paths packed_flex,packed_flash_attn4 ;;
       unrun) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \

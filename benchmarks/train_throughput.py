@@ -135,9 +135,11 @@ PATHS: dict[str, str] = {
     # worker (refused, so the path fails, where flash_attn.cute cannot run); the pair to measure against cuDNN
     "ours_trainer_compiled_fa4": "ours_trainer_compiled with the flash_attn4 attention backend (FlashAttention 4)",
     "ours_trainer_compiled_nofsdp_fa4": "ours_trainer_compiled_nofsdp with the flash_attn4 attention backend",
+    # auto takes FA4 where it is installed (since 2026-12-05), so the cuDNN side of the pair is forced by name
+    "ours_trainer_compiled_nofsdp_cudnn": "ours_trainer_compiled_nofsdp with the sdpa_cudnn attention backend",
 }
 #: The attention backend a path forces in its worker (LIGHTNING_D9D_ATTENTION), by the path's suffix.
-ATTENTION_SUFFIXES = {"_fa4": "flash_attn4"}
+ATTENTION_SUFFIXES = {"_fa4": "flash_attn4", "_cudnn": "sdpa_cudnn"}
 DEFAULT_PATHS = [
     p
     for p in PATHS
@@ -168,6 +170,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts",
         "ours_trainer_compiled_fa4",
         "ours_trainer_compiled_nofsdp_fa4",
+        "ours_trainer_compiled_nofsdp_cudnn",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)

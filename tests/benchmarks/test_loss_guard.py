@@ -56,10 +56,13 @@ def test_every_path_gets_the_same_fresh_batch_each_step() -> None:
     assert entropy < math.log(500) - 0.3  # learnable: well below the uniform distribution's ln(vocab)
 
 
-def test_the_fa4_paths_force_the_flash_attn4_backend_and_the_others_nothing() -> None:
+def test_the_fa4_and_cudnn_paths_force_their_backends_and_the_others_nothing() -> None:
     from train_throughput import DEFAULT_PATHS, PATHS, path_environment
 
     for path in ("ours_trainer_compiled_fa4", "ours_trainer_compiled_nofsdp_fa4"):
         assert path in PATHS and path not in DEFAULT_PATHS  # by name: each needs flash_attn.cute
         assert path_environment(path) == {"LIGHTNING_D9D_ATTENTION": "flash_attn4"}
+    # the cuDNN side of the pair is forced too: auto takes FA4 wherever it is installed
+    assert "ours_trainer_compiled_nofsdp_cudnn" in PATHS
+    assert path_environment("ours_trainer_compiled_nofsdp_cudnn") == {"LIGHTNING_D9D_ATTENTION": "sdpa_cudnn"}
     assert path_environment("ours_trainer_compiled_nofsdp") == {}
