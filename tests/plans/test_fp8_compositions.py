@@ -2,7 +2,8 @@
 with torchao's conversion applied by hand (``fp8_runs.py``, ``float8_training.py``): activation recompute (full and selective), the
 per-block ``torch.compile`` (dynamo and AOTAutograd through our plan; Inductor's float8 casts on a float8 block),
 FSDP x tp on a 2-D mesh (dp_shard=2 x tp=2), context parallelism (cp=2), a pipeline (pp=2, 1F1B), HSDP
-(dp_replicate=2 x dp_shard=2), and our Qwen3-MoE under tp=2 and ep=2 (its float8 linears: attention and the dense
+(dp_replicate=2 x dp_shard=2), full recompute of compiled blocks under tp=2, and our Qwen3-MoE under tp=2, ep=2 and
+ep=2 x tp=2 (its float8 linears: attention and the dense
 layer; experts in bf16 off the GPU, router unconverted). Each run
 also says how often the plan converted: once (the model's plan converts, ``parallelize_blocks`` finds nothing
 left)."""
