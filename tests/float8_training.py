@@ -118,10 +118,17 @@ def train(
 
 
 def trained(model: nn.Module, ranks: range = range(1), world: int = 1, **options: Any) -> dict[str, Any]:
-    """:func:`train`'s losses, its first gradients and the parameters it ends with."""
+    """:func:`train`'s losses, its first gradients, the parameters after its first step (``"first step"``: where
+    an MoE's routing, which later float8 roundings can flip, has not yet parted two runs) and those it ends with."""
     grads: dict[str, torch.Tensor] = {}
-    losses = train(model, ranks, world, first_grads=grads, **options)
-    return {"losses": losses, "grads": grads, "params": full_parameters(model)}
+    first: dict[str, torch.Tensor] = {}
+
+    def after(step: int) -> None:
+        if step == 0:
+            first.update(full_parameters(model))
+
+    losses = train(model, ranks, world, first_grads=grads, after_step=after, **options)
+    return {"losses": losses, "grads": grads, "first step": first, "params": full_parameters(model)}
 
 
 def convert_by_hand(blocks: Iterable[nn.Module], recipe: str | None) -> None:

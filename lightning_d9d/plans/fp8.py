@@ -81,10 +81,12 @@ Qwen3-MoE (its float8 linears: attention and the dense layers; the experts bf16 
 unconverted) under tp=2 (tensorwise against one process on the whole batch, rowwise against one process scaling
 per tp shard: the first steps within fp32's last bits, later ones up to 5.5e-4 apart in the loss, measured, where
 float8 rounding that a last bit flipped has moved AdamW's steps enough to flip a few tokens' top-2 choice; the fp32
-MoE under tp flips none) and ep=2 (each data rank's rows on their own, within fp32's last bits over 5 steps). Not
-proven here: a transformers Qwen3-MoE under tp with float8 (a transformers Qwen3 under FSDP and tp is:
-``tests/models/hf/test_hf_fp8.py``), ep x tp with float8, full recompute of compiled blocks under tp (which
-compiles before it checkpoints)."""
+MoE under tp flips none), ep=2 (each data rank's rows on their own, within fp32's last bits over 5 steps) and
+ep=2 x tp=2 (both recipes: each data rank's rows, tp's scales as under tp alone; the first steps within fp32's last
+bits, then routing flips). Full recompute of compiled blocks under tp=2 (which compiles before it checkpoints, so
+backward re-runs each compiled forward): tensorwise, bitwise the eager tp run, the first step within fp32's last
+bits of one process. A transformers Qwen3-MoE under tp=2 (``tests/models/hf/test_hf_fp8.py``): both recipes as our
+Qwen3-MoE's (rowwise within fp32's last bits over 5 steps; tensorwise until routing flips at step 3)."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 with torchao's conversion applied by hand (``fp8_runs.py``, ``float8_training.py``): activation recompute (full and selective), the
 per-block ``torch.compile`` (dynamo and AOTAutograd through our plan; Inductor's float8 casts on a float8 block),
 FSDP x tp on a 2-D mesh (dp_shard=2 x tp=2), context parallelism (cp=2), a pipeline (pp=2, 1F1B), HSDP
-(dp_replicate=2 x dp_shard=2), and our Qwen3-MoE under tp=2 and ep=2 (its float8 linears: attention and the dense
+(dp_replicate=2 x dp_shard=2), full recompute of compiled blocks under tp=2, and our Qwen3-MoE under tp=2, ep=2 and
+ep=2 x tp=2 (its float8 linears: attention and the dense
 layer; experts in bf16 off the GPU, router unconverted). Each run
 also says how often the plan converted: once (the model's plan converts, ``parallelize_blocks`` finds nothing
 left)."""
@@ -42,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
-from lightning_d9d.plans import ParallelOptions
+from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
 
 pytest.importorskip("torchao", reason="torchao is a test dependency (pyproject's test extra)")
 RECIPES = ["tensorwise", "rowwise"]
@@ -108,26 +109,40 @@ class CountMatmuls(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_matmuls(model: nn.Module) -> int:
+def backward_matmuls(model: nn.Module, *, vocab_parallel: bool = False) -> int:
+    """How many matmuls the first batch's backward runs (``vocab_parallel``: the logits come vocabulary-sharded,
+    tp's, and the loss runs under ``loss_parallel``)."""
     inputs, labels = batches()[0]
-    loss = causal_lm_loss(model(inputs), labels)
-    with CountMatmuls() as counter:
-        loss.backward()
+    with maybe_loss_parallel(vocab_parallel):
+        loss = local_loss(causal_lm_loss(model(inputs), labels))
+        with CountMatmuls() as counter:
+            loss.backward()
+    model.zero_grad()
     return counter.count
 
 
 @contextlib.contextmanager
-def blocks_compiled_on_aot_eager(graphs: list[str]) -> Iterator[None]:
+def blocks_compiled_on_aot_eager(graphs: list[str], calls: list[int] | None = None) -> Iterator[None]:
     """Our plan's per-block ``Module.compile`` on ``aot_eager`` while the block runs (this process): dynamo traces
     each block and AOTAutograd splits forward and backward (the recompute inside) as under Inductor, without
     Inductor's code generation (half a minute for this model on a 2-core machine; Inductor's float8 casts have
     their own test below). The code of every graph dynamo hands over (with the graphs nested in it: a
-    checkpointed region is one) goes to ``graphs``."""
+    checkpointed region is one) goes to ``graphs``; with ``calls``, every later run of a compiled forward appends
+    its graph's index there (a recompute around the compiled block runs it again in backward)."""
     aot_eager = torch._dynamo.lookup_backend("aot_eager")
 
     def kept(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        index = len(graphs)
         graphs.append("\n".join(m.code for m in graph.modules() if isinstance(m, torch.fx.GraphModule)))
-        return aot_eager(graph, example_inputs)
+        compiled = aot_eager(graph, example_inputs)
+        if calls is None:
+            return compiled
+
+        def counted(*args: Any) -> Any:
+            calls.append(index)
+            return compiled(*args)
+
+        return counted
 
     compile_module = nn.Module.compile
 
@@ -236,11 +251,14 @@ def test_inductor_compiles_float8_casts_on_cpu_as_eager_rounds_them() -> None:
 
 
 # ----------------------------------------------------------------------------------------- FSDP x tp, cp
-def plan_rank(recipe: str, degrees: dict[str, int], parts: int, moe: bool = False) -> dict[str, Any]:
-    """Our plan over ``degrees`` and 5 steps: each step's batch in ``parts`` parts; a data-parallel rank (FSDP,
-    HSDP, ep: the ``dp`` view) runs its own, a rank without data parallelism all of them one after the other."""
+def plan_rank(
+    recipe: str, degrees: dict[str, int], parts: int, moe: bool = False, **options: Any
+) -> dict[str, Any]:
+    """Our plan over ``degrees`` (with ``options``) and 5 steps: each step's batch in ``parts`` parts; a
+    data-parallel rank (FSDP, HSDP, ep: the ``dp`` view) runs its own, a rank without data parallelism all of them
+    one after the other."""
     gloo_gathers_float8_as_bytes()
-    model, dims, lines = planned(recipe, degrees, moe=moe)
+    model, dims, lines = planned(recipe, degrees, moe=moe, **options)
     seen = first_attention_input(model)
     if dims.dp > 1:
         dp = dims.mesh_for("dp").get_local_rank()
@@ -499,3 +517,85 @@ def test_moe_under_ep_trains_as_one_process_per_data_rank(recipe: str) -> None:
     # the conversion bites under ep: the fp32 model's first gradients are elsewhere
     differences = gradient_differences(ranks[0]["grads"], full_precision["grads"])
     assert max(differences.values()) > 100 * GRADIENTS, differences
+
+
+def ep_x_tp_rank() -> dict[str, dict[str, Any]]:
+    """Both recipes in one launch of 4 processes: dp_shard=2 x tp=2 with ep=2 carved from them."""
+    return {recipe: plan_rank(recipe, {"dp_shard": 2, "tp": 2, "ep": 2}, 2, True) for recipe in RECIPES}
+
+
+def test_moe_under_ep_x_tp_trains_as_one_process_per_data_rank() -> None:
+    """ep=2 x tp=2 (world 4: dp_shard=2 x tp=2, the experts split over ep=2 carved from those 4 ranks, their
+    shards over the other 2): each data rank's rows as under ep alone, each tp pair splitting attention and the
+    dense layer as under tp alone. So one process running each data rank's rows on their own, the router losses
+    counted 1/2 a part (``reference_run(parts=2)``), with tensorwise's whole-tensor scales, or with rowwise
+    multiplying per tp shard (``split_like_tp``)."""
+    ranks = run_distributed(ep_x_tp_rank, 4, timeout=240)
+    for recipe in RECIPES:
+        reference = reference_run(recipe, parts=2, moe=True, tp=recipe == "rowwise")
+        for rank in ranks:
+            run = rank[recipe]
+            assert run["float8"] == MOE_LINEARS
+            assert run["lines"] == [f"fp8 ({recipe}): {MOE_LINEARS} linear layers train in float8"]
+            # torchao's float8 styles (tensorwise): the sequence gather moves float8; torch's plain ones fp32
+            assert run["float8 inputs"] == (STEPS if recipe == "tensorwise" else 0)
+            assert run["float8 weights"] == 0  # FSDP under tp gathers them in their own dtype
+            # the first 3 losses within fp32's last bit at 5.6 (4.8e-7 measured), first gradients 4.2e-7
+            # (tensorwise) and 2e-7 (rowwise) apart, parameters after the first step 3.1e-6; from step 3 on the
+            # routing flips (ROUTING_FLIPS; 3e-4 in the losses measured, parameters lr-sized steps apart)
+            torch.testing.assert_close(run["losses"][:3], reference["losses"][:3], rtol=0, atol=1e-6)
+            torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=ROUTING_FLIPS)
+            differences = gradient_differences(run["grads"], reference["grads"])
+            assert max(differences.values()) < 1e-6, differences
+            for name, param in reference["first step"].items():
+                torch.testing.assert_close(run["first step"][name], param, rtol=0, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------------- compiled blocks, full recompute, tp
+def compiled_recompute_tp_rank() -> dict[str, dict[str, Any]]:
+    """tp=2, tensorwise, 5 steps on the whole batch: the eager plan's run, then the plan's with its blocks compiled
+    (aot_eager) under full recompute, the compiled forwards' runs counted."""
+    gloo_gathers_float8_as_bytes()
+    eager = trained(planned("tensorwise", {"tp": 2})[0], vocab_parallel=True, lr=TP_LR)
+    graphs: list[str] = []
+    calls: list[int] = []
+    with blocks_compiled_on_aot_eager(graphs, calls):
+        model, _, lines = planned("tensorwise", {"tp": 2}, activation_checkpointing="full", compile=True)
+    run = trained(model, vocab_parallel=True, lr=TP_LR)
+    compiled = {
+        **run,
+        "graphs": graphs,
+        "calls": len(calls),
+        "lines": lines,
+        "float8": len(float8_names(model)),
+    }
+    return {"eager": eager, "compiled": compiled}
+
+
+def test_full_recompute_of_compiled_blocks_under_tp_trains_as_one_process() -> None:
+    """tp=2, tensorwise, ``activation_checkpointing="full"`` with ``compile=True``: under tp the plan compiles each
+    block first and checkpoints around it (``plans/blocks.py`` says why), so backward runs each block's compiled
+    forward again, float8 casts and tp's float8 gathers in it. Bitwise the eager tp plan's run; against one
+    process (every tensorwise scale the whole tensor's), the first step within fp32's last bits."""
+    ranks = run_distributed(compiled_recompute_tp_rank, 2, timeout=240)
+    one = reference_run("tensorwise")
+    for rank in ranks:
+        run = rank["compiled"]
+        assert run["float8"] == LINEARS
+        assert run["lines"] == [f"fp8 (tensorwise): {LINEARS} linear layers train in float8"]
+        assert len(run["graphs"]) == 1  # the blocks share one graph, with no break
+        assert "torch.float8_e4m3fn" in run["graphs"][0]
+        # per step each of the 2 blocks runs it in forward and again in backward (the recompute)
+        assert run["calls"] == 2 * 2 * STEPS
+        assert_equal_runs(run, rank["eager"])
+        # one process: losses within fp32's last bit at 5.6 (4.8e-7 measured at every step), first gradients
+        # 4.2e-7 apart, parameters 3.5e-7 after the first step; 1e-4 after the fifth (flipped float8 roundings
+        # that AdamW turns into lr-sized steps, as under tp alone: test_fsdp_x_tp_tensorwise_...)
+        torch.testing.assert_close(run["losses"], one["losses"], rtol=0, atol=1e-6)
+        differences = gradient_differences(run["grads"], one["grads"])
+        assert max(differences.values()) < 1e-6, differences
+        for name, param in one["first step"].items():
+            torch.testing.assert_close(run["first step"][name], param, rtol=0, atol=1e-6, msg=name)
+        for name, param in one["params"].items():
+            torch.testing.assert_close(run["params"][name], param, rtol=0, atol=TP_LR / 4, msg=name)
+    assert ranks[0]["compiled"]["losses"][-1] < 0.95 * ranks[0]["compiled"]["losses"][0]  # it learns

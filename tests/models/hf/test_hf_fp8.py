@@ -156,10 +156,15 @@ def test_fsdp_over_two_ranks_trains_the_float8_model_on_packed_rows_as_one_proce
 
 
 # ------------------------------------------------------------------------------------------------- tp
-def tp_rank(recipe: str) -> dict[str, Any]:
+# Qwen3-MoE under tp: layer 0 dense (its MLP split as Qwen3's), layer 1 sparse (its MoE block routes each rank's
+# sequence shard through whole experts, its router and experts unconverted)
+TP_FAMILIES = {"qwen3": {}, "qwen3_moe": {"mlp_only_layers": [0]}}
+
+
+def tp_rank(recipe: str, family: str = "qwen3") -> dict[str, Any]:
     """tp=2 (sequence- and loss-parallel): both ranks see the whole batch, as tp ranks do."""
     gloo_gathers_float8_as_bytes()
-    model = model_of("qwen3")
+    model = model_of(family, **TP_FAMILIES[family])
     parallelize_hf(model, ParallelDims(tp=2).resolve(2).build_mesh("cpu"), ParallelOptions(fp8=recipe))
     return tp_or_whole_batch_run(model, vocab_parallel=True)
 
@@ -183,10 +188,10 @@ def tp_or_whole_batch_run(model: nn.Module, *, vocab_parallel: bool) -> dict[str
     }
 
 
-def whole_batch_run(recipe: str | None, *, per_shard: bool = False) -> dict[str, Any]:
+def whole_batch_run(recipe: str | None, *, per_shard: bool = False, family: str = "qwen3") -> dict[str, Any]:
     """One process, the whole batch at once; ``per_shard``: every float8 linear multiplies per tp shard
     (:func:`split_forward`), column- or row-parallel as the config's tp plan splits it."""
-    model = model_of("qwen3", recipe)
+    model = model_of(family, recipe, **TP_FAMILIES[family])
     if per_shard:
         styles = split_modules(model)
         for name in float8_names(model):
@@ -242,6 +247,48 @@ def test_tp_rowwise_takes_its_first_step_as_one_process_multiplying_per_shard() 
     assert abs(ranks[0]["losses"][0] - whole["losses"][0]) > 1e-4
     assert farthest(ranks[0]["first step"], whole["first step"]) > 1e-5
     assert ranks[0]["losses"][-1] < 0.9 * ranks[0]["losses"][0]  # 5.83 -> 5.13: it learns
+
+
+def moe_tp_rank() -> dict[str, dict[str, Any]]:
+    """Both recipes in one launch: a transformers Qwen3-MoE at tp=2."""
+    return {recipe: tp_rank(recipe, "qwen3_moe") for recipe in ("tensorwise", "rowwise")}
+
+
+def test_moe_under_tp_trains_as_one_process_with_its_scales() -> None:
+    """A transformers Qwen3-MoE at tp=2 (layer 0 dense, layer 1 sparse): attention and the dense MLP are split
+    as Qwen3's and train in float8 as they do (tensorwise: torchao's float8 styles, every scale the whole
+    tensor's, so one process seeing the whole batch; rowwise: torch's plain styles, one process multiplying per
+    tp shard); the MoE block routes each rank's sequence shard through whole experts, router and experts
+    unconverted, its gradients summed over tp.
+
+    Tensorwise: from step 3 on the routers' top-2 choice differs for a few tokens (6 of 128 at step 3, 4 at step
+    4, measured by their indices): the fp32 sums' last bits flip float8 roundings that AdamW turns into lr-sized
+    steps, and a flipped choice moves the loss by up to 7e-3 here (4 experts); before that, the runs agree to
+    fp32's last bits. Rowwise flips none: the whole run agrees."""
+    ranks = run_distributed(moe_tp_rank, 2, timeout=240)
+    for recipe in ("tensorwise", "rowwise"):
+        reference = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe == "rowwise")
+        other = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe != "rowwise")
+        for rank in ranks:
+            run = rank[recipe]
+            assert run["float8"] == reference["float8"]
+            assert len(run["float8"]) == 11  # q, k, v, o in both layers; gate, up, down in the dense one
+            assert run["float8 inputs"] == (STEPS if recipe == "tensorwise" else 0)
+            # measured: the first 3 losses within 4.8e-7 at 5.7, parameters after the first step 9.3e-7 apart
+            # (rowwise: every loss within 9.5e-7, parameters 1.2e-7 after the first step, 4.5e-7 after the last)
+            torch.testing.assert_close(run["losses"][:3], reference["losses"][:3], rtol=0, atol=2e-6)
+            assert farthest(run["first step"], reference["first step"]) < 2e-6
+            if recipe == "rowwise":
+                torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=2e-6)
+                assert farthest(run["params"], reference["params"]) < 2e-6
+            else:
+                torch.testing.assert_close(run["losses"], reference["losses"], rtol=0, atol=2e-2)
+        # the scales matter: with the other recipe's reference (per shard for tensorwise, whole tensors for
+        # rowwise) the first step's parameters are 2e-3 apart (measured)
+        assert farthest(ranks[0][recipe]["first step"], other["first step"]) > 1e-4
+        assert (
+            ranks[0][recipe]["losses"][-1] < 0.95 * ranks[0][recipe]["losses"][0]
+        )  # 5.75 -> 5.14: it learns
 
 
 # ---------------------------------------------------------------------------------------- stacked experts
