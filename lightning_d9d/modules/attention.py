@@ -11,8 +11,9 @@ heads is the fastest of torch's (410-540 TFLOP/s forward+backward), flash is abo
 has no grouped-heads kernel (it needs the heads repeated) and math is 20x slower; FlashAttention 4
 (``flash_attn4``, ``flash_attn.cute``: :mod:`lightning_d9d.kernels.flash_attn4`, the optional flash-attn-4
 package) beats cuDNN there (438-539 TFLOP/s, 4-9 % less time). So CUDA bf16/fp16 takes ``flash_attn4`` on Hopper
-where it is installed, then ``sdpa_cudnn``, then ``sdpa_flash``; everything else (CPU, fp32) plain ``sdpa``, which
-lets torch choose as before. ``flash_attn`` (FlashAttention 2) runs when its package is installed and is preferred
+where it is installed, then ``sdpa_cudnn`` (for head dims up to 128, where it was measured), then ``sdpa_flash``
+(up to 256); everything else (CPU, fp32, head dims no kernel takes) plain ``sdpa``, which lets torch choose as
+before. Each backend refuses, by name, the head dims torch's kernel would refuse. ``flash_attn`` (FlashAttention 2) runs when its package is installed and is preferred
 only below Hopper. Other paths (e.g. a context-parallel one) join with :func:`register_attention_backend`.
 
 Packed rows (:func:`document_attention_mask`) take FlexAttention's block mask, SDPA's dense mask, or, by name, the
@@ -105,6 +106,32 @@ def _half_on_cuda(q: torch.Tensor, min_capability: int) -> str | None:
     return None
 
 
+def _head_dim_over(q: torch.Tensor, largest: int) -> str | None:
+    head_dim = q.shape[-1]
+    if head_dim % 8 or head_dim > largest:
+        return f"takes head dims in multiples of 8 up to {largest}, got {head_dim}"
+    return None
+
+
+def _cudnn_unsupported(q: torch.Tensor) -> str | None:
+    """torch 2.11's rule for cuDNN attention (``check_cudnn_tensor_shapes``): head dims in multiples of 8 up to 256
+    on compute capability 9.0 (with cuDNN >= 9.10, which its CUDA 12.8+ builds ship), up to 128 elsewhere."""
+    reason = _half_on_cuda(q, 8)
+    if reason is not None:
+        return reason
+    return _head_dim_over(q, 256 if tuple(torch.cuda.get_device_capability(q.device)) == (9, 0) else 128)
+
+
+def _cudnn_preferred(q: torch.Tensor) -> bool:
+    # measured fastest on Hopper at head dim 128 (docs/benchmarks.md); sm80, and head dims above 128, keep flash
+    return _half_on_cuda(q, 9) is None and _head_dim_over(q, 128) is None
+
+
+def _torch_flash_unsupported(q: torch.Tensor) -> str | None:
+    """torch's flash kernel: sm80+, half precision, head dims in multiples of 8 up to 256."""
+    return _half_on_cuda(q, 8) or _head_dim_over(q, 256)
+
+
 def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     function = importlib.import_module("flash_attn").flash_attn_func
     # flash-attn takes [B, T, heads, D] and grouped key/value heads as they are.
@@ -182,8 +209,8 @@ register_attention_backend(
     AttentionBackend(
         "sdpa_cudnn",
         _sdpa_with(SDPBackend.CUDNN_ATTENTION),
-        lambda q: _half_on_cuda(q, 8),
-        lambda q: _half_on_cuda(q, 9) is None,  # measured fastest on Hopper; sm80 keeps flash first
+        _cudnn_unsupported,
+        _cudnn_preferred,
     )
 )
 register_attention_backend(
@@ -195,8 +222,8 @@ register_attention_backend(
     AttentionBackend(
         "sdpa_flash",
         _sdpa_with(SDPBackend.FLASH_ATTENTION),
-        lambda q: _half_on_cuda(q, 8),
-        lambda q: _half_on_cuda(q, 8) is None,
+        _torch_flash_unsupported,
+        lambda q: _torch_flash_unsupported(q) is None,
     )
 )
 register_attention_backend(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -98,3 +100,59 @@ def test_compiles_as_one_graph(name: str | None) -> None:
     attention_module._REGISTRY.announced.clear()  # the first call under compile is the one that selects
     block.compile(fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(block(x, cos, sin), expected, rtol=1e-5, atol=1e-5)
+
+
+def _cuda_queries(head_dim: int) -> Any:
+    """What the backends' checks read of bf16 CUDA queries (no GPU here)."""
+    return SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0", shape=(2, 16, 64, head_dim))
+
+
+@pytest.mark.parametrize(
+    ("capability", "head_dim", "expected"),
+    [
+        ((9, 0), 128, "sdpa_cudnn"),
+        ((9, 0), 64, "sdpa_cudnn"),
+        ((9, 0), 256, "sdpa_flash"),  # cuDNN takes it on 9.0, but was measured at 128 only
+        ((8, 0), 128, "sdpa_flash"),
+        ((9, 0), 100, "sdpa"),  # no kernel of torch's named ones takes it: torch chooses
+        ((9, 0), 264, "sdpa"),
+    ],
+)
+def test_auto_takes_a_kernel_only_for_head_dims_it_takes(
+    monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], head_dim: int, expected: str
+) -> None:
+    """A model whose head dim cuDNN refuses (a transformers model's 256, say) must not be sent to it by ``auto``:
+    SDPA with a forced kernel raises where plain SDPA would have picked another. FA4 and flash-attn 2 are absent
+    here; the CUDA checks are stood in for."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(attention_module.fa4, "INSTALLED", False)
+    monkeypatch.setattr(attention_module, "_FLASH_ATTN_INSTALLED", False)
+    assert select_attention_backend(_cuda_queries(head_dim)).name == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "head_dim", "refusal"),
+    [
+        ("sdpa_cudnn", (9, 0), 256, None),
+        ("sdpa_cudnn", (8, 0), 256, "up to 128, got 256"),
+        ("sdpa_cudnn", (9, 0), 72, None),
+        ("sdpa_cudnn", (9, 0), 100, "up to 256, got 100"),
+        ("sdpa_flash", (8, 0), 256, None),
+        ("sdpa_flash", (9, 0), 264, "up to 256, got 264"),
+    ],
+)
+def test_a_named_kernel_refuses_the_head_dims_torch_would(
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    capability: tuple[int, int],
+    head_dim: int,
+    refusal: str | None,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    if refusal is None:
+        assert select_attention_backend(_cuda_queries(head_dim), name).name == name
+    else:
+        with pytest.raises(
+            ValueError, match=rf"'{name}' cannot run .*: it takes head dims in multiples of 8 .*{refusal}"
+        ):
+            select_attention_backend(_cuda_queries(head_dim), name)
