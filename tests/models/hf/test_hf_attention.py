@@ -368,7 +368,7 @@ def test_the_attention_environment_variable_chooses_the_backend(
 
 
 def test_compiled_decoder_layers_trace_our_attention_whole(
-    transformers_sdpa: list[nn.Module], monkeypatch: pytest.MonkeyPatch
+    transformers_sdpa: list[nn.Module], our_backends: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """As the compile plan compiles a dense layer (``fullgraph=True``): the backend's selection traces without a
     graph break, and the compiled layers give the eager numbers."""
@@ -384,6 +384,7 @@ def test_compiled_decoder_layers_trace_our_attention_whole(
     finally:
         torch.compiler.reset()
     assert called_by(model, transformers_sdpa) == 0
+    assert our_backends and set(our_backends) == {"sdpa"}
     torch.testing.assert_close(got, reference(input_ids=IDS, use_cache=False).logits, rtol=1e-6, atol=1e-6)
 
 
