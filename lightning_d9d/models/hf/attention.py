@@ -9,12 +9,21 @@ the compiled layers' launches) is no longer hidden behind GPU work: the step tim
 skipped in favour of ``is_causal``.
 
 ``transformers`` skips the whole preparation for an attention implementation that has no mask function of its
-own (its rule for external backends). :func:`causal_attention_without_mask_sync` registers ``transformers``' own
-SDPA attention under :data:`CAUSAL_ATTENTION_NAME`, in the attention interface only, and a forward pre-hook on
-the base model points the model's configs at it for a forward that passes no ``attention_mask``, no cache
-(``past_key_values``, or ``cache`` as transformers 5.25 names it) and no packed ``position_ids`` of its own, and
-back at ``"sdpa"`` for any other forward (padding masks, packed documents and generation keep the model's own
-masks). The attention computed is the same call: SDPA with ``is_causal=True``.
+own (its rule for external backends). :func:`causal_attention_without_mask_sync` registers our causal attention
+(:func:`causal_attention`) under :data:`CAUSAL_ATTENTION_NAME`, in the attention interface only, and a forward
+pre-hook on the base model points the model's configs at it for a forward that passes no ``attention_mask``, no
+cache (``past_key_values``, or ``cache`` as transformers 5.25 names it) and no packed ``position_ids`` of its own,
+and back at ``"sdpa"`` for any other forward (padding masks, packed documents and generation keep the model's own
+masks).
+
+Our causal attention runs the attention backends of our own models
+(:func:`~lightning_d9d.modules.attention.select_attention_backend`: ``auto`` takes cuDNN's SDPA on Hopper, or
+whatever it prefers where another kernel is installed; ``$LIGHTNING_D9D_ATTENTION`` names one), so a
+``transformers`` model trains on the same kernel as ours. What SDPA with ``is_causal=True`` computes, they compute
+(on CPU ``auto`` is that very call, bit for bit); a call they do not compute exactly goes, unchanged, to
+``transformers``' SDPA function as registered when the switch was installed: a mask, dropout, a softmax scale
+other than ``1 / sqrt(head_dim)``, ``is_causal`` false, queries and keys of other lengths or head dims, or a
+keyword that changes the math (:data:`MATH_KEYWORDS`: a soft cap, sinks, a sliding window, a position bias).
 
 Packed rows (``position_ids`` restarting at 0 per document, no mask, no cache) take our documents' attention
 instead (:data:`DOCUMENTS_ATTENTION_NAME`): the pre-hook builds the mask once per forward from the positions
@@ -37,12 +46,17 @@ import inspect
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_d9d.modules.attention import document_attention, document_attention_mask
+from lightning_d9d.modules.attention import (
+    document_attention,
+    document_attention_mask,
+    select_attention_backend,
+)
 
 CAUSAL_ATTENTION_NAME = "lightning_d9d_causal"
 DOCUMENTS_ATTENTION_NAME = "lightning_d9d_documents"
@@ -53,6 +67,22 @@ SDPA = "sdpa"
 # A forward given any of these keeps the model's own masks; "cache" is transformers' name for past_key_values
 # from 5.25 (a chunk of several new tokens after a cache needs the mask: SDPA's is_causal aligns top-left).
 MASKED = ("attention_mask", "past_key_values", "cache")
+#: Keywords of ``transformers``' attention call that change what attention computes when given (not None): a logit
+#: soft cap, attention sinks, a sliding window, a bias added to the logits, varlen boundaries of packed rows. Our
+#: backends compute plain causal attention only, so a call with any of them keeps ``transformers``' SDPA function,
+#: which applies or refuses each as it always did.
+MATH_KEYWORDS = (
+    "softcap",
+    "s_aux",
+    "sinks",
+    "sliding_window",
+    "position_bias",
+    "cu_seq_lens_q",
+    "cu_seq_lens_k",
+)
+#: ``transformers``' attention-function signature: ``(module, query, key, value, attention_mask, dropout=...,
+#: scaling=..., **kwargs) -> (out, weights)``.
+AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def causal_attention_without_mask_sync(model: nn.Module) -> bool:
@@ -65,7 +95,8 @@ def causal_attention_without_mask_sync(model: nn.Module) -> bool:
     registered = getattr(interface, "_global_mapping", None)
     if interface is None or not isinstance(registered, dict) or SDPA not in registered:
         return False
-    interface.register(CAUSAL_ATTENTION_NAME, registered[SDPA])
+    # transformers' SDPA as registered now: what a call our backends cannot compute exactly falls back to
+    interface.register(CAUSAL_ATTENTION_NAME, causal_attention(registered[SDPA]))
     interface.register(DOCUMENTS_ATTENTION_NAME, documents_attention_forward)
     base = getattr(model, "base_model", None)
     base = base if isinstance(base, nn.Module) else model
@@ -169,3 +200,66 @@ def documents_attention_forward(
     scale = None if scaling is None or math.isclose(scaling, default, rel_tol=1e-6) else scaling
     out = document_attention(query, key, value, mask, scale=scale)
     return out.transpose(1, 2).contiguous(), None
+
+
+def causal_attention(fallback: AttentionFunction) -> AttentionFunction:
+    """The attention function registered under :data:`CAUSAL_ATTENTION_NAME`: ``transformers``' signature
+    (``[B, heads, T, head_dim]`` in, ``[B, T, heads, head_dim]`` contiguous out, no weights), run by our attention
+    backends (:func:`~lightning_d9d.modules.attention.select_attention_backend`: ``auto``, or
+    ``$LIGHTNING_D9D_ATTENTION``), so a ``transformers`` model takes the kernel our own models take.
+
+    Every call our backends do not compute exactly is handed, unchanged, to ``fallback`` (``transformers``' SDPA
+    function, captured when the switch was installed): see :func:`_ours`."""
+
+    def forward(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not _ours(module, query, key, value, attention_mask, dropout, scaling, kwargs):
+            return fallback(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        # chosen per call, which under torch.compile is at trace time: a plain function of the queries' device,
+        # dtype and shape (and the environment), with no logging while tracing (the registry's rule)
+        out = select_attention_backend(query).run(query, key, value)
+        return out.transpose(1, 2).contiguous(), None
+
+    return forward
+
+
+def _ours(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    kwargs: dict[str, Any],
+) -> bool:
+    """Whether our backends compute exactly what ``transformers``' SDPA function would for this call: causal
+    attention of equally long queries and keys (more than one: SDPA drops ``is_causal`` for a single query) with no
+    mask, no dropout, the default softmax scale, one head dim, and no keyword that changes the math."""
+    if attention_mask is not None or dropout:
+        return False
+    # SDPA's rule: the call's is_causal, else the module's
+    is_causal = kwargs.get("is_causal")
+    if not (getattr(module, "is_causal", True) if is_causal is None else is_causal):
+        return False
+    length = query.shape[2]
+    if length < 2 or key.shape[2] != length or value.shape[2] != length:
+        return False
+    head_dim = query.shape[-1]
+    if key.shape[-1] != head_dim or value.shape[-1] != head_dim or query.shape[1] % key.shape[1]:
+        return False
+    # our backends scale by 1 / sqrt(head_dim); transformers' head_dim ** -0.5 may differ from it in the last bit of
+    # the double only, below any float the kernels compute in
+    if scaling is not None and not math.isclose(scaling, 1.0 / math.sqrt(head_dim), rel_tol=1e-12):
+        return False
+    return all(kwargs.get(name) is None for name in MATH_KEYWORDS)
