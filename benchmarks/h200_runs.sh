@@ -19,10 +19,16 @@
 #            graphs, at seq 4096 x 4 and at a launch-bound seq 1024 x 1
 #   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
 #            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
-#            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min)
+#            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min);
+#            fa4_tests: its tests only
 #   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run, each by name
 #            (auto takes FA4 once it is on the path, which fa4_env puts it on for every later part too) (~5 min)
 #   fa4_packed  packed rows of the 0.6B shape: FlexAttention against FA4's varlen kernel (~5 min)
+#   built    grouped_gemm and flash-attn 2 built from the carried sources (benchmarks/build_kernels.sh, carry
+#            .fetched; ~3 min), their gpu tests (a skip is a failure here) and their kernel_speed.py rows beside
+#            what the registries pick today; the built packages stay on the path of this part only
+#   hfattn   transformers' Qwen3 on our attention backends (tests/gpu/test_hf_attention_gpu.py), with whatever
+#            attention is installed (after fa4_env: FA4)
 #   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case) and the
 #            FP8 linears' test after the FP8 x tp / FSDP x tp changes (torchao on the path; ~5 min)
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
@@ -67,17 +73,30 @@ for part in "${@:-dense moe}"; do
             --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_cudagraphs || status=1
         done ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
-      fa4) fa4_env && {
+      fa4|fa4_tests) fa4_env && {
           python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_flash_attn4_gpu.py \
-            "tests/gpu/test_kernels_gpu.py::test_attention_backends_equal_fp32_attention" 2>&1 | tee "$OUT/fa4/tests.log"
+            "tests/gpu/test_kernels_gpu.py::test_attention_backends_equal_fp32_attention" \
+            "tests/gpu/test_kernels_gpu.py::test_auto_attention_on_hopper_is_fa4_or_cudnn" 2>&1 | tee "$OUT/$name/tests.log"
           test "${PIPESTATUS[0]}" = 0 || status=1
-          python3 benchmarks/kernel_speed.py --only attention --quick --out "$OUT/fa4/kernels.json" || status=1
-          python3 benchmarks/document_attention_speed.py --out "$OUT/fa4"
+          [[ $name = fa4_tests ]] || python3 benchmarks/kernel_speed.py --only attention --quick --out "$OUT/fa4/kernels.json" || status=1
+          [[ $name = fa4_tests ]] || python3 benchmarks/document_attention_speed.py --out "$OUT/fa4"
         } ;;
       fa4_train) fa4_env && bench --seq-len 4096 --batch-size 4 --path-timeout 300 --out "$OUT/fa4_train" \
           --paths ours_trainer_compiled_nofsdp_cudnn,ours_trainer_compiled_nofsdp_fa4 ;;
       fa4_packed) fa4_env && python3 benchmarks/packed_throughput.py --out "$OUT/fa4_packed" \
           --paths packed_flex,packed_flash_attn4 ;;
+      built) { benchmarks/build_kernels.sh grouped_gemm flash_attn 2>&1 | tee "$OUT/built/build.log"
+          test "${PIPESTATUS[0]}" = 0; } && (
+          export PYTHONPATH="/tmp/site:$PYTHONPATH" LIGHTNING_D9D_REQUIRE_BUILT=1
+          python3 -m pytest -q -s -m gpu -p no:cacheprovider tests/gpu/test_kernels_gpu.py \
+            -k "grouped_gemm or attention" 2>&1 | tee "$OUT/built/tests.log"
+          rc=${PIPESTATUS[0]}
+          python3 benchmarks/kernel_speed.py --only attention,grouped_gemm --quick --out "$OUT/built/kernels.json" \
+            || rc=1
+          exit $rc
+        ) ;;
+      hfattn) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_hf_attention_gpu.py 2>&1 \
+          | tee "$OUT/hfattn/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
       unrun) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \
           tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_fp8_gpu.py 2>&1 \
           | tee "$OUT/unrun/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
