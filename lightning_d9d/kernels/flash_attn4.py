@@ -29,16 +29,23 @@ from typing import Any
 import torch
 
 
-def _cute_installed() -> bool:
-    """Whether ``flash_attn.cute`` can be imported, found without importing ``flash_attn``: flash-attn 2's
-    ``flash_attn/__init__.py`` loads its CUDA extension on import, and FA4's wheel ships ``flash_attn`` as a
-    namespace package holding ``cute`` only."""
-    spec = importlib.util.find_spec("flash_attn")
+def _has_cute(package: str) -> bool:
+    """Whether ``package`` is installed with a ``cute`` subpackage, found without importing either."""
+    spec = importlib.util.find_spec(package)
     if spec is None or spec.submodule_search_locations is None:
         return False
     return any(
         os.path.isfile(os.path.join(p, "cute", "__init__.py")) for p in spec.submodule_search_locations
     )
+
+
+def _cute_installed() -> bool:
+    """Whether FA4 can run: ``flash_attn.cute`` and the CuTe DSL it is written in (``cutlass.cute``, from
+    ``nvidia-cutlass-dsl``), found without importing ``flash_attn`` (flash-attn 2's ``flash_attn/__init__.py``
+    loads its CUDA extension on import; FA4's wheel ships ``flash_attn`` as a namespace package holding ``cute``
+    only). flash-attn 2.8's own package carries ``flash_attn/cute`` too, without the DSL: seen on an H100
+    (2026-12-05), where ``auto`` then chose FA4 and its first call raised ``No module named 'cutlass'``."""
+    return _has_cute("flash_attn") and _has_cute("cutlass")
 
 
 # Looked up once at import: Dynamo refuses to trace importlib's find_spec, and the registry asks inside compiled

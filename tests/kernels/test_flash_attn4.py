@@ -183,20 +183,29 @@ def _site(root: Any, files: dict[str, str]) -> Any:
 def test_each_flash_attention_is_found_without_importing_flash_attn(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """FA4's wheel installs ``flash_attn`` as a namespace package holding ``cute`` only; flash-attn 2 installs a
-    regular ``flash_attn`` (whose ``__init__`` loads its CUDA extension) and the extension ``flash_attn_2_cuda``.
-    Each is found by what only it has, and neither look-up imports ``flash_attn``; with both installed in different
-    folders, flash-attn 2's package hides ``cute`` (as an import would)."""
+    """FA4's wheel installs ``flash_attn`` as a namespace package holding ``cute`` only, beside the CuTe DSL
+    (``cutlass.cute``); flash-attn 2 installs a regular ``flash_attn`` (whose ``__init__`` loads its CUDA extension)
+    and the extension ``flash_attn_2_cuda``, and from 2.8 a ``flash_attn/cute`` without the DSL, which must not
+    count as FA4 (on an H100 it did: ``auto`` took FA4, whose first call raised). Each is found by what only it has,
+    no look-up imports ``flash_attn`` or ``cutlass``; with both installed in different folders, flash-attn 2's
+    package hides FA4's ``cute`` (as an import would)."""
     raising = "raise RuntimeError('imported')\n"
+    dsl = _site(tmp_path / "dsl", {"cutlass/__init__.py": raising, "cutlass/cute/__init__.py": ""})
     fa4_site = _site(tmp_path / "fa4", {"flash_attn/cute/__init__.py": ""})
     fa2_site = _site(tmp_path / "fa2", {"flash_attn/__init__.py": raising, "flash_attn_2_cuda.py": raising})
+    fa2_8_site = _site(
+        tmp_path / "fa2_8",
+        {"flash_attn/__init__.py": raising, "flash_attn/cute/__init__.py": "", "flash_attn_2_cuda.py": raising},
+    )
     for path, fa4_found, fa2_found in (
-        ([fa4_site], True, False),
-        ([fa2_site], False, True),
-        ([fa2_site, fa4_site], False, True),
+        ([fa4_site, dsl], True, False),
+        ([fa4_site], False, False),  # no CuTe DSL
+        ([fa2_site, dsl], False, True),
+        ([fa2_8_site], False, True),
+        ([fa2_site, fa4_site, dsl], False, True),
     ):
         monkeypatch.setattr("sys.path", [str(p) for p in path])
-        for name in ("flash_attn", "flash_attn_2_cuda"):
+        for name in ("flash_attn", "flash_attn_2_cuda", "cutlass"):
             monkeypatch.delitem(__import__("sys").modules, name, raising=False)
         assert fa4._cute_installed() is fa4_found, path
         assert attention_module._flash_attn_2_installed() is fa2_found, path
