@@ -195,7 +195,11 @@ def test_each_flash_attention_is_found_without_importing_flash_attn(
     fa2_site = _site(tmp_path / "fa2", {"flash_attn/__init__.py": raising, "flash_attn_2_cuda.py": raising})
     fa2_8_site = _site(
         tmp_path / "fa2_8",
-        {"flash_attn/__init__.py": raising, "flash_attn/cute/__init__.py": "", "flash_attn_2_cuda.py": raising},
+        {
+            "flash_attn/__init__.py": raising,
+            "flash_attn/cute/__init__.py": "",
+            "flash_attn_2_cuda.py": raising,
+        },
     )
     for path, fa4_found, fa2_found in (
         ([fa4_site, dsl], True, False),
