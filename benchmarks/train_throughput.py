@@ -759,6 +759,9 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     device = _device(args)
     config = _config(args)
+    # The strategy initialises the meta-built model from torch.initial_seed(): unseeded, every path started from
+    # other weights (two runs of the same model differed by 0.02-0.03 in their first step's loss, 2026-12-05)
+    torch.manual_seed(args.seed)
     total = args.warmup + args.steps
     probe = SyncProbe(device)
     inputs, labels = _batches(args, config.vocab_size, torch.device("cpu"))
