@@ -15,6 +15,8 @@
 #            FP8 tensorwise; seq 4096 x 4, 4 + 12 steps (each path compiles once per shape)
 #   moe_large  Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8) at 6 layers: the plain recipe,
 #            torchtitan's MoE at that shape, ours with and without FSDP on the one rank
+#   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
+#            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
 #            graphs, at seq 4096 x 4 and at a launch-bound seq 1024 x 1
 #   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
@@ -66,7 +68,9 @@ for part in "${@:-dense moe}"; do
           "hf_fsdp_compiled,${titan}${titan_fp8}ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_tensorwise" ;;
       moe_large) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe_large --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 240 --out "$OUT/moe_large" \
-          --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
+          --paths "${MOE_LARGE_PATHS:-hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp}" ;;
+      moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
+          --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do
           set -- $shape
           bench --seq-len "$1" --batch-size "$2" --out "$OUT/cudagraphs$1x$2" \
