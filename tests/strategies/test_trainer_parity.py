@@ -364,7 +364,7 @@ def test_resume_continues_at_the_next_batch(
         for case, step in RESUMES[devices]
     ]
     names = [f"{case}_from_{step}" for case, step in RESUMES[devices]]
-    resumed = run_trainer(configs, tmp_path, "resumed", names=names)
+    resumed = run_trainer(configs, tmp_path, "resumed", names=names, fork=True)
     for (case, step), name, config in zip(RESUMES[devices], names, configs, strict=True):
         consumed = step * config.get("accumulate", 1)
         full = uninterrupted[case]
