@@ -68,7 +68,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("LIGHTNING_D9D_FUSED_LOSS", "1")
         tmp = tmp_path_factory.mktemp("fused_loss")
-        return run_trainer(list(CONFIGS.values()), tmp, "fused_loss", names=list(CONFIGS))
+        return run_trainer(list(CONFIGS.values()), tmp, "fused_loss", names=list(CONFIGS), fork=True)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -29,9 +29,12 @@ ASYNC = {**RUN, "dims": {"async_save": True}}
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     tmp = tmp_path_factory.mktemp("async_save")
     configs = [{**RUN, "ckpt_dir": str(tmp / "sync")}, {**ASYNC, "ckpt_dir": str(tmp / "async")}]
-    done = run_trainer(configs, tmp, "saves", names=["sync", "async"])
+    done = run_trainer(configs, tmp, "saves", names=["sync", "async"], fork=True)
     resumed = run_trainer(
-        {**ASYNC, "save_every": 0, "resume_from": str(tmp / "async" / "step=2.ckpt")}, tmp, "resumed"
+        {**ASYNC, "save_every": 0, "resume_from": str(tmp / "async" / "step=2.ckpt")},
+        tmp,
+        "resumed",
+        fork=True,
     )
     return {"tmp": tmp, **done, "resumed": resumed}
 
@@ -65,12 +68,14 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint(runs: 
         "kill_at_step": 5,  # ... when every rank is killed, a step later
     }
     with pytest.raises(AssertionError, match="failed"):
-        run_trainer(crashing, tmp_path, "crash")
+        run_trainer(crashing, tmp_path, "crash", fork=True)
     visible = sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
     assert visible == ["step=2.ckpt"]  # the interrupted one is a hidden temporary directory, not a checkpoint
     assert any(p.name.startswith(".") for p in folder.iterdir())
     assert newest_complete(folder)[0].name == "step=2.ckpt"
-    resumed = run_trainer({**ASYNC, "save_every": 0, "resume_from": str(folder)}, tmp_path, "after_crash")
+    resumed = run_trainer(
+        {**ASYNC, "save_every": 0, "resume_from": str(folder)}, tmp_path, "after_crash", fork=True
+    )
     full = runs["sync"]
     assert_same_training(
         {"losses": resumed["losses"], "params": resumed["params"]},

@@ -45,9 +45,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         {**BASES[base_of(name)], "preempt": where, "ckpt_dir": str(tmp / name)}
         for name, where in SIGNALS.items()
     ]
-    interrupted = run_trainer(configs, tmp, "preempt", names=names)
+    interrupted = run_trainer(configs, tmp, "preempt", names=names, fork=True)
     resumes = [{**BASES[base_of(name)], "resume_from": interrupted[name]["preempted"]} for name in SIGNALS]
-    resumed = run_trainer(resumes, tmp, "resumed", names=list(SIGNALS))
+    resumed = run_trainer(resumes, tmp, "resumed", names=list(SIGNALS), fork=True)
     return {"interrupted": interrupted, "resumed": resumed}
 
 
