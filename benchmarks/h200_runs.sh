@@ -13,9 +13,12 @@
 #   ladder4b, ladder1.7b  the scale ladder (issue 25) at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
 #            bf16 and FP8 rowwise (its supported recipe), ours (no FSDP on the one rank: its best fit) bf16 and
 #            FP8 tensorwise; seq 4096 x 4, 4 + 12 steps (each path compiles once per shape)
-#   moe_large  Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8) at 6 layers (MOE_LARGE_LAYERS and
-#            MOE_LARGE_BATCH: fewer, for an 80 GB card): the plain recipe, torchtitan's MoE at that shape, ours with and without FSDP on
-#            the one rank (MOE_LARGE_PATHS overrides the list)
+#   moe_large  Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8) at 6 layers (MOE_LARGE_LAYERS
+#            and MOE_LARGE_BATCH: fewer, for an 80 GB card): the plain recipe, torchtitan's MoE at that shape, ours
+#            with and without FSDP on the one rank (MOE_LARGE_PATHS overrides the list)
+#   half4b   Qwen3-4B's layer at 18 of its 36 layers (fits an 80 GB card): torchtitan bf16, ours without and with
+#            FSDP on the one rank and with selective recompute (the 4B memory levers against torchtitan's peak),
+#            then a profile of our compiled step (benchmarks/profile_step.py)
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
@@ -67,6 +70,10 @@ for part in "${@:-dense moe}"; do
       ladder4b|ladder1.7b) bench --model "${name#ladder}" --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 \
           --path-timeout 240 --out "$OUT/$name" --paths \
           "hf_fsdp_compiled,${titan}${titan_fp8}ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_tensorwise" ;;
+      half4b) bench --model 4b --layers 18 --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --path-timeout 200 \
+          --out "$OUT/half4b" --paths "${titan}ours_trainer_compiled_nofsdp,ours_trainer_compiled,ours_trainer_compiled_nofsdp_selective" \
+          || status=1
+        python3 benchmarks/profile_step.py --model 4b --layers 18 --path ours_compiled --out "$OUT/half4b/profile" ;;
       moe_large) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe_large --seq-len 4096 --batch-size "${MOE_LARGE_BATCH:-4}" \
           --warmup 4 ${MOE_LARGE_LAYERS:+--layers "$MOE_LARGE_LAYERS"} --steps 12 --path-timeout 240 --out "$OUT/moe_large" \
           --paths "${MOE_LARGE_PATHS:-hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp}" ;;

@@ -9,6 +9,7 @@ profiled steps; prints the CUDA kernels by total time, the GPU time per step, an
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --out runs/profile
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --path hf_fsdp_compiled --out runs/profile
     PYTHONPATH=. python benchmarks/profile_step.py --model 4b --path ours_fsdp_compiled --out runs/profile4b
+    PYTHONPATH=. python benchmarks/profile_step.py --model 4b --layers 18 --path ours_compiled --out runs/profile4b
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--rows", type=int, default=30)
+    # fewer decoder layers of the same shape: the per-layer kernels are the same, so a half-depth 4B fits 80 GB
+    parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
     own = parser.parse_args()
-    args = parse_args(
-        ["--model", own.model, "--seq-len", str(own.seq_len), "--batch-size", str(own.batch_size)]
-    )
+    shape = ["--model", own.model, "--layers", str(own.layers)]
+    args = parse_args([*shape, "--seq-len", str(own.seq_len), "--batch-size", str(own.batch_size)])
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     model, forward = build_model(own.path, args, device)
@@ -80,7 +82,7 @@ def main() -> None:
             step()
         torch.cuda.synchronize()
     own.out.mkdir(parents=True, exist_ok=True)
-    name = f"{own.model}_{own.path}"
+    name = f"{own.model}_{own.path}" + (f"_{own.layers}layers" if own.layers else "")
     profile.export_chrome_trace(str(own.out / f"{name}.json"))
     averages = profile.key_averages()
     try:
