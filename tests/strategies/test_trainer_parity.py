@@ -257,12 +257,14 @@ def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Cal
 def launcher_by_world_size(
     cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory, prefix: str
 ) -> Callable[[str], dict]:
-    """``launched(case)`` for a test module's ``cases``: the result of ``case``, running every case of its
-    world size (``devices``) in one launch on first use, in dict order (a saver before the case resuming from
-    it). A case with ``save_every`` saves to ``launched.checkpoints / case``; a relative ``resume_from`` is read
-    from there. A failed launch fails every case of it without relaunching."""
+    """``launched(case)`` for a test module's ``cases`` (each on more than one process): the result of ``case``,
+    running every case in one launch on first use, one stretch of forked ranks per world size (``devices``),
+    each stretch in dict order (a saver before the case resuming from it). One launch, not one per world size:
+    each launch pays the script's imports (about 5 s of a 2-core machine) before it forks. A case with
+    ``save_every`` saves to ``launched.checkpoints / case``; a relative ``resume_from`` is read from there. A
+    failed launch fails every case without relaunching."""
     checkpoints = tmp_path_factory.mktemp(f"{prefix}_checkpoints")
-    launches: dict[int, dict | AssertionError] = {}
+    launches: dict[str, dict | AssertionError] = {}
 
     def placed(config: dict, name: str) -> dict:
         if config.get("save_every"):
@@ -272,16 +274,17 @@ def launcher_by_world_size(
         return config
 
     def result(case: str) -> dict:
-        devices = cases[case]["devices"]
-        if devices not in launches:
-            names = [name for name, config in cases.items() if config["devices"] == devices]
-            tmp = tmp_path_factory.mktemp(f"{prefix}_{devices}")
+        if "all" not in launches:
+            # grouped by world size (a stable sort keeps dict order within each): a stretch per world size
+            names = sorted(cases, key=lambda name: cases[name]["devices"])
+            assert all(cases[name]["devices"] > 1 for name in names), "forked launches need 2+ processes"
+            tmp = tmp_path_factory.mktemp(prefix)
             configs = [placed(cases[name], name) for name in names]
             try:
-                launches[devices] = run_trainer(configs, tmp, f"{prefix}{devices}", names=names, fork=True)
+                launches["all"] = run_trainer(configs, tmp, prefix, names=names, fork=True)
             except AssertionError as error:
-                launches[devices] = error
-        outcome = launches[devices]
+                launches["all"] = error
+        outcome = launches["all"]
         if isinstance(outcome, AssertionError):
             raise outcome
         return outcome[case]
