@@ -227,18 +227,38 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("checkpoints")
 
 
+# The 2- and 4-process groups share one launch (each launch pays the script's imports, about 5 s of a 2-core
+# machine, before it forks): a stretch of 2 new ranks, one of 4, then one of 2 more new ranks that resume the
+# 2-process checkpoints (test_resume_continues_at_the_next_batch[2]: other processes than those that saved).
+FORKED_GROUPS = ("two_processes", "four_processes")
+
+
+def resumed_name(case: str, step: int) -> str:
+    return f"{case}_from_{step}"
+
+
+def resumed_config(case: str, step: int, checkpoints: Path) -> dict:
+    return {**config_of(case), "save_every": 0, "resume_from": str(checkpoints / case / f"step={step}.ckpt")}
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Callable[[str], dict]:
-    """``launched(case)``: the result of ``case``, running its whole launch on first use."""
+    """``launched(case)``: the result of ``case`` (or of a 2-process resume, ``resumed_name``), running its
+    whole launch on first use."""
     launches: dict[str, dict | AssertionError] = {}
+    resumes = {resumed_name(case, step): (case, step) for case, step in RESUMES[2]}
 
     def result(case: str) -> dict:
-        group = GROUP_OF[case]
+        group = "forked" if case in resumes or GROUP_OF[case] in FORKED_GROUPS else GROUP_OF[case]
         if group not in launches:
+            members = FORKED_GROUPS if group == "forked" else (group,)
             configs = {
                 name: {**config, "ckpt_dir": str(checkpoints / name)} if config.get("save_every") else config
-                for name, config in LAUNCHES[group].items()
+                for member in members
+                for name, config in LAUNCHES[member].items()
             }
+            if group == "forked":
+                configs.update({name: resumed_config(*saved, checkpoints) for name, saved in resumes.items()})
             tmp = tmp_path_factory.mktemp(group)
             try:
                 launches[group] = run_trainer(
@@ -257,12 +277,14 @@ def launched(tmp_path_factory: pytest.TempPathFactory, checkpoints: Path) -> Cal
 def launcher_by_world_size(
     cases: dict[str, dict], tmp_path_factory: pytest.TempPathFactory, prefix: str
 ) -> Callable[[str], dict]:
-    """``launched(case)`` for a test module's ``cases``: the result of ``case``, running every case of its
-    world size (``devices``) in one launch on first use, in dict order (a saver before the case resuming from
-    it). A case with ``save_every`` saves to ``launched.checkpoints / case``; a relative ``resume_from`` is read
-    from there. A failed launch fails every case of it without relaunching."""
+    """``launched(case)`` for a test module's ``cases`` (each on more than one process): the result of ``case``,
+    running every case in one launch on first use, one stretch of forked ranks per world size (``devices``),
+    each stretch in dict order (a saver before the case resuming from it). One launch, not one per world size:
+    each launch pays the script's imports (about 5 s of a 2-core machine) before it forks. A case with
+    ``save_every`` saves to ``launched.checkpoints / case``; a relative ``resume_from`` is read from there. A
+    failed launch fails every case without relaunching."""
     checkpoints = tmp_path_factory.mktemp(f"{prefix}_checkpoints")
-    launches: dict[int, dict | AssertionError] = {}
+    launches: dict[str, dict | AssertionError] = {}
 
     def placed(config: dict, name: str) -> dict:
         if config.get("save_every"):
@@ -272,16 +294,17 @@ def launcher_by_world_size(
         return config
 
     def result(case: str) -> dict:
-        devices = cases[case]["devices"]
-        if devices not in launches:
-            names = [name for name, config in cases.items() if config["devices"] == devices]
-            tmp = tmp_path_factory.mktemp(f"{prefix}_{devices}")
+        if "all" not in launches:
+            # grouped by world size (a stable sort keeps dict order within each): a stretch per world size
+            names = sorted(cases, key=lambda name: cases[name]["devices"])
+            assert all(cases[name]["devices"] > 1 for name in names), "forked launches need 2+ processes"
+            tmp = tmp_path_factory.mktemp(prefix)
             configs = [placed(cases[name], name) for name in names]
             try:
-                launches[devices] = run_trainer(configs, tmp, f"{prefix}{devices}", names=names, fork=True)
+                launches["all"] = run_trainer(configs, tmp, prefix, names=names, fork=True)
             except AssertionError as error:
-                launches[devices] = error
-        outcome = launches[devices]
+                launches["all"] = error
+        outcome = launches["all"]
         if isinstance(outcome, AssertionError):
             raise outcome
         return outcome[case]
@@ -359,12 +382,12 @@ def test_resume_continues_at_the_next_batch(
     """Resumed runs equal the uninterrupted run exactly: without a resumable data position Lightning would
     restart a mid-epoch checkpoint at batch 0 of that epoch (it replays batches it has trained on)."""
     uninterrupted = {case: launched(case) for case, _ in RESUMES[devices]}
-    configs = [
-        {**config_of(case), "save_every": 0, "resume_from": str(checkpoints / case / f"step={step}.ckpt")}
-        for case, step in RESUMES[devices]
-    ]
-    names = [f"{case}_from_{step}" for case, step in RESUMES[devices]]
-    resumed = run_trainer(configs, tmp_path, "resumed", names=names, fork=True)
+    configs = [resumed_config(case, step, checkpoints) for case, step in RESUMES[devices]]
+    names = [resumed_name(case, step) for case, step in RESUMES[devices]]
+    if devices == 1:  # a launch of its own: a new process after the one that saved
+        resumed = run_trainer(configs, tmp_path, "resumed", names=names, fork=True)
+    else:  # in the 2- and 4-process launch, on 2 new ranks after those that saved
+        resumed = {name: launched(name) for name in names}
     for (case, step), name, config in zip(RESUMES[devices], names, configs, strict=True):
         consumed = step * config.get("accumulate", 1)
         full = uninterrupted[case]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import itertools
 import json
 import os
 import signal
@@ -409,8 +408,21 @@ def run_all(configs: list[dict]) -> None:
         dist.destroy_process_group()
 
 
+def stretches(configs: list[dict]) -> list[list[dict]]:
+    """The stretches of ``fork_ranks``: consecutive configs with the same ``devices``; a config with
+    ``"new_ranks": True`` starts a stretch of its own (new processes, e.g. to resume from a checkpoint that the
+    previous stretch's ranks wrote)."""
+    grouped: list[list[dict]] = []
+    for config in configs:
+        if grouped and grouped[-1][0]["devices"] == config["devices"] and not config.get("new_ranks"):
+            grouped[-1].append(config)
+        else:
+            grouped.append([config])
+    return grouped
+
+
 def fork_ranks(configs: list[dict], run: Callable[[list[dict]], None] | None = None) -> int:
-    """``--fork``: run each stretch of consecutive configs with the same ``devices`` on that many ranks forked
+    """``--fork``: run each stretch of consecutive configs with the same ``devices`` (``stretches``) on that many ranks forked
     from this process, one stretch after the other, and return the exit status (the first failed rank's, else
     0). The ranks get torchrun's environment, so Lightning takes them for torchrun's (it starts no processes
     and the strategy runs as under torchrun); forked after the imports, they do not each pay for them again
@@ -421,8 +433,8 @@ def fork_ranks(configs: list[dict], run: Callable[[list[dict]], None] | None = N
     runs on its stretch's configs (default: :func:`run_all`, the Trainer's runs)."""
     launcher = os.getpid()
     run = run_all if run is None else run
-    for devices, stretch in itertools.groupby(configs, key=lambda config: int(config["devices"])):
-        group = list(stretch)
+    for group in stretches(configs):
+        devices = int(group[0]["devices"])
         status, crash = _fork_stretch(devices, group, launcher, run)
         if crash in LIBC_CRASHES:
             print(
