@@ -1,0 +1,98 @@
+"""What our decoder blocks keep for backward under bf16 autocast, by kind (CPU, seconds).
+
+    PYTHONPATH=. python benchmarks/saved_for_backward.py [--compile] [--hidden 256 --layers 2 --tokens 300]
+
+Without FSDP on the one rank (``D9DStrategy(fsdp_on_one_rank=False)``) the blocks run under autocast with fp32
+parameters. Every tensor that autograd saves for backward during one forward of the decoder layers is recorded
+(``torch.autograd.graph.saved_tensors_hooks``; a compiled block saves through its autograd function, so its
+choices show too) and sorted into: the parameters themselves (no new memory), bf16 tensors of a parameter's
+shape that are not the parameter (its autocast copy, kept from forward to backward), and activations. The token
+count is chosen so no activation has a weight's shape. The answer explains part of a memory gap: FSDP's mixed
+precision frees each block's bf16 parameters after its forward and casts them again in backward, so it does not
+keep these copies; autocast keeps one per weight (2 bytes per parameter: about 7 GB at Qwen3-4B's 3.6B decoder
+parameters). The measurement is of what autograd keeps, not of a GPU's allocator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+
+import torch
+
+from lightning_d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.plans.compile import apply_compile
+
+
+def saved_bytes_by_kind(model: Qwen3ForCausalLM, ids: torch.Tensor) -> dict[str, int]:
+    """Bytes autograd saves during the decoder layers' forward under CPU bf16 autocast, by kind."""
+    layer_params = {param.data_ptr() for param in model.model.layers.parameters()}
+    weight_shapes = {tuple(param.shape) for param in model.model.layers.parameters() if param.ndim == 2}
+    totals: collections.Counter[str] = collections.Counter()
+    recording = False
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if recording:
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.data_ptr() in layer_params:
+                totals["parameters (no new memory)"] += nbytes
+            elif tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weight_shapes:
+                totals["bf16 copies of weights"] += nbytes
+            else:
+                totals["activations"] += nbytes
+        return tensor
+
+    def start(*_: object) -> None:
+        nonlocal recording
+        recording = True
+
+    def stop(*_: object) -> None:
+        nonlocal recording
+        recording = False
+
+    # only the decoder layers: the embedding and the head are the same with or without FSDP
+    blocks = list(model.model.layers.values())
+    handles = [blocks[0].register_forward_pre_hook(start), blocks[-1].register_forward_hook(stop)]
+    with (
+        torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+    ):
+        logits = model(ids)
+    logits.float().mean().backward()
+    for handle in handles:
+        handle.remove()
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile", action="store_true", help="per-block torch.compile, as D9DStrategy")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=300, help="batch 3 x tokens / 3")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    heads = args.hidden // 64
+    config = Qwen3Config.tiny(
+        hidden_size=args.hidden,
+        intermediate_size=3 * args.hidden,
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 2),
+        head_dim=64,
+        num_hidden_layers=args.layers,
+    )
+    model = Qwen3ForCausalLM(config)
+    if args.compile:
+        apply_compile(model.model.layers)
+    ids = torch.randint(0, config.vocab_size, (3, args.tokens // 3))
+    saved_bytes_by_kind(model, ids)  # the first call compiles
+    totals = saved_bytes_by_kind(model, ids)
+    weights_bf16 = 2 * sum(param.numel() for param in model.model.layers.parameters() if param.ndim == 2)
+    print(f"{'compiled' if args.compile else 'eager'} blocks, {args.layers} layers of hidden {args.hidden}:")
+    for kind, nbytes in sorted(totals.items()):
+        print(f"  {kind:30s} {nbytes / 2**20:8.2f} MiB")
+    print(f"  (a bf16 copy of the layers' weight matrices: {weights_bf16 / 2**20:.2f} MiB)")
+
+
+if __name__ == "__main__":
+    main()
