@@ -82,6 +82,14 @@ def main() -> None:
         num_hidden_layers=args.layers,
     )
     model = Qwen3ForCausalLM(config)
+    weight_dims = {
+        size for param in model.model.layers.parameters() if param.ndim == 2 for size in param.shape
+    }
+    if args.tokens % 3 or args.tokens in weight_dims:
+        # a flattened (tokens, width) activation of a weight's shape would be counted as a weight's copy
+        parser.error(
+            f"--tokens {args.tokens}: choose a multiple of 3 that is no weight dimension ({weight_dims})"
+        )
     if args.compile:
         apply_compile(model.model.layers)
     ids = torch.randint(0, config.vocab_size, (3, args.tokens // 3))
