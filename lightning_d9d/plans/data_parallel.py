@@ -20,8 +20,9 @@ def parallelize_data(
 
     Applied on one rank too unless ``options.fsdp_on_one_rank`` is off: parameters then are ``DTensor``s on
     every layout. Off, a one-rank world keeps plain parameters: FSDP there only copies (each block's parameters
-    cast and "all-gathered" into a second buffer every forward, gradients copied out again: about 6 % of a
-    compiled 0.6B training step on an H200), though autocast, which then does the casting, costs about as much.
+    cast and "all-gathered" into a second buffer every forward, and again in backward where
+    ``reshard_after_forward`` freed them; gradients copied out again: about 6 % of a compiled 0.6B training
+    step on an H200, measured before the one-rank resharding), though autocast, which then does the casting, costs about as much.
     """
     if not wraps_in_fsdp(dims, options):
         return
@@ -39,7 +40,7 @@ def parallelize_data(
             data_parallel_mesh(dims),
             blocks=blocks,
             mp_policy=options.mp_policy,
-            reshard_after_forward=reshards_after_forward(dims, options),
+            reshard_after_forward=options.reshard_after_forward,
         )
 
 
@@ -52,9 +53,3 @@ def wraps_in_fsdp(dims: ParallelDims, options: ParallelOptions) -> bool:
 def data_parallel_mesh(dims: ParallelDims) -> DeviceMesh:
     """The mesh a data-parallel FSDP unit spans: the 2-D ``hsdp`` view under HSDP, else ``fsdp``."""
     return dims.mesh_for("hsdp") if dims.dp_replicate > 1 else dims.mesh_for("fsdp")
-
-
-def reshards_after_forward(dims: ParallelDims, options: ParallelOptions) -> bool:
-    """Whether a data-parallel unit frees its gathered parameters after forward: as asked, where anything is
-    sharded (with ``fsdp == 1`` there is nothing to free)."""
-    return options.reshard_after_forward and dims.fsdp > 1

@@ -17,7 +17,10 @@ class ParallelOptions:
         mp_policy: FSDP2 mixed precision (``bf16-mixed``: bf16 params, fp32 gradient reduction); ``None`` keeps
             the parameters' own dtype for compute and communication.
         reshard_after_forward: free the unsharded parameters after forward (ZeRO-3) or keep them until
-            backward (ZeRO-2, more memory, fewer all-gathers).
+            backward (ZeRO-2, more memory, fewer all-gathers). Also where nothing is sharded (one rank, or
+            ``dp_shard=1`` under replication): FSDP2 still gathers into a buffer of its own (under
+            ``bf16-mixed``, the bf16 cast), so freeing it spares one copy of the blocks' weights from forward
+            to backward for one more cast per block in backward.
         activation_checkpointing: recompute each repeated block's activations in backward: ``True`` (or
             ``"full"``) the whole block, ``"selective"`` only its element-wise ops (matmul and attention
             outputs kept); ``False`` keeps everything.

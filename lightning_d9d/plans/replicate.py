@@ -34,6 +34,5 @@ def parallelize_replicate(
         hsdp_mesh,
         blocks=blocks,
         mp_policy=mp_policy,
-        # With nothing sharded there is nothing to free after forward.
-        reshard_after_forward=reshard_after_forward and hsdp_mesh.size(1) > 1,
+        reshard_after_forward=reshard_after_forward,
     )

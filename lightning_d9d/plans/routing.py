@@ -31,7 +31,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.moe import MoE
-from lightning_d9d.plans.data_parallel import data_parallel_mesh, reshards_after_forward
+from lightning_d9d.plans.data_parallel import data_parallel_mesh
 from lightning_d9d.plans.options import ParallelOptions
 
 
@@ -59,7 +59,7 @@ def sum_gradients_over_tp(blocks: Iterable[nn.Module], dims: ParallelDims, optio
             block,
             mesh=data_parallel_mesh(dims),
             mp_policy=options.mp_policy or MixedPrecisionPolicy(),
-            reshard_after_forward=reshards_after_forward(dims, options),
+            reshard_after_forward=options.reshard_after_forward,
         )
         unit.set_all_reduce_hook(partial(_sum_over, group=tp_group))
 

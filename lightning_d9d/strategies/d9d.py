@@ -111,7 +111,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
-        reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
+        reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic), on
+            one rank too (there the gathered copy is the bf16 cast: ``False`` keeps it to backward).
         fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
             are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
