@@ -102,9 +102,9 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
     "ours_trainer_compiled_full": 'ours_trainer_compiled with activation_checkpointing="full" (every block)',
-    # FSDP on one rank frees each block's gathered (bf16) parameters after forward, as on every layout (since
-    # 2026-12-05); this path keeps them to backward, as the one-rank plan did before: memory against speed.
-    "ours_trainer_compiled_keep": "ours_trainer_compiled with reshard_after_forward=False",
+    # FSDP on one rank keeps each block's gathered (bf16) parameters to backward by default; this path frees
+    # them after forward (as FSDP does where parameters are sharded): memory against speed.
+    "ours_trainer_compiled_reshard": "ours_trainer_compiled with reshard_after_forward=True",
     # compile="max-autotune-no-cudagraphs": Inductor benchmarks Triton GEMM templates against cuBLAS per shape
     "ours_trainer_compiled_autotune": 'ours_trainer_compiled with compile="max-autotune-no-cudagraphs"',
     "ours_trainer_compiled_nofsdp_autotune": "the same without FSDP on the one rank",
@@ -159,7 +159,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
         "ours_trainer_compiled_full",
-        "ours_trainer_compiled_keep",
+        "ours_trainer_compiled_reshard",
         "ours_trainer_compiled_autotune",
         "ours_trainer_compiled_nofsdp_autotune",
         "ours_trainer_compiled_nofsdp_autogc",
@@ -838,7 +838,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         if "compiled" in path
         else False,
         fsdp_on_one_rank="nofsdp" not in path,
-        reshard_after_forward=not path.endswith("_keep"),
+        reshard_after_forward=True if path.endswith("_reshard") else None,
         activation_checkpointing=next((k for k in ("selective", "full") if path.endswith(f"_{k}")), False),
         fp8=next((recipe for recipe in ("tensorwise", "rowwise") if f"_fp8_{recipe}" in path), None),
         fp8_experts=False if path.endswith("_bf16experts") else None,

@@ -91,7 +91,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         activation_checkpointing: bool | str = False,
         compile: bool | str = False,
         context_attention: str = "auto",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         fsdp_on_one_rank: bool = True,
         fp8: str | None = None,
         fp8_filter: Fp8Filter | None = None,

@@ -21,8 +21,8 @@ def parallelize_data(
     Applied on one rank too unless ``options.fsdp_on_one_rank`` is off: parameters then are ``DTensor``s on
     every layout. Off, a one-rank world keeps plain parameters: FSDP there only copies (each block's parameters
     cast and "all-gathered" into a second buffer every forward, and again in backward where
-    ``reshard_after_forward`` freed them; gradients copied out again: about 6 % of a compiled 0.6B training
-    step on an H200, measured before the one-rank resharding), though autocast, which then does the casting, costs about as much.
+    ``reshard_after_forward=True`` freed them; gradients copied out again: about 6 % of a compiled 0.6B training
+    step on an H200), though autocast, which then does the casting, costs about as much.
     """
     if not wraps_in_fsdp(dims, options):
         return
@@ -32,7 +32,7 @@ def parallelize_data(
             data_parallel_mesh(dims),
             blocks=blocks,
             mp_policy=options.mp_policy,
-            reshard_after_forward=options.reshard_after_forward,
+            reshard_after_forward=options.reshards(dims.fsdp),
         )
     else:
         parallelize_fsdp(
@@ -40,7 +40,7 @@ def parallelize_data(
             data_parallel_mesh(dims),
             blocks=blocks,
             mp_policy=options.mp_policy,
-            reshard_after_forward=options.reshard_after_forward,
+            reshard_after_forward=options.reshards(dims.fsdp),
         )
 
 

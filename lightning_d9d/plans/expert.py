@@ -84,7 +84,9 @@ def _shard_expert_data(
         experts,
         mesh=mesh,
         mp_policy=options.mp_policy or MixedPrecisionPolicy(),
-        reshard_after_forward=options.reshard_after_forward,
+        # Experts are most of an MoE's weights: their gathered copies are freed after forward unless asked
+        # otherwise, even where efsdp is one rank.
+        reshard_after_forward=options.reshard_after_forward is not False,
     )
     sharded.set_gradient_divide_factor(float(averaged_over))
     shard_group = mesh.get_group(mesh.ndim - 1)

@@ -59,7 +59,7 @@ def sum_gradients_over_tp(blocks: Iterable[nn.Module], dims: ParallelDims, optio
             block,
             mesh=data_parallel_mesh(dims),
             mp_policy=options.mp_policy or MixedPrecisionPolicy(),
-            reshard_after_forward=options.reshard_after_forward,
+            reshard_after_forward=options.reshards(dims.fsdp),
         )
         unit.set_all_reduce_hook(partial(_sum_over, group=tp_group))
 

@@ -111,8 +111,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
-        reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic), on
-            one rank too (there the gathered copy is the bf16 cast: ``False`` keeps it to backward).
+        reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
+            ``None`` (default): where they are sharded; ``True`` also on one rank, where the gathered copy is
+            the bf16 cast of the weights (3.3 GiB less at Qwen3-4B's layer x 18 on one H100, 1.7 % slower).
         fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
             are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
@@ -173,7 +174,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         activation_checkpointing: bool | str = False,
         compile: bool | str = False,
         context_attention: str = "auto",
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         fsdp_on_one_rank: bool = True,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
@@ -352,8 +353,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             self._options,
             mp_policy=self.precision_plugin.mixed_precision_policy(),
             # Split-backward schedules compute weight gradients after FSDP would have freed the parameters.
-            reshard_after_forward=self._options.reshard_after_forward
-            and not (self._requested_dims.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES),
+            reshard_after_forward=False
+            if self._requested_dims.pp > 1 and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+            else self._options.reshard_after_forward,
         )
 
     @override

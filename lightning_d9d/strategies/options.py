@@ -24,7 +24,7 @@ def checked_parallel_options(
     activation_checkpointing: bool | str,
     compile: bool | str,
     context_attention: str,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | None,
     fsdp_on_one_rank: bool,
     fp8: str | None,
     fp8_filter: Fp8Filter | None,

@@ -128,7 +128,10 @@ def test_v_schedules_default_to_two_stages_per_rank() -> None:
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"])
 def test_split_backward_schedules_keep_parameters_gathered_until_backward(schedule: str) -> None:
     assert not D9DStrategy(pp=2, pipeline_schedule=schedule).parallel_options().reshard_after_forward
-    assert D9DStrategy(pp=2, pipeline_schedule="1F1B").parallel_options().reshard_after_forward
+    # elsewhere the choice stands: the default (None: free where sharded) or what was asked
+    assert D9DStrategy(pp=2, pipeline_schedule="1F1B").parallel_options().reshard_after_forward is None
+    options = D9DStrategy(pp=2, pipeline_schedule="1F1B", reshard_after_forward=True).parallel_options()
+    assert options.reshard_after_forward
 
 
 def test_every_torch_schedule_is_accepted() -> None:
