@@ -1297,7 +1297,7 @@ MODEL_NAMES = {
     "8b": "Qwen3-8B shape",
     "tiny": "Qwen3 tiny",
     "moe": "Qwen3-MoE 16 layers, hidden 1024, 64 experts of 384, top-8 (active-parameter MFU)",
-    "moe_large": "Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8), 6 layers (active-parameter MFU)",
+    "moe_large": "Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8; active-parameter MFU)",
     "moe_tiny": "Qwen3-MoE tiny",
 }
 
@@ -1320,7 +1320,9 @@ def main(argv: list[str] | None = None) -> None:
     fpt = flops_per_token(args)
     meta: dict[str, Any] = {
         "date": args.date,
-        "model": MODEL_NAMES[args.model] + (f", {args.layers} layers" if args.layers else ""),
+        # moe_large's own depth (6) is the default of --layers there; any other --layers names its count
+        "model": MODEL_NAMES[args.model]
+        + (f", {args.layers} layers" if args.layers else ", 6 layers" if args.model == "moe_large" else ""),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "tokens_per_step": args.batch_size * args.seq_len,
