@@ -149,18 +149,22 @@ def head_bytes(shape: ActivationShape, hidden: int, vocab: int) -> float:
     The fused head (``lightning_d9d/kernels/linear_cross_entropy.py``, never under tp) computes both gradients
     in its forward and saves them: ``grad_hidden`` ``[T, H]`` in b bytes and ``grad_weight`` ``[V, H]`` in
     float32, alive from the head's forward to its backward. On top of them, at different moments: during the
-    forward one chunk of ``C = default_chunk_tokens(V, T)`` tokens, its logits (b), their float32 upcast and
-    the gradient's copy in b (the torch path; the Triton kernel on CUDA keeps only the b-byte logits, so this
-    is an upper bound there); in the backward the scaled copies ``grad_hidden * g`` ``[T, H]`` and
-    ``grad_weight`` in the weight's dtype ``[V, H]``, both b. So::
+    forward one chunk of ``C = default_chunk_tokens(V, T)`` tokens, ``c`` bytes per logit: its logits (b) and,
+    below float32, their float32 upcast and the gradient's copy back in b (``c = 2 b + 4``; in float32 both are
+    the logits themselves, changed in place: ``c = 4``). That is the torch path; the Triton kernel on CUDA
+    keeps only the b-byte logits, so there this is an upper bound (by ``C V (b + 4)``: 1.7 GiB at Qwen3's
+    vocabulary in bf16). In the backward: the scaled copies ``grad_hidden * g`` ``[T, H]`` and ``grad_weight``
+    in the weight's dtype ``[V, H]``, both b. So::
 
-        4 V H + b T H + max(C V (2 b + 4), b V H + b T H)
+        4 V H + b T H + max(c C V, b V H + b T H)
     """
     if not shape.head_fused:
         return shape.tokens * vocab * 12 / shape.tp
-    saved = 4 * vocab * hidden + shape.dtype_bytes * shape.tokens * hidden
-    chunk = default_chunk_tokens(vocab, shape.tokens) * vocab * (2 * shape.dtype_bytes + 4)
-    backward_copies = shape.dtype_bytes * (vocab * hidden + shape.tokens * hidden)
+    b = shape.dtype_bytes
+    saved = 4 * vocab * hidden + b * shape.tokens * hidden
+    per_logit = b if b >= 4 else 2 * b + 4
+    chunk = default_chunk_tokens(vocab, shape.tokens) * vocab * per_logit
+    backward_copies = b * (vocab * hidden + shape.tokens * hidden)
     return float(saved + max(chunk, backward_copies))
 
 
