@@ -227,15 +227,14 @@ def _fused_loss(
     ignore_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tensor_parallel)
     if ignore_index is None:
         return None
-    causal_lm, ids = model, inputs[0]
-    position_ids = inputs[1] if len(inputs) == 2 else None
+    ids, position_ids = inputs[0], (inputs[1] if len(inputs) == 2 else None)
 
     def run(labels: torch.Tensor) -> torch.Tensor:
-        if isinstance(causal_lm, FSDPModule) and causal_lm not in _FSDP_REGISTERED:
+        if isinstance(model, FSDPModule) and model not in _FSDP_REGISTERED:
             # FSDP gathers the root's parameters (the head) only around registered forward methods.
-            register_fsdp_forward_method(causal_lm, "forward_loss")
-            _FSDP_REGISTERED.add(causal_lm)
-        return causal_lm.forward_loss(ids, labels, position_ids, ignore_index=ignore_index)
+            register_fsdp_forward_method(model, "forward_loss")
+            _FSDP_REGISTERED.add(model)
+        return model.forward_loss(ids, labels, position_ids, ignore_index=ignore_index)
 
     return run
 
@@ -253,10 +252,9 @@ def _fused_transformers_loss(
     ignore_index = _fused_ignore_index(model, loss_fn, tensor_parallel)
     if ignore_index is None:
         return None
-    found = arguments  # bound for the closure (mypy keeps the narrowing)
 
     def run(labels: torch.Tensor) -> torch.Tensor:
-        return hf_loss.forward_loss(model, labels, ignore_index, found)
+        return hf_loss.forward_loss(model, labels, ignore_index, arguments)
 
     return run
 
