@@ -194,8 +194,26 @@ def fused_causal_lm_loss(
     A ``transformers`` causal LM is fused alike where its head is a plain linear layer on the base model's last
     hidden states (:mod:`lightning_d9d.models.hf.loss`), under the same conditions and switches
     (``model.fuse_head_loss`` if set, ``$LIGHTNING_D9D_FUSED_LOSS``, CUDA by default, not under tp)."""
+    run = _fused_loss(model, inputs, loss_fn, tensor_parallel)
+    return None if run is None else run(labels)
+
+
+def fuses_head_loss(
+    model: nn.Module, inputs: ModelInputs, loss_fn: object, *, tensor_parallel: bool = False
+) -> bool:
+    """Whether :func:`fused_causal_lm_loss` computes this loss with the head fused (no ``[tokens, vocab]``
+    logits), asked before it runs (the memory plan's head depends on it). The same decision, runs nothing: it
+    only logs the choice once, as the loss itself would."""
+    return _fused_loss(model, inputs, loss_fn, tensor_parallel) is not None
+
+
+def _fused_loss(
+    model: nn.Module, inputs: ModelInputs, loss_fn: object, tensor_parallel: bool
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """The fused loss as a function of the labels where every condition holds (see :func:`fused_causal_lm_loss`),
+    else None: one decision for the loss and for :func:`fuses_head_loss`."""
     if is_transformers_model(model):
-        return _fused_transformers_loss(model, inputs, labels, loss_fn, tensor_parallel)
+        return _fused_transformers_loss(model, inputs, loss_fn, tensor_parallel)
     if isinstance(inputs, Mapping):  # our forward's keywords; anything else keeps the logits path
         if not {"input_ids"} <= set(inputs) <= {"input_ids", "position_ids"}:
             return None
@@ -209,21 +227,21 @@ def fused_causal_lm_loss(
     ignore_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tensor_parallel)
     if ignore_index is None:
         return None
-    if isinstance(model, FSDPModule) and model not in _FSDP_REGISTERED:
-        # FSDP gathers the root's parameters (the head) only around registered forward methods.
-        register_fsdp_forward_method(model, "forward_loss")
-        _FSDP_REGISTERED.add(model)
-    position_ids = inputs[1] if len(inputs) == 2 else None
-    return model.forward_loss(inputs[0], labels, position_ids, ignore_index=ignore_index)
+    ids, position_ids = inputs[0], (inputs[1] if len(inputs) == 2 else None)
+
+    def run(labels: torch.Tensor) -> torch.Tensor:
+        if isinstance(model, FSDPModule) and model not in _FSDP_REGISTERED:
+            # FSDP gathers the root's parameters (the head) only around registered forward methods.
+            register_fsdp_forward_method(model, "forward_loss")
+            _FSDP_REGISTERED.add(model)
+        return model.forward_loss(ids, labels, position_ids, ignore_index=ignore_index)
+
+    return run
 
 
 def _fused_transformers_loss(
-    model: nn.Module,
-    inputs: ModelInputs,
-    labels: torch.Tensor,
-    loss_fn: object,
-    tensor_parallel: bool,
-) -> torch.Tensor | None:
+    model: nn.Module, inputs: ModelInputs, loss_fn: object, tensor_parallel: bool
+) -> Callable[[torch.Tensor], torch.Tensor] | None:
     from lightning_d9d.models.hf import loss as hf_loss  # the adapter's package imports the plans
 
     if type(loss_fn) is not CausalLMLoss:
@@ -234,7 +252,11 @@ def _fused_transformers_loss(
     ignore_index = _fused_ignore_index(model, loss_fn, tensor_parallel)
     if ignore_index is None:
         return None
-    return hf_loss.forward_loss(model, labels, ignore_index, arguments)
+
+    def run(labels: torch.Tensor) -> torch.Tensor:
+        return hf_loss.forward_loss(model, labels, ignore_index, arguments)
+
+    return run
 
 
 def _fusing(model: nn.Module, device: torch.device) -> bool:

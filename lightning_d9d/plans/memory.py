@@ -1,8 +1,8 @@
 """How much device memory one rank needs: parameters, gradients, optimizer state and activations.
 
-Pure functions (no process group, no device): the strategy prints the plan on rank 0 at the first training batch
-(``strategies/memory_report.py``), when the shapes are known, so that a user sees before the first step whether a
-mesh fits. Parameters, gradients and optimizer state are counted from the parameters as parallelized (a DTensor's
+Pure functions (no process group, no device): the strategy prints the plan on rank 0 at the first training step
+(``strategies/memory_report.py``), when the shapes and the loss are known, so that a user sees before the first
+backward whether a mesh fits. Parameters, gradients and optimizer state are counted from the parameters as parallelized (a DTensor's
 global size divided over the mesh dims it is sharded on); activations are an estimate from the model config (a
 decoder-only transformer: hidden size, heads, MLP or MoE sizes, vocabulary) and the tokens one rank holds at a
 time.
@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
+
+from lightning_d9d.kernels.linear_cross_entropy import default_chunk_tokens
 
 GIB = 1024**3
 
@@ -62,8 +64,10 @@ def local_numel(parameter: torch.Tensor) -> float:
 class ActivationShape:
     """What one rank computes on at a time: ``tokens`` per microbatch (after the cp split), the transformer
     ``layers`` it holds, how many microbatches are alive at once (``in_flight``: 1 without pipelines), the
-    activation element size, the tp degree (sequence parallel splits everything a block saves), and whether it
-    holds the LM head (``head``) and recomputes blocks in backward (``recompute``)."""
+    activation element size, the tp degree (sequence parallel splits everything a block saves), whether it
+    holds the LM head (``head``) and recomputes blocks in backward (``recompute``), and whether the head's loss
+    is fused with it (``head_fused``: the chunked LM head + cross-entropy, which keeps no ``[tokens, vocab]``
+    logits)."""
 
     tokens: int
     layers: int
@@ -72,6 +76,7 @@ class ActivationShape:
     tp: int = 1
     head: bool = True
     recompute: bool = False
+    head_fused: bool = False
 
 
 def _config_value(config: Any, *names: str, default: int | None = None) -> int | None:
@@ -115,10 +120,8 @@ def activation_bytes(config: Any, shape: ActivationShape) -> int | None:
     """Bytes of activations alive at the peak (the start of backward) on one rank; None if unknown.
 
     Without recompute every held layer keeps :func:`block_elements_per_token` per token; with recompute a layer
-    keeps only its input (h) and one layer at a time is recomputed in full. The head's peak comes in the
-    cross-entropy's backward: the float32 log-softmax it saved, the gradient arriving for it and the gradient it
-    computes, all ``[tokens, vocab]`` float32 (12 bytes per token and vocabulary entry; a fused LM-head loss
-    keeps far less, so this overestimates it).
+    keeps only its input (h) and one layer at a time is recomputed in full. The head, on the rank that holds it,
+    adds :func:`head_bytes` for one microbatch.
     """
     block = block_elements_per_token(config)
     hidden = _config_value(config, "hidden_size")
@@ -130,8 +133,39 @@ def activation_bytes(config: Any, shape: ActivationShape) -> int | None:
     per_token = shape.layers * hidden + block / shape.in_flight if shape.recompute else shape.layers * block
     total = tokens * per_token * shape.dtype_bytes / shape.tp
     if shape.head:
-        total += shape.tokens * vocab * 12 / shape.tp
+        total += head_bytes(shape, hidden, vocab)
     return int(total)
+
+
+def head_bytes(shape: ActivationShape, hidden: int, vocab: int) -> float:
+    """Bytes the LM head and its loss add at the step's peak, for ``shape.tokens`` tokens (T), ``hidden`` (H),
+    ``vocab`` (V) and the compute dtype's ``b = shape.dtype_bytes`` (the head's weight and hidden states run in
+    it: the parameters' dtype, or autocast's / FSDP's bf16).
+
+    The logits path (``head_fused=False``) peaks in the cross-entropy's backward: the float32 log-softmax it
+    saved, the gradient arriving for it and the gradient it computes, all ``[T, V]`` float32:
+    ``12 T V / tp`` (vocabulary-parallel under tp).
+
+    The fused head (``lightning_d9d/kernels/linear_cross_entropy.py``, never under tp) computes both gradients
+    in its forward and saves them: ``grad_hidden`` ``[T, H]`` in b bytes and ``grad_weight`` ``[V, H]`` in
+    float32, alive from the head's forward to its backward. On top of them, at different moments: during the
+    forward one chunk of ``C = default_chunk_tokens(V, T)`` tokens, ``c`` bytes per logit: its logits (b) and,
+    below float32, their float32 upcast and the gradient's copy back in b (``c = 2 b + 4``; in float32 both are
+    the logits themselves, changed in place: ``c = 4``). That is the torch path; the Triton kernel on CUDA
+    keeps only the b-byte logits, so there this is an upper bound (by ``C V (b + 4)``: 1.7 GiB at Qwen3's
+    vocabulary in bf16). In the backward: the scaled copies ``grad_hidden * g`` ``[T, H]`` and ``grad_weight``
+    in the weight's dtype ``[V, H]``, both b. So::
+
+        4 V H + b T H + max(c C V, b V H + b T H)
+    """
+    if not shape.head_fused:
+        return shape.tokens * vocab * 12 / shape.tp
+    b = shape.dtype_bytes
+    saved = 4 * vocab * hidden + b * shape.tokens * hidden
+    per_logit = b if b >= 4 else 2 * b + 4
+    chunk = default_chunk_tokens(vocab, shape.tokens) * vocab * per_logit
+    backward_copies = b * (vocab * hidden + shape.tokens * hidden)
+    return float(saved + max(chunk, backward_copies))
 
 
 @dataclass(frozen=True)

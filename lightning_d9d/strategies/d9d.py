@@ -31,7 +31,7 @@ from lightning_d9d.compat import (
     use_automatic_optimization,
 )
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import fused_loss_ignore_index
+from lightning_d9d.models.causal_lm import fused_loss_ignore_index, fuses_head_loss
 from lightning_d9d.models.hf import hf_pipeline_for
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.inputs import ModelInputs
@@ -220,7 +220,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             fp8_experts=fp8_experts,
             async_tp=async_tp,
         )
-        self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training batch
+        self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training step
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
         self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
 
@@ -300,8 +300,6 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if batch_idx > 0:
             self._resumed_random_state.restore()
         self._resumed_random_state.discard()
-        if self.memory_plan is None:  # printed once, on rank 0, when the batch shape is first known
-            self.memory_plan = report_memory_plan(self, batch)
 
     @override
     def model_to_device(self) -> None:
@@ -437,6 +435,12 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         shaped like it (see :func:`~lightning_d9d.plans.split_batch`) before the model runs; its loss is the
         mean over its own tokens, weighed like a data-parallel rank's.
         """
+        if self.memory_plan is None and torch.is_grad_enabled() and self._training():
+            # the first training step's: the inputs' shape as the user gave them (before the cp and microbatch
+            # splits, which the plan applies itself), and the head as this call will run it
+            self.memory_plan = report_memory_plan(
+                self, inputs, head_fused=self._fuses_head(model, inputs, loss_fn)
+            )
         if self._runner is not None:
             inputs = _pipeline_inputs(inputs)
         split = self._context_split()
@@ -459,7 +463,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             if self._runner is not None:  # the schedule runs backward inside this call
                 grad_factor = step_tokens.commit()
         self._scale_internal_losses(model, router_factor)
-        tp = self._dims is not None and self._dims.tp_enabled
+        tp = self._tensor_parallel()
         if self._runner is None:
             return step_loss.forward_loss(
                 model, inputs, target, loss_fn, tensor_parallel=tp, scale=item_scale
@@ -487,6 +491,21 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             ids, target, loss_fn, fused_ignore_index=fused_index, stage_kwargs=stage_kwargs
         )
         return step_loss.weighed(loss, loss_fn, target, item_scale)
+
+    def _tensor_parallel(self) -> bool:
+        return self._dims is not None and self._dims.tp_enabled
+
+    def _training(self) -> bool:
+        module = self.lightning_module
+        return module is not None and trainer_of(module) is not None and module.trainer.training
+
+    def _fuses_head(self, model: nn.Module, inputs: ModelInputs, loss_fn: LossFn) -> bool:
+        """Whether :meth:`model_loss` runs the head fused with the loss: the last stage's decision under pp
+        (``fused_loss_ignore_index``), :func:`fuses_head_loss` without pp, the conditions those paths run on."""
+        tp = self._tensor_parallel()
+        if self._runner is not None:
+            return fused_loss_ignore_index(model, loss_fn, tensor_parallel=tp) is not None
+        return fuses_head_loss(model, inputs, loss_fn, tensor_parallel=tp)
 
     def _context_split(self) -> LoadBalancedSplit | None:
         """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""
@@ -542,7 +561,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             opens_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
         if opens_window:
             self._mark_cudagraph_step()
-        return super().training_step(*args, **kwargs)
+        output = super().training_step(*args, **kwargs)
+        if self.memory_plan is None:
+            # The step ran its forward without ``model_loss`` (which reports before its forward, knowing the
+            # loss): the plan from the batch, with the logits head a plain forward and loss keep. Still before
+            # the backward under automatic optimization, where a step's memory peaks.
+            self.memory_plan = report_memory_plan(self, args[0] if args else kwargs.get("batch"))
+        return output
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

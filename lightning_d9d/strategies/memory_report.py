@@ -1,5 +1,7 @@
-"""The memory plan of this run, printed once on rank 0 at the first training batch (the first moment the batch
-shape is known), with a warning when it exceeds the device's memory. The numbers come from
+"""The memory plan of this run, printed once on rank 0 at the first training step, with a warning when it exceeds
+the device's memory. The strategy reports it at the first training ``model_loss``, before its forward, where the
+token shape and how the LM head's loss runs (fused or through logits) are both known; a step that never calls
+``model_loss`` gets it after its ``training_step``, with the logits head. The numbers come from
 :mod:`lightning_d9d.plans.memory`."""
 
 from __future__ import annotations
@@ -48,7 +50,9 @@ def transformer_config(module: nn.Module) -> Any | None:
     return None
 
 
-def _activation_shape(strategy: D9DStrategy, batch: Any, config: Any) -> ActivationShape | None:
+def _activation_shape(
+    strategy: D9DStrategy, batch: Any, config: Any, head_fused: bool
+) -> ActivationShape | None:
     shape = token_batch_shape(batch)
     layers = getattr(config, "num_hidden_layers", None)
     if shape is None or layers is None:
@@ -72,6 +76,7 @@ def _activation_shape(strategy: D9DStrategy, batch: Any, config: Any) -> Activat
         dtype_bytes=2 if "16" in precision else 4,
         tp=dims.tp,
         head=head,
+        head_fused=head_fused,
         # whole-block recompute; "selective" keeps the matmul outputs, counted as no recompute (an upper bound)
         recompute=strategy.parallel_options().activation_checkpointing in (True, "full"),
     )
@@ -84,10 +89,12 @@ def _checkpointing_name(setting: bool | str) -> str:
 
 
 def report_memory_plan(
-    strategy: D9DStrategy, batch: Any, device_memory: int | None = None
+    strategy: D9DStrategy, batch: Any, device_memory: int | None = None, *, head_fused: bool = False
 ) -> MemoryPlan | None:
-    """Compute this rank's plan; rank 0 prints it and warns when it exceeds ``device_memory`` (bytes; by default
-    what CUDA reports for the strategy's device, unknown on other devices)."""
+    """Compute this rank's plan for ``batch`` (the model's inputs or the whole batch: its first 2-D integer
+    tensor gives the token shape); rank 0 prints it and warns when it exceeds ``device_memory`` (bytes; by default
+    what CUDA reports for the strategy's device, unknown on other devices). ``head_fused``: the LM head's loss
+    runs fused (no ``[tokens, vocab]`` logits), which the head's activations are then counted for."""
     module = strategy.lightning_module
     if module is None:
         return None
@@ -101,13 +108,14 @@ def report_memory_plan(
         module.parameters(),
         optimizer_states=states,
         config=config,
-        activations=None if config is None else _activation_shape(strategy, batch, config),
+        activations=None if config is None else _activation_shape(strategy, batch, config, head_fused),
         device_memory=device_memory,
     )
     dims = strategy.parallel_dims
     heading = (
         f"memory plan per rank ({dims}, precision {strategy.precision_plugin.precision}, activation "
-        f"checkpointing {_checkpointing_name(strategy.parallel_options().activation_checkpointing)}):"
+        f"checkpointing {_checkpointing_name(strategy.parallel_options().activation_checkpointing)}, LM head "
+        f"{'fused with its loss' if head_fused else 'with logits'}):"
     )
     rank_zero_info(plan.describe(heading))
     if plan.exceeds_device:

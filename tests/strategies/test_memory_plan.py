@@ -1,10 +1,12 @@
-"""The memory plan (``plans/memory.py``, printed by the strategy at the first batch): its parameter and optimizer
-numbers equal the bytes this rank actually holds after real optimizer steps (1 process, FSDP over 2), within 5%;
-the activation estimate answers to the options it is given (its calibration against a measured CUDA peak is
-tests/gpu/test_memory_plan_gpu.py)."""
+"""The memory plan (``plans/memory.py``, printed by the strategy at the first training step): its parameter and
+optimizer numbers equal the bytes this rank actually holds after real optimizer steps (1 process, FSDP over 2),
+within 5%; the activation estimate answers to the options it is given (its calibration against a measured CUDA
+peak is tests/gpu/test_memory_plan_gpu.py); the fused LM head is counted by the tensors the fused loss really
+holds, and the strategy counts it so exactly when ``model_loss`` fuses the head."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import warnings
 from dataclasses import replace
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from distributed import run_distributed
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -29,20 +32,30 @@ from lightning_d9d.plans.memory import (
 )
 from lightning_d9d.strategies.memory_report import report_memory_plan
 
+# the kernel's module (the package's attribute of that name is the function it exports)
+lce = importlib.import_module("lightning_d9d.kernels.linear_cross_entropy")
+
 
 class LM(L.LightningModule):
-    def __init__(self) -> None:
+    """``fuse_head_loss`` is handed to the model (None: the default, the logits path on CPU); with
+    ``plain_step`` the step runs its own forward and loss instead of ``model_loss``."""
+
+    def __init__(self, fuse_head_loss: bool | None = None, plain_step: bool = False) -> None:
         super().__init__()
         self.config = Qwen3Config.tiny()
         self.model: Qwen3ForCausalLM | None = None
+        self.fuse_head_loss, self.plain_step = fuse_head_loss, plain_step
 
     def configure_model(self) -> None:
         if self.model is None:
             with torch.device("meta"):
                 self.model = Qwen3ForCausalLM(self.config)
+            self.model.fuse_head_loss = self.fuse_head_loss
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         assert self.model is not None
+        if self.plain_step:
+            return causal_lm_loss(self.model(batch["input_ids"]), batch["labels"])
         return model_loss(self, self.model, (batch["input_ids"],), batch["labels"], causal_lm_loss)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -155,3 +168,135 @@ def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report_memory_plan(strategy, batch=None, device_memory=2**30)  # type: ignore[arg-type]
+
+
+def test_the_fused_head_is_counted_by_what_it_keeps() -> None:
+    config = Qwen3Config.qwen3_0_6b()
+    hidden, vocab, tokens = 1024, 151936, 4096
+    blocks = activation_bytes(config, ActivationShape(tokens=tokens, layers=28, head=False, dtype_bytes=2))
+    logits = activation_bytes(config, ActivationShape(tokens=tokens, layers=28, dtype_bytes=2))
+    fused = activation_bytes(
+        config, ActivationShape(tokens=tokens, layers=28, dtype_bytes=2, head_fused=True)
+    )
+    assert blocks is not None and logits is not None and fused is not None
+    # 4096 tokens cut into 2 chunks of 2048 (at most 2**28 + 2**26 logits a chunk: 2176 tokens at this vocab)
+    chunk = 2048
+    saved = vocab * hidden * 4 + tokens * hidden * 2  # grad_weight in float32, grad_hidden in bf16
+    # forward: a chunk's bf16 logits, their float32 upcast and the bf16 gradient; backward: both gradients'
+    # bf16 copies. The chunk is the larger here.
+    assert chunk * vocab * (2 + 4 + 2) > (vocab * hidden + tokens * hidden) * 2
+    assert fused - blocks == saved + chunk * vocab * (2 + 4 + 2)
+    assert logits - blocks == tokens * vocab * 12  # the logits path is counted as before
+    assert fused - blocks < (logits - blocks) / 2
+    # a small vocabulary and a wide hidden size: the backward's copies outweigh one chunk (one of 128 tokens),
+    # and in float32 a chunk is its logits alone (upcast and gradient are the logits themselves)
+    wide = {"hidden_size": 4096, "num_attention_heads": 32, "intermediate_size": 8192, "vocab_size": 1000}
+    head = activation_bytes(wide, ActivationShape(tokens=128, layers=0, dtype_bytes=4, head_fused=True))
+    assert head == 1000 * 4096 * 4 + 128 * 4096 * 4 + (1000 * 4096 + 128 * 4096) * 4
+    assert activation_bytes(wide, ActivationShape(tokens=4096, layers=0, dtype_bytes=4, head_fused=True)) == (
+        1000 * 4096 * 4 + 4096 * 4096 * 4 + max(4096 * 1000 * 4, (1000 * 4096 + 4096 * 4096) * 4)
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_the_fused_head_estimate_bounds_what_the_fused_loss_holds(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CPU (the torch path): what the fused loss keeps from its forward to its backward (seen by the saved
+    tensors hooks), plus the larger of its forward's chunk temporaries and its backward's outputs, is within
+    the estimate, and the estimate within 5% of it (it counts these very tensors; the per-token float32
+    vectors, a chunk's losses and log-sum-exp, are left out of both: 1/vocab of a chunk)."""
+    monkeypatch.delenv(lce.ENV_VAR, raising=False)
+    monkeypatch.setenv("LIGHTNING_D9D_KERNELS", "reference")
+    hidden_size, vocab, tokens = 64, 1000, 512
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, hidden_size, generator=generator).to(dtype).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+
+    chunk_bytes: list[int] = []
+    chunk_loss_and_grad = lce._chunk_loss_and_grad
+
+    def recorded(logits: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, grad = chunk_loss_and_grad(logits, *args)  # type: ignore[arg-type]
+        alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (logits, grad)}
+        # the chunk's float32 upcast (``logits.float()``: a copy below float32), alive while the gradient forms
+        upcast = logits.numel() * 4 if logits.dtype != torch.float32 else 0
+        chunk_bytes.append(sum(alive.values()) + upcast)
+        return losses, grad
+
+    monkeypatch.setattr(lce, "_chunk_loss_and_grad", recorded)
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = lce.linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    assert hidden.grad is not None and weight.grad is not None
+    reference = F.cross_entropy((hidden.detach().float() @ weight.detach().float().t()), labels)
+    assert loss.item() == pytest.approx(reference.item(), rel=2e-2)  # the fused loss ran, not something else
+    backward_outputs = sum(g.numel() * g.element_size() for g in (hidden.grad, weight.grad))
+    held = sum(saved.values()) + max(max(chunk_bytes), backward_outputs)
+    assert sum(saved.values()) >= vocab * hidden_size * 4  # grad_weight in float32 was among them
+
+    config = {
+        "hidden_size": hidden_size,
+        "num_attention_heads": 4,
+        "intermediate_size": 128,
+        "vocab_size": vocab,
+    }
+    shape = ActivationShape(tokens=tokens, layers=0, dtype_bytes=hidden.element_size(), head_fused=True)
+    estimate = activation_bytes(config, shape)
+    assert estimate is not None
+    print(f"{dtype}: held {held} bytes, estimate {estimate}")
+    assert held <= estimate <= 1.05 * held
+    unfused = activation_bytes(
+        config, ActivationShape(tokens=tokens, layers=0, dtype_bytes=hidden.element_size())
+    )
+    assert unfused is not None and estimate < unfused
+
+
+def _plan_activations(fuse_head_loss: bool | None, plain_step: bool) -> dict[str, float | None]:
+    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RUN_ID="memory-plan-head")
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (8, 33), generator=generator)
+    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
+    trainer = L.Trainer(
+        strategy=D9DStrategy(),
+        accelerator="cpu",
+        devices=1,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = LM(fuse_head_loss=fuse_head_loss, plain_step=plain_step)
+    trainer.fit(module, DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+    plan = trainer.strategy.memory_plan  # type: ignore[attr-defined]
+    shape = ActivationShape(tokens=4 * 32, layers=module.config.num_hidden_layers, dtype_bytes=4)
+    return {
+        "plan": plan.activations,
+        "logits": activation_bytes(module.config, shape),
+        "fused": activation_bytes(module.config, replace(shape, head_fused=True)),
+    }
+
+
+@pytest.mark.parametrize(
+    ("fuse_head_loss", "plain_step", "head"),
+    [(True, False, "fused"), (False, False, "logits"), (None, False, "logits"), (True, True, "logits")],
+    ids=["fused", "fusion-off", "cpu-default", "step-without-model-loss"],
+)
+def test_the_trainer_plan_counts_the_head_as_model_loss_runs_it(
+    fuse_head_loss: bool | None, plain_step: bool, head: str
+) -> None:
+    """The strategy's plan (1 process, float32, 4 rows of 32 tokens) counts the fused head where ``model_loss``
+    fuses it, the logits where it does not (switched off, or on CPU by default), and the logits where the step
+    runs its own forward and loss (reported after the step's forward, fused or not)."""
+    (found,) = run_distributed(_plan_activations, 1, fuse_head_loss, plain_step, timeout=240)
+    print(found)
+    assert found["fused"] < found["logits"]
+    assert found["plan"] == found[head]
