@@ -3,9 +3,9 @@
 Pure functions (no process group, no device): the strategy prints the plan on rank 0 at the first training
 step (``strategies/memory_report.py``), when the shapes and the loss are known, so that a user sees before the
 first backward whether a mesh fits. Parameters, gradients and optimizer state are counted from the parameters as
-parallelized (a DTensor's global size divided over the mesh dims it is sharded on); activations are an estimate from the model config (a
-decoder-only transformer: hidden size, heads, MLP or MoE sizes, vocabulary) and the tokens one rank holds at a
-time.
+parallelized (a DTensor's global size divided over the mesh dims it is sharded on); activations are an estimate
+from the model config (a decoder-only transformer: hidden size, heads, MLP or MoE sizes, vocabulary) and the
+tokens one rank holds at a time.
 """
 
 from __future__ import annotations
