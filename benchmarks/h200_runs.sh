@@ -19,6 +19,12 @@
 #   half4b   Qwen3-4B's layer at 18 of its 36 layers (fits an 80 GB card): torchtitan bf16, ours without and with
 #            FSDP on the one rank and with selective recompute (the 4B memory levers against torchtitan's peak),
 #            then a profile of our compiled step (benchmarks/profile_step.py)
+#   moe_profile  benchmarks/profile_step.py on our MoE shape (our model compiled, no FSDP: the best path), for the
+#            MoE target's table of where the step goes (~2 min)
+#   titan06  the 0.6B shape in one run: the plain recipe, torchtitan, ours with and without FSDP on the one rank
+#   whole4b  Qwen3-4B's whole shape (H200 only: ~130 GiB): torchtitan bf16, ours without FSDP on the one rank and
+#            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True): under
+#            torchtitan's peak?
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
@@ -77,6 +83,12 @@ for part in "${@:-dense moe}"; do
       moe_large) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe_large --seq-len 4096 --batch-size "${MOE_LARGE_BATCH:-4}" \
           --warmup 4 ${MOE_LARGE_LAYERS:+--layers "$MOE_LARGE_LAYERS"} --steps 12 --path-timeout 240 --out "$OUT/moe_large" \
           --paths "${MOE_LARGE_PATHS:-hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp}" ;;
+      moe_profile) LIGHTNING_D9D_GROUPED_GEMM=torch python3 benchmarks/profile_step.py --model moe \
+          --path ours_compiled --out "$OUT/moe_profile" ;;
+      titan06) bench --seq-len 4096 --batch-size 4 --out "$OUT/titan06" \
+          --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
+      whole4b) bench --model 4b --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --path-timeout 240 \
+          --out "$OUT/whole4b" --paths "${titan}ours_trainer_compiled_nofsdp,ours_trainer_compiled_reshard" ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do
