@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_d9d import D9DStrategy, ParallelDims, model_loss
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.memory import (
     ActivationShape,
     activation_bytes,
@@ -152,22 +153,45 @@ def test_a_plan_over_the_device_memory_says_so() -> None:
     assert "total        16.00 MiB of 15.00 MiB on the device" in text and "activations  unknown" in text
 
 
-def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
+def _report_strategy(dims: ParallelDims, options: ParallelOptions) -> SimpleNamespace:
     optimizer = torch.optim.AdamW(nn.Linear(256, 256).parameters())
-    strategy = SimpleNamespace(
+    return SimpleNamespace(
         lightning_module=nn.Linear(256, 256),  # 257 KiB of float32 parameters
         optimizers=[optimizer],
         root_device=torch.device("cpu"),
-        parallel_dims=ParallelDims(dp_shard=1),
+        parallel_dims=dims,
         precision_plugin=SimpleNamespace(precision="32-true"),
-        parallel_options=lambda: SimpleNamespace(activation_checkpointing=False),
+        parallel_options=lambda: options,
     )
-    with pytest.warns(UserWarning, match=r"more than the device's .* raise dp_shard / tp / pp"):
+
+
+def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
+    strategy = _report_strategy(ParallelDims(dp_shard=2), ParallelOptions())
+    with pytest.warns(UserWarning, match=r"more than the device's .* raise dp_shard / tp / pp") as caught:
         plan = report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
     assert plan is not None and plan.exceeds_device
+    assert "reshard_after_forward" not in str(caught[0].message)  # sharded units free theirs already
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report_memory_plan(strategy, batch=None, device_memory=2**30)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("options", "hinted"),
+    [
+        (ParallelOptions(), True),  # FSDP on the one rank keeps its gathered copy by default
+        (ParallelOptions(reshard_after_forward=True), False),  # freed already
+        (ParallelOptions(fsdp_on_one_rank=False), False),  # no FSDP: nothing to reshard
+    ],
+    ids=["default", "resharding", "no-fsdp"],
+)
+def test_the_warning_names_one_rank_resharding_where_it_would_free_memory(
+    options: ParallelOptions, hinted: bool
+) -> None:
+    strategy = _report_strategy(ParallelDims(dp_shard=1), options)
+    with pytest.warns(UserWarning, match="more than the device's") as caught:
+        report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+    assert ("reshard_after_forward=True" in str(caught[0].message)) == hinted
 
 
 def test_the_fused_head_is_counted_by_what_it_keeps() -> None:
