@@ -68,24 +68,30 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def _plan_and_measured_bytes() -> dict[str, float]:
+def _fit(module: LM, *, rows: int, steps: int, run_id: str) -> L.Trainer:
+    """``module`` fitted ``steps`` steps on ``rows`` rows of 32 random tokens, 4 a batch, on this world (CPU)."""
     world = int(os.environ["WORLD_SIZE"])
-    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID="memory-plan")
+    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_RUN_ID=run_id)
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (16, 33), generator=generator)
+    ids = torch.randint(0, 256, (rows, 33), generator=generator)
     data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
     trainer = L.Trainer(
         strategy=D9DStrategy(),
         accelerator="cpu",
         devices=world,
-        max_steps=2,
+        max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    module = LM()
     trainer.fit(module, DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+    return trainer
+
+
+def _plan_and_measured_bytes() -> dict[str, float]:
+    module = LM()
+    trainer = _fit(module, rows=16, steps=2, run_id="memory-plan")
     plan = trainer.strategy.memory_plan  # type: ignore[attr-defined]
     optimizer = trainer.optimizers[0]
     states = [
@@ -284,22 +290,8 @@ def test_the_fused_head_estimate_bounds_what_the_fused_loss_holds(
 
 
 def _plan_activations(fuse_head_loss: bool | None, plain_step: bool) -> dict[str, float | None]:
-    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE="1", TORCHELASTIC_RUN_ID="memory-plan-head")
-    generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (8, 33), generator=generator)
-    data = [{"input_ids": row[:-1], "labels": row[1:]} for row in ids]
-    trainer = L.Trainer(
-        strategy=D9DStrategy(),
-        accelerator="cpu",
-        devices=1,
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     module = LM(fuse_head_loss=fuse_head_loss, plain_step=plain_step)
-    trainer.fit(module, DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+    trainer = _fit(module, rows=8, steps=1, run_id="memory-plan-head")
     plan = trainer.strategy.memory_plan  # type: ignore[attr-defined]
     shape = ActivationShape(tokens=4 * 32, layers=module.config.num_hidden_layers, dtype_bytes=4)
     return {
