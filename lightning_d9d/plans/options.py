@@ -42,10 +42,9 @@ class ParallelOptions:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
         fp8_experts: with ``fp8`` on, the grouped experts' GEMMs in float8 rowwise through torchao
             (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`): ``False`` (default: at our MoE
-            shape, experts of width 384, it made the step 1.7x slower on an H100) keeps the experts in bf16;
-            ``None`` where the device allows it (CUDA, compute capability 9.0+, torchao's MoE package), bf16
-            elsewhere with one log line; ``True`` requires it (refused where it
-            cannot run).
+            shape, experts of width 384, turning it on made the step 1.57x slower on an H100) keeps the experts
+            in bf16; ``None`` where the device allows it (CUDA, compute capability 9.0+, torchao's MoE package),
+            bf16 elsewhere with one log line; ``True`` requires it (refused where it cannot run).
         async_tp: torch's micro-pipelined tensor parallelism (Inductor's pass over the compiled blocks,
             :mod:`lightning_d9d.plans.async_tp`). The strategy switches it on for the tp group once the mesh
             exists, before the blocks compile; no plan reads it.

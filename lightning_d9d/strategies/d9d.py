@@ -138,9 +138,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8_experts: with ``fp8`` on, the MoE experts (ours, and a ``transformers`` MoE's stacked experts through
             the adapter's forward) run their GEMMs in float8 rowwise through torchao (under either recipe:
             torchao's grouped GEMM is rowwise): ``False`` (default: at our MoE shape, experts of width
-            384, the step was 1.7x slower with them on an H100, 2026-12-05) keeps them in bf16; ``None`` where
-            the GPU allows it (compute capability 9.0+), bf16 elsewhere with one log line; ``True`` requires it (refused elsewhere)
-            (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
+            384, the step was 1.57x slower with them on an H100, 2026-12-05) keeps them in bf16; ``None`` where
+            the GPU allows it (compute capability 9.0+), bf16 elsewhere with one log line; ``True`` requires it
+            (refused elsewhere; :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
         async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
             overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
             Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by

@@ -424,10 +424,10 @@ def stretches(configs: list[dict]) -> list[list[dict]]:
 def fork_ranks(configs: list[dict], run: Callable[[list[dict]], None] | None = None) -> int:
     """``--fork``: run each stretch of :func:`stretches` (consecutive configs with the same ``devices``) on that
     many ranks forked from this process, one stretch after the other, and return the exit status (the first
-    failed rank's, else 0). The ranks get torchrun's environment, so Lightning takes them for torchrun's (it starts no processes
-    and the strategy runs as under torchrun); forked after the imports, they do not each pay for them again
-    (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun does, a
-    failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
+    failed rank's, else 0). The ranks get torchrun's environment, so Lightning takes them for torchrun's (it
+    starts no processes and the strategy runs as under torchrun); forked after the imports, they do not each pay
+    for them again (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun
+    does, a failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
     so a run that resumes in a later stretch reads a checkpoint that other processes wrote. A stretch whose
     rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr. ``run``: what each rank
     runs on its stretch's configs (default: :func:`run_all`, the Trainer's runs)."""
