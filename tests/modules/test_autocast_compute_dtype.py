@@ -42,3 +42,23 @@ def test_norm_weight_in_the_compute_dtype_only_under_autocast() -> None:
     assert out.dtype == torch.bfloat16
     out.float().sum().backward()
     assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
+
+
+def test_expert_weight_gradients_arrive_in_their_own_layout_under_autocast() -> None:
+    """Gate and up run as one concatenated grouped GEMM: their gradients must come back as contiguous tensors of
+    their own (which AccumulateGrad keeps as they are), not strided views of the concatenation's fp32 gradient
+    (which it copies again: two expert-sized fp32 copies per layer and step)."""
+    from lightning_d9d.modules.moe.experts import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 16, 8, gemm_backend="torch")
+    arrived: dict[str, torch.Tensor] = {}
+    for name, weight in experts.named_parameters():
+        weight.register_hook(lambda grad, name=name: arrived.__setitem__(name, grad))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = experts(torch.randn(12, 16), torch.tensor([3, 0, 5, 4]))
+    out.float().sum().backward()
+    for name, weight in experts.named_parameters():
+        grad = arrived[name]
+        assert grad.dtype == torch.float32 and grad.stride() == weight.stride(), name
+        assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size(), f"{name}: a view"
