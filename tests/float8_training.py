@@ -117,6 +117,52 @@ def train(
     return losses
 
 
+def gradient_differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per parameter, the norm of two runs' gradient difference as a fraction of the expected gradient's norm.
+
+    A norm, not the largest entry: a last-bit difference of fp32 sums can flip one float8 rounding (an element
+    moves by a float8 step, 1/8 of it in e4m3), which moves a few gradient entries by up to 1e-4 of the largest
+    (measured) but hardly the norm (1e-5 measured), where a wrong scale moves every entry (a gradient scaled by
+    1.01: 1e-2)."""
+    assert got.keys() == expected.keys()
+    return {name: float((got[name] - g).norm() / g.norm()) for name, g in expected.items()}
+
+
+# The first step of two float8 runs that sum in different orders (a parallel layout against one process): the
+# first loss within fp32's last bits at ~5.6 (4.8e-7 measured on every CPU so far), the first gradients within
+# GRADIENTS of each other by norm (gradient_differences: flipped float8 roundings move them by ~1e-5, a wrong
+# scale by ~1e-2).
+FIRST_LOSS = 2e-6
+GRADIENTS = 1e-4
+# Under torchao's float8 tp styles (tensorwise) the first gradients part further: every e5m2 gradient scale is the
+# amax of the whole DTensor, so one last-bit difference in it re-rounds every element of that tensor. Measured on
+# the AVX-512 / AMX CPU of session 23: 1.8e-3 (our Qwen3), 5.6e-3 (transformers' Qwen3), 9.5e-3 (our Qwen3-MoE);
+# a wrong scale (per tp shard instead of the whole tensor's) moves them by 0.14 to 0.38 (measured by each test's
+# comparison with the other recipe's reference).
+TENSORWISE_TP_GRADIENTS = 2e-2
+
+
+def assert_first_step_agrees(
+    run: dict[str, Any],
+    reference: dict[str, Any],
+    *,
+    first_loss: float = FIRST_LOSS,
+    gradients: float = GRADIENTS,
+) -> dict[str, float]:
+    """``run`` and ``reference`` (:func:`trained`'s results) take the same first step: the loss before any update
+    and the gradients it gives. Only the first step: after it, a last-bit difference of the two layouts' fp32 sums
+    has flipped float8 roundings (an element moves by 1/8 in e4m3, 1/4 in e5m2), the tensorwise scales spread each
+    flip over a whole tensor and AdamW turns near-zero gradients' flips into lr-sized steps, so the two runs part
+    by up to 4e-3 in the loss by step 2. How far depends on how the CPU's kernels block their sums: on the AVX-512
+    / AMX machine of session 23 the two runs parted from step 1 on, where earlier CPUs had kept every step
+    within fp32's last bit. Later steps are compared with the same layout's runs (bitwise), not with one process.
+    Returns the gradient differences."""
+    assert abs(run["losses"][0] - reference["losses"][0]) <= first_loss, (run["losses"], reference["losses"])
+    differences = gradient_differences(run["grads"], reference["grads"])
+    assert max(differences.values()) < gradients, differences
+    return differences
+
+
 def trained(model: nn.Module, ranks: range = range(1), world: int = 1, **options: Any) -> dict[str, Any]:
     """:func:`train`'s losses, its first gradients, the parameters after its first step (``"first step"``: where
     an MoE's routing, which later float8 roundings can flip, has not yet parted two runs) and those it ends with."""

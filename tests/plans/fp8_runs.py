@@ -101,14 +101,3 @@ def first_attention_input(model: nn.Module) -> dict[str, Any]:
     norm and its attention)."""
     layer = model.model.layers["0"]  # type: ignore[index]
     return record_attention_input(layer.input_layernorm, layer.self_attn)
-
-
-def gradient_differences(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Per parameter, the norm of two runs' gradient difference as a fraction of the expected gradient's norm.
-
-    A norm, not the largest entry: a last-bit difference of fp32 sums can flip one float8 rounding (an element
-    moves by a float8 step, 1/8 of it in e4m3), which moves a few gradient entries by up to 1e-4 of the largest
-    (measured) but hardly the norm (1e-5 measured), where a wrong scale moves every entry (a gradient scaled by
-    1.01: 1e-2)."""
-    assert got.keys() == expected.keys()
-    return {name: float((got[name] - g).norm() / g.norm()) for name, g in expected.items()}

@@ -16,11 +16,14 @@ import torch
 from distributed import run_distributed
 from float8_training import (
     STEPS,
+    TENSORWISE_TP_GRADIENTS,
+    assert_first_step_agrees,
     float8_names,
     full_parameters,
     gloo_gathers_float8_as_bytes,
     split_forward,
     train,
+    trained,
 )
 from fp8_runs import TP_LR, converted_by_hand, first_attention_input, reference_run, split_like_tp
 from torch import nn
@@ -120,15 +123,15 @@ def tp_rank(recipe: str | None) -> dict[str, Any]:
     model = Qwen3ForCausalLM(Qwen3Config.tiny())
     model.parallelize(ParallelDims(tp=2).resolve(2).build_mesh("cpu"), ParallelOptions(fp8=recipe))
     seen = first_attention_input(model)
-    losses = train(model, range(1), 1, vocab_parallel=True, lr=TP_LR)
-    return {"losses": losses, "params": full_parameters(model), "float8": len(float8_names(model)), **seen}
+    run = trained(model, vocab_parallel=True, lr=TP_LR)
+    return {**run, "float8": len(float8_names(model)), **seen}
 
 
 def whole_batch_run(recipe: str | None) -> dict[str, Any]:
     """One process, no DTensor, the whole batch at once (what each tp rank sees): torchao's conversion by hand."""
     model = converted_by_hand(recipe)
     seen = first_attention_input(model)
-    return {"losses": train(model, range(1), 1, lr=TP_LR), "params": full_parameters(model), **seen}
+    return {**trained(model, lr=TP_LR), **seen}
 
 
 def test_tp_over_two_ranks_trains_the_float8_model_as_one_process() -> None:
@@ -145,11 +148,9 @@ def test_tp_over_two_ranks_trains_the_float8_model_as_one_process() -> None:
         assert rank["float8"] == 14  # 7 linear layers in each of the 2 blocks
         assert rank["float8 inputs"] == STEPS  # the sequence gather moved float8 (PrepareFloat8ModuleInput)
         assert rank["scale"] == expected_scale
-        # losses: fp32's last bit at 5.6 is 4.8e-7 (measured: equal to it at every step); parameters: what the
-        # fp32 tp run reaches (6e-6) plus one flipped float8 rounding's AdamW step, a fraction of lr (1.0e-4)
-        torch.testing.assert_close(rank["losses"], reference["losses"], rtol=0, atol=1e-5)
-        for name, param in reference["params"].items():
-            torch.testing.assert_close(rank["params"][name], param, rtol=0, atol=TP_LR / 4, msg=name)
+        # the first step: its loss within fp32's last bit at 5.6, its gradients 1e-5 apart by norm (measured);
+        # later steps part by flipped float8 roundings (assert_first_step_agrees says why)
+        assert_first_step_agrees(rank, reference, gradients=TENSORWISE_TP_GRADIENTS)
     # the float8 styles bite: the fp32 tp run gathers no float8 and its losses are not the float8 ones
     assert plain_tp["float8 inputs"] == 0 and plain_tp["float8"] == 0
     print(f"tp float8 losses {ranks[0]['losses']}, fp32 {plain_tp['losses']}")
