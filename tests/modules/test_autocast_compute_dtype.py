@@ -44,21 +44,41 @@ def test_norm_weight_in_the_compute_dtype_only_under_autocast() -> None:
     assert norm.weight.grad is not None and norm.weight.grad.dtype == torch.float32
 
 
-def test_expert_weight_gradients_arrive_in_their_own_layout_under_autocast() -> None:
+def _gradients_in_another_layout(module: torch.nn.Module, *inputs: torch.Tensor) -> list[str]:
+    """The parameters whose gradient reaches AccumulateGrad in another layout than the parameter's, or as a view of
+    a larger tensor: AccumulateGrad copies those into a gradient of their own, one extra pass over the bytes."""
+    strays: list[str] = []
+
+    def check(name: str, weight: torch.Tensor, grad: torch.Tensor) -> None:
+        if (
+            grad.stride() != weight.stride()
+            or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()
+        ):
+            strays.append(name)
+
+    for name, weight in module.named_parameters():
+        weight.register_hook(lambda grad, name=name, weight=weight: check(name, weight, grad))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(*inputs)
+    out.float().sum().backward()
+    assert all(
+        weight.grad is not None and weight.grad.dtype == torch.float32 for weight in module.parameters()
+    )
+    return strays
+
+
+def test_gradients_arrive_in_their_parameters_layout_under_autocast() -> None:
     """Gate and up run as one concatenated grouped GEMM: their gradients must come back as contiguous tensors of
-    their own (which AccumulateGrad keeps as they are), not strided views of the concatenation's fp32 gradient
-    (which it copies again: two expert-sized fp32 copies per layer and step)."""
+    their own, not strided views of the concatenation's fp32 gradient (which cost two expert-sized fp32 copies
+    per layer and step: 2.7 ms of a 166 ms MoE step on an H100). The same for every parameter of both models."""
     from lightning_d9d.modules.moe.experts import GroupedExperts
 
     torch.manual_seed(0)
     experts = GroupedExperts(4, 16, 8, gemm_backend="torch")
-    arrived: dict[str, torch.Tensor] = {}
-    for name, weight in experts.named_parameters():
-        weight.register_hook(lambda grad, name=name: arrived.__setitem__(name, grad))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = experts(torch.randn(12, 16), torch.tensor([3, 0, 5, 4]))
-    out.float().sum().backward()
-    for name, weight in experts.named_parameters():
-        grad = arrived[name]
-        assert grad.dtype == torch.float32 and grad.stride() == weight.stride(), name
-        assert grad.untyped_storage().nbytes() == grad.numel() * grad.element_size(), f"{name}: a view"
+    assert _gradients_in_another_layout(experts, torch.randn(12, 16), torch.tensor([3, 0, 5, 4])) == []
+    ids = torch.randint(0, 128, (2, 16))
+    for model in (
+        Qwen3ForCausalLM(Qwen3Config.tiny(vocab_size=128)),
+        Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(vocab_size=128)),
+    ):
+        assert _gradients_in_another_layout(model, ids) == [], type(model).__name__
