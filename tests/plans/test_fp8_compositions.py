@@ -436,8 +436,8 @@ def test_moe_under_tp_tensorwise_trains_as_one_process() -> None:
     """Our Qwen3-MoE at tp=2, tensorwise: attention and the dense layer take torchao's float8 styles (every scale
     the whole tensor's, as for Qwen3); each MoE block routes its rank's positions through whole weights, its
     router (no ``nn.Linear``) and grouped experts (bf16 off the GPU) unconverted, and its gradients summed over
-    tp. So the whole batch on one process is the reference: the first step within fp32's last bits; later steps
-    apart by the routing flips that float8's rounding sets off (``ROUTING_FLIPS``)."""
+    tp. So the whole batch on one process is the reference, on the first step (``assert_first_step_agrees``); later
+    steps part by the routing flips that float8's rounding sets off (``ROUTING_FLIPS``)."""
     ranks = run_distributed(plan_rank, 2, "tensorwise", {"tp": 2}, 1, True, timeout=240)
     reference = reference_run("tensorwise", moe=True)
     per_shard = reference_run("tensorwise", tp=True, moe=True)

@@ -271,10 +271,9 @@ def test_moe_under_tp_trains_as_one_process_with_its_scales() -> None:
     tp shard); the MoE block routes each rank's sequence shard through whole experts, router and experts
     unconverted, its gradients summed over tp.
 
-    Tensorwise: from step 3 on the routers' top-2 choice differs for a few tokens (6 of 128 at step 3, 4 at step
-    4, measured by their indices): the fp32 sums' last bits flip float8 roundings that AdamW turns into lr-sized
-    steps, and a flipped choice moves the loss by up to 7e-3 here (4 experts); before that, the runs agree to
-    fp32's last bits. Rowwise flips none: the whole run agrees."""
+    Held to one process on the first step (``assert_first_step_agrees``): later, the fp32 sums' last bits flip
+    float8 roundings that AdamW turns into lr-sized steps, and from there the routers' top-2 choice for a few
+    tokens (tensorwise: 6 of 128 at step 3 on an earlier CPU), which moves the loss by up to 7e-3 here."""
     ranks = run_distributed(moe_tp_rank, 2, timeout=240)
     for recipe in ("tensorwise", "rowwise"):
         reference = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe == "rowwise")
