@@ -148,8 +148,8 @@ def test_tp_over_two_ranks_trains_the_float8_model_as_one_process() -> None:
         assert rank["float8"] == 14  # 7 linear layers in each of the 2 blocks
         assert rank["float8 inputs"] == STEPS  # the sequence gather moved float8 (PrepareFloat8ModuleInput)
         assert rank["scale"] == expected_scale
-        # the first step: its loss within fp32's last bit at 5.6, its gradients 1e-5 apart by norm (measured);
-        # later steps part by flipped float8 roundings (assert_first_step_agrees says why)
+        # the first step: its loss within fp32's last bit at 5.6, its gradients 1.8e-3 apart by norm (measured
+        # on the AMX CPU); later steps part by flipped float8 roundings (assert_first_step_agrees says why)
         assert_first_step_agrees(rank, reference, gradients=TENSORWISE_TP_GRADIENTS)
     # the float8 styles bite: the fp32 tp run gathers no float8 and its losses are not the float8 ones
     assert plain_tp["float8 inputs"] == 0 and plain_tp["float8"] == 0

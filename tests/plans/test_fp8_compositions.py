@@ -530,9 +530,10 @@ def test_moe_under_ep_x_tp_trains_as_one_process_per_data_rank() -> None:
                 assert_first_step_agrees(run, reference)
             else:
                 # tensorwise: on the AVX-512 / AMX CPU of session 23 the first loss is 1.2e-5 apart and the first
-                # gradients up to 8 % (layer 2's experts the most), what one token's flipped routing choice does,
-                # not a float8 rounding; its pieces are held to one process on their own (tp: the test above; ep:
-                # test_moe_under_ep_trains_as_one_process_per_data_rank), here the first loss to 1e-4
+                # gradients up to 8 % (layer 2's experts the most: the pattern of a flipped routing choice, beyond
+                # what float8 roundings do elsewhere); its pieces are held to one process's first step on their own
+                # (tp: the test above; ep: test_moe_under_ep_trains_as_one_process_per_data_rank), the first loss
+                # here to 1e-4
                 assert abs(run["losses"][0] - reference["losses"][0]) <= 1e-4
 
 
