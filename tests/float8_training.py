@@ -77,6 +77,7 @@ def train(
     context: LoadBalancedSplit | None = None,
     first_grads: dict[str, torch.Tensor] | None = None,
     after_step: Callable[[int], None] | None = None,
+    steps: int = STEPS,
 ) -> list[float]:
     """5 AdamW steps; each step's batch cut into ``world`` equal parts of which this process runs ``ranks``.
 
@@ -90,10 +91,11 @@ def train(
     The loss reported is the mean over the process group's processes (each process's own being the mean over the
     parts it ran): data-parallel ranks hold different parts, cp ranks different tokens, and tp ranks the same loss
     (whose mean is that loss, bitwise). ``first_grads``: filled with the whole gradients of the first step, before
-    the optimizer's. ``after_step(i)``: called after the ``i``-th optimizer step."""
+    the optimizer's. ``after_step(i)``: called after the ``i``-th optimizer step. ``steps``: fewer than
+    :data:`STEPS` for a reference compared on its first step only."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps)
     losses = []
-    for step, (inputs, labels) in enumerate(batches()):
+    for step, (inputs, labels) in enumerate(batches()[:steps]):
         step_loss = torch.zeros(())
         for rank in ranks:
             part = slice(rank * inputs.shape[0] // world, (rank + 1) * inputs.shape[0] // world)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from float8_training import SEQUENCE, convert_by_hand, record_attention_input, split_forward, trained
+from float8_training import SEQUENCE, STEPS, convert_by_hand, record_attention_input, split_forward, trained
 from torch import nn
 
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -79,7 +79,14 @@ def split_like_cp(model: Any, cp: int) -> Any:
 
 
 def reference_run(
-    recipe: str | None, *, parts: int = 1, lr: float = TP_LR, tp: bool = False, cp: int = 1, moe: bool = False
+    recipe: str | None,
+    *,
+    parts: int = 1,
+    lr: float = TP_LR,
+    tp: bool = False,
+    cp: int = 1,
+    moe: bool = False,
+    steps: int = STEPS,
 ) -> dict[str, Any]:
     """One process, no DTensor, torchao's conversion by hand: the batch in ``parts`` parts one after the other (as
     ``parts`` data-parallel ranks or pipeline microbatches see it); with ``tp``, every float8 linear multiplies per
@@ -93,7 +100,7 @@ def reference_run(
         split_like_tp(model)
     if cp > 1:
         split_like_cp(model, cp)
-    return trained(model, range(parts), parts, lr=lr)
+    return trained(model, range(parts), parts, lr=lr, steps=steps)
 
 
 def first_attention_input(model: nn.Module) -> dict[str, Any]:

@@ -155,6 +155,9 @@ def blocks_compiled_on_aot_eager(graphs: list[str], calls: list[int] | None = No
         nn.Module.compile = compile_module  # type: ignore[method-assign]
 
 
+# Bitwise comparisons need no 5 steps: 3 carry the optimizer's state through two updates (and keep 4 plans x 2
+# recipes inside CI's time).
+BITWISE_STEPS = 3
 BLOCK_PLANS: dict[str, dict[str, Any]] = {
     "plain": {},
     "full recompute": {"activation_checkpointing": "full"},
@@ -169,7 +172,7 @@ def block_plan_rank(recipe: str) -> dict[str, dict[str, Any]]:
         graphs: list[str] = []
         with blocks_compiled_on_aot_eager(graphs):
             model, _, lines = planned(recipe, {"dp_shard": 1}, **options)
-        run = trained(model, lr=TP_LR)
+        run = trained(model, lr=TP_LR, steps=BITWISE_STEPS)
         runs[name] = {
             **run,
             "lines": lines,
@@ -184,12 +187,12 @@ def block_plan_rank(recipe: str) -> dict[str, dict[str, Any]]:
 def test_recompute_and_compile_train_the_float8_model_bitwise(recipe: str) -> None:
     """Full and selective recompute of the float8 blocks (converted before checkpointing wraps them) run the same
     float8 casts on the same tensors as the forward did, and compile=True traces the casts into the blocks'
-    graph: losses, first gradients and parameters after 5 AdamW steps bitwise one eager process's (compiled on
+    graph: losses, first gradients and parameters after 3 AdamW steps bitwise one eager process's (compiled on
     aot_eager, which runs the traced ops as eager does). Selective recompute keeps the float8 matmuls' outputs
     (its policy saves ``aten.mm``, which is how torchao's float8 products reach the dispatcher); full recompute
     runs each of them again."""
     (runs,) = run_distributed(block_plan_rank, 1, recipe, timeout=240)
-    reference = trained(converted_by_hand(recipe), lr=TP_LR)
+    reference = trained(converted_by_hand(recipe), lr=TP_LR, steps=BITWISE_STEPS)
     for name, run in runs.items():
         assert run["float8"] == LINEARS, name
         assert run["lines"] == [f"fp8 ({recipe}): {LINEARS} linear layers train in float8"], name
@@ -201,7 +204,7 @@ def test_recompute_and_compile_train_the_float8_model_bitwise(recipe: str) -> No
     matmuls = {name: run["backward matmuls"] for name, run in runs.items()}
     assert matmuls["selective recompute"] == matmuls["plain"]
     assert matmuls["full recompute"] == matmuls["plain"] + LINEARS
-    assert reference["losses"][-1] < 0.95 * reference["losses"][0]  # 5.56 -> 5.14: it learns
+    assert reference["losses"][-1] < 0.97 * reference["losses"][0]  # 5.56 -> 5.35 in 3 steps: it learns
 
 
 def inductor_rank() -> dict[str, Any]:
@@ -287,7 +290,7 @@ def test_fsdp_x_tp_tensorwise_trains_as_one_process() -> None:
     only the dp reduction, which halves and adds exactly as the one-after-the-other run does)."""
     ranks = run_distributed(plan_rank, 4, "tensorwise", {"dp_shard": 2, "tp": 2}, 2, timeout=240)
     tp_alone = run_distributed(plan_rank, 2, "tensorwise", {"tp": 2}, 2, timeout=240)[0]
-    one = reference_run("tensorwise", parts=2)
+    one = reference_run("tensorwise", parts=2, steps=1)  # compared on its first step
     for rank in ranks:
         assert rank["float8"] == LINEARS
         assert rank["lines"] == [f"fp8 (tensorwise): {LINEARS} linear layers train in float8"]
@@ -310,7 +313,7 @@ def test_fsdp_x_tp_rowwise_trains_as_one_process_with_per_shard_scales() -> None
     """dp_shard=2 x tp=2, rowwise: what one process trains on each dp half when its float8 linears multiply per tp
     shard (``split_like_tp``; ``test_fp8.py`` shows why tp takes rowwise scales per shard)."""
     ranks = run_distributed(plan_rank, 4, "rowwise", {"dp_shard": 2, "tp": 2}, 2, timeout=240)
-    per_shard = reference_run("rowwise", parts=2, tp=True)
+    per_shard = reference_run("rowwise", parts=2, tp=True, steps=1)  # compared on its first step
     for rank in ranks:
         assert rank["float8"] == LINEARS
         # the same float8 operands as the ranks', summed in another order: the first loss within 2 fp32 last bits
@@ -325,8 +328,8 @@ def test_cp_trains_as_one_process_scaling_each_ranks_positions(recipe: str) -> N
     linears multiply each rank's positions on their own (``split_like_cp``) is the reference. The weights' scales
     are the whole weight's (FSDP over cp gathers them in float8 for tensorwise, its amax over the whole)."""
     ranks = run_distributed(plan_rank, 2, recipe, {"cp": 2}, 1, timeout=240)
-    per_rank = reference_run(recipe, cp=2)
-    whole = reference_run(recipe)
+    per_rank = reference_run(recipe, cp=2, steps=1)  # both compared on their first step
+    whole = reference_run(recipe, steps=1)
     for rank in ranks:
         assert rank["float8"] == LINEARS
         # attention over the gathered keys and the loss over two halves sum in another order than one process:
@@ -439,8 +442,8 @@ def test_moe_under_tp_tensorwise_trains_as_one_process() -> None:
     tp. So the whole batch on one process is the reference, on the first step (``assert_first_step_agrees``); later
     steps part by the routing flips that float8's rounding sets off (``ROUTING_FLIPS``)."""
     ranks = run_distributed(plan_rank, 2, "tensorwise", {"tp": 2}, 1, True, timeout=240)
-    reference = reference_run("tensorwise", moe=True)
-    per_shard = reference_run("tensorwise", tp=True, moe=True)
+    reference = reference_run("tensorwise", moe=True, steps=1)  # both compared on their first step
+    per_shard = reference_run("tensorwise", tp=True, moe=True, steps=1)
     for rank in ranks:
         assert rank["float8"] == MOE_LINEARS
         assert rank["lines"] == [f"fp8 (tensorwise): {MOE_LINEARS} linear layers train in float8"]
@@ -516,7 +519,7 @@ def test_moe_under_ep_x_tp_trains_as_one_process_per_data_rank() -> None:
     multiplying per tp shard (``split_like_tp``)."""
     ranks = run_distributed(ep_x_tp_rank, 4, timeout=240)
     for recipe in RECIPES:
-        reference = reference_run(recipe, parts=2, moe=True, tp=recipe == "rowwise")
+        reference = reference_run(recipe, parts=2, moe=True, tp=recipe == "rowwise", steps=1)
         for rank in ranks:
             run = rank[recipe]
             assert run["float8"] == MOE_LINEARS
@@ -564,7 +567,7 @@ def test_full_recompute_of_compiled_blocks_under_tp_trains_as_one_process() -> N
     forward again, float8 casts and tp's float8 gathers in it. Bitwise the eager tp plan's run; against one
     process (every tensorwise scale the whole tensor's), the first step within fp32's last bits."""
     ranks = run_distributed(compiled_recompute_tp_rank, 2, timeout=240)
-    one = reference_run("tensorwise")
+    one = reference_run("tensorwise", steps=1)  # compared on its first step
     for rank in ranks:
         run = rank["compiled"]
         assert run["float8"] == LINEARS

@@ -171,7 +171,7 @@ def tp_rank(recipe: str, family: str = "qwen3") -> dict[str, Any]:
     return tp_or_whole_batch_run(model, vocab_parallel=True)
 
 
-def tp_or_whole_batch_run(model: nn.Module, *, vocab_parallel: bool) -> dict[str, Any]:
+def tp_or_whole_batch_run(model: nn.Module, *, vocab_parallel: bool, steps: int = STEPS) -> dict[str, Any]:
     layer = model.model.layers[0]
     seen = record_attention_input(layer.input_layernorm, layer.self_attn)
     first: dict[str, torch.Tensor] = {}
@@ -190,6 +190,7 @@ def tp_or_whole_batch_run(model: nn.Module, *, vocab_parallel: bool) -> dict[str
         eps=EPS,
         after_step=after,
         first_grads=grads,
+        steps=steps,
     )
     return {
         "losses": losses,
@@ -201,7 +202,9 @@ def tp_or_whole_batch_run(model: nn.Module, *, vocab_parallel: bool) -> dict[str
     }
 
 
-def whole_batch_run(recipe: str | None, *, per_shard: bool = False, family: str = "qwen3") -> dict[str, Any]:
+def whole_batch_run(
+    recipe: str | None, *, per_shard: bool = False, family: str = "qwen3", steps: int = STEPS
+) -> dict[str, Any]:
     """One process, the whole batch at once; ``per_shard``: every float8 linear multiplies per tp shard
     (:func:`split_forward`), column- or row-parallel as the config's tp plan splits it."""
     model = model_of(family, recipe, **TP_FAMILIES[family])
@@ -210,7 +213,7 @@ def whole_batch_run(recipe: str | None, *, per_shard: bool = False, family: str 
         for name in float8_names(model):
             assert styles[name] in ("colwise", "rowwise"), name
             split_forward(model.get_submodule(name), column=styles[name] == "colwise")
-    return tp_or_whole_batch_run(model, vocab_parallel=False)
+    return tp_or_whole_batch_run(model, vocab_parallel=False, steps=steps)
 
 
 def test_tp_tensorwise_gathers_float8_and_trains_as_one_process_with_its_scales() -> None:
@@ -220,7 +223,7 @@ def test_tp_tensorwise_gathers_float8_and_trains_as_one_process_with_its_scales(
     from torchao.float8.float8_utils import amax_to_scale
 
     ranks = run_distributed(tp_rank, 2, "tensorwise", timeout=240)
-    reference = whole_batch_run("tensorwise")
+    reference = whole_batch_run("tensorwise", steps=1)  # compared on its first step
     full_precision = whole_batch_run(None)
     expected_scale = float(amax_to_scale(torch.tensor(reference["amax"]), torch.float8_e4m3fn))
     for rank in ranks:
@@ -276,8 +279,9 @@ def test_moe_under_tp_trains_as_one_process_with_its_scales() -> None:
     tokens (tensorwise: 6 of 128 at step 3 on an earlier CPU), which moves the loss by up to 7e-3 here."""
     ranks = run_distributed(moe_tp_rank, 2, timeout=240)
     for recipe in ("tensorwise", "rowwise"):
-        reference = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe == "rowwise")
-        other = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe != "rowwise")
+        # both compared on their first step
+        reference = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe == "rowwise", steps=1)
+        other = whole_batch_run(recipe, family="qwen3_moe", per_shard=recipe != "rowwise", steps=1)
         for rank in ranks:
             run = rank[recipe]
             assert run["float8"] == reference["float8"]
