@@ -1320,9 +1320,9 @@ def main(argv: list[str] | None = None) -> None:
     fpt = flops_per_token(args)
     meta: dict[str, Any] = {
         "date": args.date,
-        # moe_large's own depth (6) is the default of --layers there; any other --layers names its count
+        # the depth where --layers set it, or where the name does not give it (moe_large's own, from its config)
         "model": MODEL_NAMES[args.model]
-        + (f", {args.layers} layers" if args.layers else ", 6 layers" if args.model == "moe_large" else ""),
+        + (f", {_config(args).num_hidden_layers} layers" if args.layers or args.model == "moe_large" else ""),
         "seq_len": args.seq_len,
         "batch_size": args.batch_size,
         "tokens_per_step": args.batch_size * args.seq_len,

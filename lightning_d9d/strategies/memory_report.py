@@ -133,7 +133,7 @@ def _unsharded_fsdp_hint(strategy: D9DStrategy) -> str:
     """The lever for FSDP units that shard over one rank and keep their gathered parameters to backward (the
     default there): the plan's activations do not count that bf16 copy of the blocks' weights."""
     dims, options = strategy.parallel_dims, strategy.parallel_options()
-    if not wraps_in_fsdp(dims, options) or options.reshards(dims.fsdp):
+    if dims.fsdp > 1 or not wraps_in_fsdp(dims, options) or options.reshards(dims.fsdp):
         return ""
     return (
         "; with dp_shard=1, reshard_after_forward=True also frees the bf16 copy of the blocks' weights that FSDP "

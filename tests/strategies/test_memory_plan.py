@@ -177,6 +177,11 @@ def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
         plan = report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
     assert plan is not None and plan.exceeds_device
     assert "reshard_after_forward" not in str(caught[0].message)  # sharded units free theirs already
+    # kept on purpose where sharded: the one-rank hint ("with dp_shard=1") is not this case
+    kept = _report_strategy(ParallelDims(dp_shard=2), ParallelOptions(reshard_after_forward=False))
+    with pytest.warns(UserWarning, match="more than the device's") as caught:
+        report_memory_plan(kept, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+    assert "reshard_after_forward" not in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report_memory_plan(strategy, batch=None, device_memory=2**30)  # type: ignore[arg-type]
