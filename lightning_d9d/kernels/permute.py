@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lightning_d9d.kernels.dispatch import use_triton
-from lightning_d9d.kernels.permute_triton import permute_rows_triton, unpermute_rows_triton
+from lightning_d9d.kernels.permute_triton import permute_rows_triton, sum_rows_triton, unpermute_rows_triton
 
 # Set True once the Triton permutation's GPU tests have passed on a GPU (then ``auto`` uses it on CUDA).
 PERMUTE_GPU_CHECKED = True
@@ -115,18 +115,38 @@ def permute_tokens(
     return grouped, Permutation(order=order, inverse=inverse, top_k=top_k)
 
 
-def unpermute_tokens(grouped: torch.Tensor, permutation: Permutation, weights: torch.Tensor) -> torch.Tensor:
+def weights_by_row(weights: torch.Tensor, permutation: Permutation) -> torch.Tensor:
+    """``weights [T, k]`` (one per slot) -> ``[T * k]`` in grouped order: row ``r``'s weight is its slot's,
+    ``weights.reshape(-1)[order[r]]``; its backward reads through ``inverse`` (no scatter)."""
+    column = _gather_rows(weights.reshape(-1, 1), permutation.order, permutation.inverse, 1)
+    return column.reshape(-1)
+
+
+def unpermute_tokens(
+    grouped: torch.Tensor, permutation: Permutation, weights: torch.Tensor | None = None
+) -> torch.Tensor:
     """Rows ``[T * k, H]`` in grouped order -> ``[T, H]``: each token's ``k`` rows weighted by ``weights
-    [T, k]`` (cast to the rows' dtype) and summed."""
-    num_tokens, top_k = weights.shape
-    if top_k != permutation.top_k or grouped.shape[0] != num_tokens * top_k:
+    [T, k]`` (cast to the rows' dtype) and summed; without ``weights``, summed as they are (rows the experts
+    weighed already: :func:`weights_by_row`)."""
+    top_k = permutation.top_k
+    num_tokens = grouped.shape[0] // top_k
+    if grouped.shape[0] != num_tokens * top_k or (
+        weights is not None and tuple(weights.shape) != (num_tokens, top_k)
+    ):
+        got = "" if weights is None else f" and weights {tuple(weights.shape)}"
         raise ValueError(
-            f"unpermute_tokens got {grouped.shape[0]} rows and weights {tuple(weights.shape)}: expected "
-            f"T * k rows with k = {permutation.top_k}"
+            f"unpermute_tokens got {grouped.shape[0]} rows{got}: expected T * k rows (and weights [T, k]) with "
+            f"k = {top_k}"
         )
-    if use_triton("unpermute_tokens", grouped, weights, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
-        return unpermute_rows_triton(grouped, permutation.inverse, weights)
+    tensors = (grouped,) if weights is None else (grouped, weights)
+    if use_triton("unpermute_tokens", *tensors, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
+        if weights is not None:
+            return unpermute_rows_triton(grouped, permutation.inverse, weights)
+        sources = torch.div(permutation.order, top_k, rounding_mode="floor")
+        return sum_rows_triton(grouped, sources, permutation.inverse, top_k)
     # Grouped row r holds slot order[r]: reading the slots' gradients through order undoes the gather.
     slots = _gather_rows(grouped, permutation.inverse, permutation.order, 1)
     slots = slots.view(num_tokens, top_k, grouped.shape[1])
+    if weights is None:
+        return slots.sum(dim=1)
     return (slots * weights.to(grouped.dtype).unsqueeze(-1)).sum(dim=1)

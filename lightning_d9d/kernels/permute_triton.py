@@ -9,8 +9,12 @@ read by ``k`` unrolled loads (``top_k`` is a compile-time constant) added into o
 reduction crosses threads: on an H200 (16,384 tokens, top-8, hidden 1024, inside ``torch.compile``) the
 unpermute forward took 0.42 ms this way against 0.54 ms summing one ``[k, BLOCK]`` tile, the variant it replaced.
 
-The passes are torch custom operators (``lightning_d9d::permute_rows`` / ``unpermute_rows``, autograd
-registered), so ``torch.compile`` calls them as they are instead of tracing the reference: Inductor's own
+Where the experts weighed their rows already (the MoE block's way: :func:`~lightning_d9d.kernels.permute.
+weights_by_row`), the way back is an unweighted sum (``sum_rows``) whose backward is the permutation's own gather
+of each token's gradient into its rows: nothing of the rows is kept for it.
+
+The passes are torch custom operators (``lightning_d9d::permute_rows`` / ``unpermute_rows`` / ``sum_rows``,
+autograd registered), so ``torch.compile`` calls them as they are instead of tracing the reference: Inductor's own
 kernels for these index gathers ran at about a fifth of the copy bandwidth on an H200.
 """
 
@@ -90,20 +94,31 @@ def _warps(rows: int, block: int) -> int:
     return 8 if rows * block >= 4096 else 4
 
 
+@torch.library.custom_op("lightning_d9d::gather_rows", mutates_args=())
+def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]``: rows of ``source [T, H]`` in the order ``index [N]`` names them."""
+    source = source.contiguous()
+    count, width = index.numel(), source.shape[1]
+    gathered = torch.empty((count, width), dtype=source.dtype, device=source.device)
+    rows, block = _tile(width, 4)
+    launchable(_gather_rows, source.device)[(triton.cdiv(count, rows),)](
+        source, index.contiguous(), gathered, count, width, rows, block, num_warps=_warps(rows, block)
+    )
+    return gathered
+
+
+@gather_rows.register_fake
+def _(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return source.new_empty((index.numel(), source.shape[1]))
+
+
 @torch.library.custom_op("lightning_d9d::permute_rows", mutates_args=())
 def permute_rows(
     hidden: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int
 ) -> torch.Tensor:
     """``hidden[sources]`` (``sources[r] = order[r] // top_k``); its backward reads through ``inverse``."""
     announce("permute_tokens")
-    hidden = hidden.contiguous()
-    count, width = sources.numel(), hidden.shape[1]
-    grouped = torch.empty((count, width), dtype=hidden.dtype, device=hidden.device)
-    rows, block = _tile(width, 4)
-    launchable(_gather_rows, hidden.device)[(triton.cdiv(count, rows),)](
-        hidden, sources.contiguous(), grouped, count, width, rows, block, num_warps=_warps(rows, block)
-    )
-    return grouped
+    return gather_rows(hidden, sources)
 
 
 @permute_rows.register_fake
@@ -169,6 +184,19 @@ def _(grouped: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> to
     return grouped.new_empty((weights.shape[0], grouped.shape[1]))
 
 
+@torch.library.custom_op("lightning_d9d::sum_rows", mutates_args=())
+def sum_rows(grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``sum_j grouped[inverse[t * k + j]]`` for every token ``t`` (rows the experts weighed already); its backward
+    hands each grouped row its token's gradient (``grad[sources]``, the permutation's own gather)."""
+    announce("unpermute_tokens")
+    return weighted_gather_sum(grouped, inverse, None, top_k)
+
+
+@sum_rows.register_fake
+def _(grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    return grouped.new_empty((grouped.shape[0] // top_k, grouped.shape[1]))
+
+
 def _permute_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(inputs[2])
     ctx.top_k = inputs[3]
@@ -190,7 +218,17 @@ def _unpermute_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, 
     return d_grouped, None, d_weights.to(weights.dtype)
 
 
+def _sum_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[1])
+
+
+def _sum_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    (sources,) = ctx.saved_tensors
+    return gather_rows(grad, sources), None, None, None
+
+
 permute_rows.register_autograd(_permute_grad, setup_context=_permute_context)
+sum_rows.register_autograd(_sum_grad, setup_context=_sum_context)
 unpermute_rows.register_autograd(_unpermute_grad, setup_context=_unpermute_context)
 
 
@@ -207,4 +245,12 @@ def unpermute_rows_triton(
 ) -> torch.Tensor:
     """``sum_j weights[t, j] * grouped[inverse[t * k + j]]`` for every token ``t``."""
     out: torch.Tensor = unpermute_rows(grouped, inverse, weights)
+    return out
+
+
+def sum_rows_triton(
+    grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int
+) -> torch.Tensor:
+    """``sum_j grouped[inverse[t * k + j]]`` for every token ``t``; backward gathers through ``sources``."""
+    out: torch.Tensor = sum_rows(grouped, sources, inverse, top_k)
     return out

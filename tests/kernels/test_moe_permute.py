@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from lightning_d9d.kernels import count_tokens_per_expert, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels import count_tokens_per_expert, permute_tokens, unpermute_tokens, weights_by_row
 from lightning_d9d.kernels.permute import sort_key
 
 
@@ -64,14 +65,22 @@ def _routed(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, tor
 
 
 def _moe_like(
-    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor
+    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, weighed: str
 ) -> torch.Tensor:
+    """permute -> a per-expert scaling -> unpermute; the weights applied by unpermute (``weighed="combine"``) or
+    to each grouped row before an unweighted sum (``"rows"``, what the MoE block's experts do)."""
     grouped, permutation = permute_tokens(hidden, indices)
-    sorted_experts = indices.reshape(-1)[permutation.order]
-    return unpermute_tokens(grouped * scale[sorted_experts], permutation, weights)
+    expert_rows = grouped * scale[indices.reshape(-1)[permutation.order]]
+    if weighed == "rows":
+        return unpermute_tokens(expert_rows * weights_by_row(weights, permutation).unsqueeze(-1), permutation)
+    return unpermute_tokens(expert_rows, permutation, weights)
 
 
-def test_permutation_gradients_equal_the_loops_gradients_eager_and_traced() -> None:
+WEIGHED = ("combine", "rows")
+
+
+@pytest.mark.parametrize("weighed", WEIGHED)
+def test_permutation_gradients_equal_the_loops_gradients_eager_and_traced(weighed: str) -> None:
     """Both backward gathers (token <- its k slots, grouped rows <- slots) against autograd through a loop that
     never permutes; also traced whole by Dynamo (``fullgraph``), as inside the compiled decoder layers."""
     hidden, indices, weights, scale = _routed(torch.Generator().manual_seed(5))
@@ -91,15 +100,18 @@ def test_permutation_gradients_equal_the_loops_gradients_eager_and_traced() -> N
         return h.grad, w.grad
 
     expected = grads(loop)
-    eager = grads(lambda h, w: _moe_like(h, indices, w, scale))
+    eager = grads(lambda h, w: _moe_like(h, indices, w, scale, weighed))
     traced = grads(
-        torch.compile(lambda h, w: _moe_like(h, indices, w, scale), backend="aot_eager", fullgraph=True)
+        torch.compile(
+            lambda h, w: _moe_like(h, indices, w, scale, weighed), backend="aot_eager", fullgraph=True
+        )
     )
     for got in (eager, traced):
         torch.testing.assert_close(got, expected, atol=1e-12, rtol=1e-12)
 
 
-def test_permutation_backward_has_no_scatter_add() -> None:
+@pytest.mark.parametrize("weighed", WEIGHED)
+def test_permutation_backward_has_no_scatter_add(weighed: str) -> None:
     """The reference's backward reads through the inverse permutation: no ``index_add`` (a scatter with atomics
     on the GPU, in no fixed order), which is what ``index_select``'s own backward would run."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -115,7 +127,8 @@ def test_permutation_backward_has_no_scatter_add() -> None:
 
     hidden, indices, weights, scale = _routed(torch.Generator().manual_seed(7))
     hidden.requires_grad_()
-    out = _moe_like(hidden, indices, weights, scale)
+    weights.requires_grad_()
+    out = _moe_like(hidden, indices, weights, scale, weighed)
     with Ops() as ops:
         out.sum().backward()
     assert "index_select" in ops.seen

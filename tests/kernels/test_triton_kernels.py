@@ -13,7 +13,7 @@ import pytest
 import torch
 from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 
-from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens, weights_by_row
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
 from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
@@ -157,13 +157,32 @@ def test_modules_use_the_references_on_cpu_unless_forced(
     torch.testing.assert_close(forced[2], reference[2])
 
 
-def _moe_round_trip(hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor):  # type: ignore[no-untyped-def]
-    """permute -> a per-expert scaling (an "expert") -> unpermute, and the gradients of hidden and weights."""
+# Where the routing weights are applied: by unpermute_tokens, or by the "experts" on each grouped row (what the
+# MoE block does) and then summed unweighted.
+WEIGHED = ("combine", "rows")
+
+
+def _routed_through(
+    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, weighed: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """permute -> a per-expert scaling (an "expert") -> unpermute, the weights applied where ``weighed`` says."""
     grouped, permutation = permute_tokens(hidden, indices)
-    out = unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights)
+    expert_rows = grouped * scale[indices.reshape(-1)[permutation.order]]
+    if weighed == "rows":
+        weighted = expert_rows * weights_by_row(weights, permutation).to(grouped.dtype).unsqueeze(-1)
+        return grouped, unpermute_tokens(weighted, permutation)
+    return grouped, unpermute_tokens(expert_rows, permutation, weights)
+
+
+def _moe_round_trip(
+    hidden: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor, scale: torch.Tensor, weighed: str
+):  # type: ignore[no-untyped-def]
+    """The round trip's rows, output, and the gradients of hidden and weights."""
+    grouped, out = _routed_through(hidden, indices, weights, scale, weighed)
     return (grouped, out, *grads((out,), (hidden, weights)))
 
 
+@pytest.mark.parametrize("weighed", WEIGHED)
 @pytest.mark.parametrize(
     ("tokens", "hidden_size", "top_k", "dtype"),
     [(7, 5, 3, torch.float32), (9, 1500, 2, torch.float32), (6, 40, 4, torch.bfloat16)],
@@ -173,6 +192,7 @@ def test_moe_permute_and_unpermute(
     hidden_size: int,
     top_k: int,
     dtype: torch.dtype,
+    weighed: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     experts = 6
@@ -183,15 +203,18 @@ def test_moe_permute_and_unpermute(
     scale = torch.randn(experts, hidden_size, generator=generator).to(dtype)
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     with poisoned_allocations():
-        got = _moe_round_trip(hidden, indices, weights, scale)
+        got = _moe_round_trip(hidden, indices, weights, scale, weighed)
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
-    expected = _moe_round_trip(hidden, indices, weights, scale)
+    expected = _moe_round_trip(hidden, indices, weights, scale, weighed)
     assert torch.equal(got[0], expected[0])  # a gather: bit for bit
     for out, ref in zip(got[1:], expected[1:], strict=True):
         assert relative_error(out, ref) < BOUND[dtype]
 
 
-def test_moe_permutation_runs_its_kernels_inside_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("weighed", WEIGHED)
+def test_moe_permutation_runs_its_kernels_inside_torch_compile(
+    weighed: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The permutation kernels are torch custom operators: a ``fullgraph`` compile keeps them in the graph (the
     other kernels give way to their references there) and AOT autograd runs their registered backward, equal
     to the reference's gradients."""
@@ -210,8 +233,7 @@ def test_moe_permutation_runs_its_kernels_inside_torch_compile(monkeypatch: pyte
         )
 
     def round_trip(h: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        grouped, permutation = permute_tokens(h, indices)
-        return unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, w)
+        return _routed_through(h, indices, w, scale, weighed)[1]
 
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     torch._dynamo.reset()
@@ -219,7 +241,8 @@ def test_moe_permutation_runs_its_kernels_inside_torch_compile(monkeypatch: pyte
     with poisoned_allocations():
         out = compiled(hidden, weights)
         got = grads((out,), (hidden, weights))
-    assert {"lightning_d9d.permute_rows.default", "lightning_d9d.unpermute_rows.default"} <= graph_ops, (
+    unpermute = "unpermute_rows" if weighed == "combine" else "sum_rows"
+    assert {"lightning_d9d.permute_rows.default", f"lightning_d9d.{unpermute}.default"} <= graph_ops, (
         graph_ops
     )
     monkeypatch.setenv(dispatch.ENV_VAR, "reference")
