@@ -15,8 +15,9 @@ for each experts module:
   and asked for: :func:`~lightning_d9d.modules.moe.expert_parallel_dispatcher`) brings each rank the rows of its
   local experts, grouped by expert; one grouped GEMM per projection runs them
   (:func:`~lightning_d9d.kernels.grouped_mm`) in ``transformers``' weight layout (``gate_up_proj [E, 2 * ffn,
-  hidden]`` with the gate rows first, ``down_proj [E, hidden, ffn]``, the module's own ``act_fn``); the rows come
-  back and are summed per token with the router's weights.
+  hidden]`` with the gate rows first, ``down_proj [E, hidden, ffn]``, the module's own ``act_fn``), each row's
+  activation weighed by its router weight before the down projection; the rows come back and are summed per
+  token.
 
 Refused before any collective (:func:`check_hf_expert_model`): a config without ``base_model_ep_plan`` (a dense
 model), a plan that names no experts module, an experts module that is not ``transformers``' stacked layout (other
@@ -41,6 +42,7 @@ from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
 from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
+from lightning_d9d.modules.moe.experts import weigh_rows
 from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.options import ParallelOptions
 
@@ -189,7 +191,10 @@ def expert_parallel_forward(
     gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), counts, backend=backend)
     gate, up = gate_up.chunk(2, dim=-1)
     act_fn: Any = self.act_fn
-    output = grouped_mm(act_fn(gate) * up, down_proj.transpose(1, 2), counts, backend=backend)
+    activation = weigh_rows(
+        act_fn(gate) * up, dispatched.row_weights
+    )  # the weights' product: see moe.dispatch
+    output = grouped_mm(activation, down_proj.transpose(1, 2), counts, backend=backend)
     return dispatcher.combine(output, dispatched)
 
 

@@ -7,13 +7,13 @@ Experts ``r * E/ep ... (r+1) * E/ep - 1`` live on ``ep`` rank ``r`` (dimension 0
    also groups them by destination rank;
 2. exchanges the per-expert counts (one small all-to-all), so each rank learns how many rows it receives from
    every source for each of its local experts;
-3. sends the rows (an all-to-all with uneven split sizes: a host read of the counts, as every all-to-all
-   dispatcher needs to size its buffers);
+3. sends the rows and each row's routing weight (all-to-alls with uneven split sizes: a host read of the
+   counts, as every all-to-all dispatcher needs to size its buffers);
 4. sorts what arrived (ordered by source, then local expert) by local expert, stably.
 
-``combine`` undoes 4, 3 and 1; the routing weights never travel: each token's rows come home first and are
-weighed and summed there. Both all-to-alls are differentiable (backward is the reverse exchange), so gradients
-of expert inputs and of the weights of experts on other ranks flow like the local path's.
+The experts weigh their rows; ``combine`` undoes 4, 3 and 1 and sums each token's rows on its own rank. The
+all-to-alls are differentiable (backward is the reverse exchange), so gradients of expert inputs, of the
+routing weights and of the weights of experts on other ranks flow like the local path's.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens
+from lightning_d9d.kernels import Permutation, permute_tokens, unpermute_tokens, weights_by_row
 from lightning_d9d.kernels.permute import group_by_expert
 from lightning_d9d.modules.moe.dispatch import Dispatched, local_expert_count
 from lightning_d9d.modules.moe.router import Routing
@@ -89,13 +89,15 @@ class AllToAllDispatcher:
         splits = torch.cat([counts.view(self.ep, -1).sum(1), by_source.sum(1)]).tolist()
         send_splits, receive_splits = splits[: self.ep], splits[self.ep :]
         arrived = _AllToAll.apply(rows, receive_splits, send_splits, self.group)
+        row_weights = weights_by_row(routing.expert_weights, permutation)
+        arrived_weights = _AllToAll.apply(row_weights, receive_splits, send_splits, self.group)
         local_expert = torch.arange(self.num_local_experts, device=counts.device).repeat(self.ep)
         row_expert = local_expert.repeat_interleave(by_source.reshape(-1), output_size=arrived.shape[0])
         order, inverse = group_by_expert(row_expert, self.num_local_experts)
         return Dispatched(
             tokens=arrived.index_select(0, order),
             tokens_per_expert=by_source.sum(0),
-            expert_weights=routing.expert_weights,
+            row_weights=arrived_weights.index_select(0, order),
             state=_AllToAllState(permutation, order, inverse, send_splits, receive_splits),
         )
 
@@ -103,4 +105,4 @@ class AllToAllDispatcher:
         state: _AllToAllState = dispatched.state
         arrived_order = expert_output.index_select(0, state.inverse)
         returned = _AllToAll.apply(arrived_order, state.send_splits, state.receive_splits, self.group)
-        return unpermute_tokens(returned, state.permutation, dispatched.expert_weights)
+        return unpermute_tokens(returned, state.permutation)

@@ -87,7 +87,7 @@ class MoE(nn.Module):
         tokens = hidden.reshape(-1, self.hidden_size)
         routing = self.gate(tokens)
         dispatched = self.dispatcher.dispatch(tokens, routing)
-        expert_output = self.experts(dispatched.tokens, dispatched.tokens_per_expert)
+        expert_output = self.experts(dispatched.tokens, dispatched.tokens_per_expert, dispatched.row_weights)
         output = self.dispatcher.combine(expert_output, dispatched)
         if self.shared_experts is not None:
             output = output + self.shared_experts(tokens)

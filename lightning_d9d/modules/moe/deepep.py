@@ -1,11 +1,11 @@
 """Expert-parallel token dispatch through DeepEP (``deep_ep.Buffer``: NVLink / RDMA kernels), when installed.
 
 DeepEP sends each token once per destination *rank* (not once per expert) with its top-k indices, made local
-(``-1`` where the expert lives elsewhere), and its top-k weights. So, unlike the all-to-all dispatcher, the
-weights travel: the receiving rank groups the (token, local expert) slots by expert, runs the experts, weighs
-each slot and sums a token's slots; ``Buffer.combine`` then sums each token's partial results over the ranks
-(an unweighted reduction). Backward mirrors it: the gradient of dispatch is a combine with the forward's handle,
-the gradient of combine a dispatch with it (DeepEP's documented pairing).
+(``-1`` where the expert lives elsewhere), and its top-k weights. The receiving rank groups the (token, local
+expert) slots by expert, hands the experts each slot's weight (they weigh their rows) and sums a token's slots;
+``Buffer.combine`` then sums each token's partial results over the ranks (an unweighted reduction). Backward
+mirrors it: the gradient of dispatch is a combine with the forward's handle, the gradient of combine a dispatch
+with it (DeepEP's documented pairing).
 
 ``deep_ep`` is optional: :func:`deep_ep_available` says whether it can be imported, and
 :func:`~lightning_d9d.modules.moe.make_dispatcher` falls back to all-to-all with a log line when it cannot.
@@ -88,7 +88,6 @@ class _DeepEPState:
     handle: Any
     received_tokens: int
     slot_order: torch.Tensor  # received slot (token * k + j) at grouped row i
-    slot_weights: torch.Tensor  # [rows]: the routing weight of each grouped row
     top_k: int
 
 
@@ -117,18 +116,15 @@ class DeepEPDispatcher:
         return Dispatched(
             tokens=tokens,
             tokens_per_expert=torch.tensor(counts, dtype=torch.int64, device=hidden.device),
-            expert_weights=routing.expert_weights,
-            state=_DeepEPState(
-                handle, recv_x.shape[0], slot_order, recv_weights.reshape(-1)[slot_order], top_k
-            ),
+            row_weights=recv_weights.reshape(-1)[slot_order],
+            state=_DeepEPState(handle, recv_x.shape[0], slot_order, top_k),
         )
 
     def combine(self, expert_output: torch.Tensor, dispatched: Dispatched) -> torch.Tensor:
         state: _DeepEPState = dispatched.state
-        weighted = expert_output * state.slot_weights.to(expert_output.dtype).unsqueeze(-1)
         per_token = expert_output.new_zeros(state.received_tokens, expert_output.shape[1])
         per_token = per_token.index_add(
-            0, torch.div(state.slot_order, state.top_k, rounding_mode="floor"), weighted
+            0, torch.div(state.slot_order, state.top_k, rounding_mode="floor"), expert_output
         )
         result: torch.Tensor = _Combine.apply(per_token, state.handle, self.buffer)
         return result

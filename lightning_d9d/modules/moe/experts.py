@@ -77,8 +77,12 @@ class GroupedExperts(nn.Module):
             bound = 1 / math.sqrt(weight.shape[1])
             nn.init.uniform_(weight, -bound, bound)
 
-    def forward(self, grouped: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``."""
+    def forward(
+        self, grouped: torch.Tensor, tokens_per_expert: torch.Tensor, row_weights: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``; with
+        ``row_weights [N]`` (each row's routing weight) every row's output is weighed by it (applied to the
+        activation before the down projection, where it is narrow: see :mod:`lightning_d9d.modules.moe.dispatch`)."""
         gate_proj, up_proj, down_proj = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
         if self.gemm_backend == FLOAT8_BACKEND:
             # the same concatenation, laid out column-major per expert as the float8 kernels read it (one copy)
@@ -91,13 +95,23 @@ class GroupedExperts(nn.Module):
             gate_up_proj = torch.cat([to_autocast_dtype(gate_proj), to_autocast_dtype(up_proj)], dim=-1)
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
         gate, up = gate_up.split(gate_proj.shape[-1], dim=-1)
-        return grouped_mm(swiglu(gate, up), down_proj, tokens_per_expert, backend=self.gemm_backend)
+        return grouped_mm(
+            weigh_rows(swiglu(gate, up), row_weights), down_proj, tokens_per_expert, backend=self.gemm_backend
+        )
 
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, gemm_backend={self.gemm_backend}"
         )
+
+
+def weigh_rows(activation: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    """``activation [N, ffn]`` times each row's routing weight (cast to the activation's dtype; unchanged when
+    ``None``): the experts' share of the weighted sum ``combine`` finishes."""
+    if row_weights is None:
+        return activation
+    return activation * row_weights.to(activation.dtype).unsqueeze(-1)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:

@@ -146,3 +146,23 @@ def test_block_matches_transformers_qwen3_moe(normalize: bool) -> None:
         reference.experts.down_proj.copy_(moe.experts.down_proj.transpose(1, 2))
     hidden = torch.randn(2, 9, 16, generator=generator)
     torch.testing.assert_close(moe(hidden), reference(hidden), atol=1e-5, rtol=1e-5)
+
+
+def test_the_experts_weigh_their_rows_so_combine_keeps_no_activation_for_backward() -> None:
+    """The routing weights are applied to each row's narrow activation inside the experts, so the combine is an
+    unweighted sum whose backward needs nothing of the experts' ``[T * k, hidden]`` output (weighing that output
+    kept it, or a copy, for the weights' gradient). What the combine saves is only the permutation's indices."""
+    moe = _block(CASES[0])
+    hidden = torch.randn(CASES[0].shape, requires_grad=True)
+    saved: list[torch.Tensor] = []
+    combine = moe.dispatcher.combine
+
+    def recording_combine(expert_output: torch.Tensor, dispatched: object) -> torch.Tensor:
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            return combine(expert_output, dispatched)  # type: ignore[arg-type]
+
+    moe.dispatcher.combine = recording_combine  # type: ignore[method-assign]
+    moe(hidden).sum().backward()
+    assert saved and not [tuple(t.shape) for t in saved if t.is_floating_point()], [
+        (tuple(t.shape), t.dtype) for t in saved
+    ]
