@@ -25,6 +25,10 @@
 #   whole4b  Qwen3-4B's whole shape (H200 only: ~130 GiB): torchtitan bf16, ours without FSDP on the one rank and
 #            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True): under
 #            torchtitan's peak?
+#   moe_ab   the MoE shape, a change against the code before it in one lease: the plain recipe and ours (no FSDP on
+#            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
+#            package and examples, `git archive <commit> lightning_d9d examples | tar -x -C runs/base`, carried)
+#            (~6 min)
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
@@ -89,6 +93,12 @@ for part in "${@:-dense moe}"; do
           --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
       whole4b) bench --model 4b --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --path-timeout 240 \
           --out "$OUT/whole4b" --paths "${titan}ours_trainer_compiled_nofsdp,ours_trainer_compiled_reshard" ;;
+      moe_ab) test -d "${BASE:-runs/base}/lightning_d9d" || { echo "moe_ab: no snapshot in ${BASE:-runs/base}" >&2; false; } \
+          && LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 \
+            --out "$OUT/moe_ab" --paths hf_fsdp_compiled,ours_trainer_compiled_nofsdp \
+          && PYTHONPATH="$PWD/${BASE:-runs/base}:$PYTHONPATH" LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe \
+            --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/moe_ab_base" \
+            --paths ours_trainer_compiled_nofsdp ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do

@@ -424,7 +424,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     Qwen3-MoE-like shape: 16384 tokens, hidden 1024, top-8 of 128 experts, expert width 768."""
     import os
 
-    from lightning_d9d.kernels import permute_tokens, unpermute_tokens
+    from lightning_d9d.kernels import permute_tokens, unpermute_tokens, weights_by_row
 
     tokens, hidden, top_k, experts = 16384, 1024, 8, 128
     x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE).requires_grad_()
@@ -436,6 +436,14 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         grouped, permutation = permute_tokens(x, indices)
         return unpermute_tokens(grouped * scale[indices.reshape(-1)[permutation.order]], permutation, weights)
 
+    def round_trip_rows_weighed() -> torch.Tensor:
+        """The MoE block's way: each row weighed by the "expert" (fused into its scaling), an unweighted sum back."""
+        grouped, permutation = permute_tokens(x, indices)
+        row_weights = weights_by_row(weights, permutation).to(DTYPE).unsqueeze(-1)
+        return unpermute_tokens(
+            grouped * scale[indices.reshape(-1)[permutation.order]] * row_weights, permutation
+        )
+
     def with_kernels(mode: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:
             os.environ["LIGHTNING_D9D_KERNELS"] = mode
@@ -446,7 +454,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
 
         return run
 
-    def compiled(mode: str) -> Callable[[], torch.Tensor]:
+    def compiled(mode: str, fn: Callable[[], torch.Tensor] = round_trip) -> Callable[[], torch.Tensor]:
         """``round_trip`` compiled afresh under ``mode`` (Dynamo does not guard on the environment: each
         variant starts from an empty cache), as a compiled MoE block runs it: our kernels are custom operators
         there, the sort and index bookkeeping fused by Inductor."""
@@ -455,7 +463,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         def run() -> torch.Tensor:
             if "fn" not in state:
                 torch._dynamo.reset()
-                state["fn"] = torch.compile(round_trip)
+                state["fn"] = torch.compile(fn)
             return with_kernels(mode, state["fn"])()
 
         return run
@@ -468,6 +476,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
         {
             "ours (Triton), eager": with_kernels("triton", round_trip),
             "ours in torch.compile": compiled("triton"),
+            "ours in torch.compile, rows weighed before the sum": compiled("triton", round_trip_rows_weighed),
             "torch eager": with_kernels("reference", round_trip),
             "torch.compile": compiled("reference"),
         },
