@@ -191,9 +191,8 @@ def expert_parallel_forward(
     gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), counts, backend=backend)
     gate, up = gate_up.chunk(2, dim=-1)
     act_fn: Any = self.act_fn
-    activation = weigh_rows(
-        act_fn(gate) * up, dispatched.row_weights
-    )  # the weights' product: see moe.dispatch
+    # each row weighed by its routing weight before the down projection (combine only sums: see moe.dispatch)
+    activation = weigh_rows(act_fn(gate) * up, dispatched.row_weights)
     output = grouped_mm(activation, down_proj.transpose(1, 2), counts, backend=backend)
     return dispatcher.combine(output, dispatched)
 

@@ -10,8 +10,9 @@ The experts apply the routing weights (to each row's activation, before the down
 w * down(h)``), so ``combine`` only sums. Weighing the narrow activation instead of the output makes the weights'
 gradient a reduction over ``ffn`` on data the experts' SwiGLU backward reads anyway (fused with it under
 ``torch.compile``), where weighing the output needed the experts' whole ``[T * k, H]`` output kept for backward
-and read again: at the MoE benchmark shape (131,072 rows a layer, hidden 1024, ffn 384, bf16) the block keeps
-``T * k * (H - ffn)`` elements fewer, 168 MB a layer, and its backward reads 268 MB a layer less.
+and read again. Compiled blocks keep the experts' output less (``T * k * H`` elements a layer: 268 MB in bf16 at
+the MoE benchmark shape, measured on CPU with ``benchmarks/saved_for_backward.py --model moe``; eager blocks keep
+``T * k * (H - ffn)`` less), and the backward reads it no more.
 
 Implementations:
 
