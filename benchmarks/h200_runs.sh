@@ -45,8 +45,9 @@
 #            what the registries pick today; the built packages stay on the path of this part only
 #   hfattn   transformers' Qwen3 on our attention backends (tests/gpu/test_hf_attention_gpu.py), with whatever
 #            attention is installed (after fa4_env: FA4)
-#   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case) and the
-#            FP8 linears' test after the FP8 x tp / FSDP x tp changes (torchao on the path; ~5 min)
+#   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case, the
+#            experts' weighted SwiGLU: session 24) and the FP8 linears' test after the FP8 x tp / FSDP x tp changes
+#            (torchao on the path; ~5 min)
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -132,7 +133,8 @@ for part in "${@:-dense moe}"; do
       hfattn) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_hf_attention_gpu.py 2>&1 \
           | tee "$OUT/hfattn/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
       unrun) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \
-          tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_fp8_gpu.py 2>&1 \
+          tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_fp8_gpu.py \
+          "tests/gpu/test_kernels_gpu.py::test_weighted_swiglu" 2>&1 \
           | tee "$OUT/unrun/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
       gpu) python3 -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu/tests.log" ;;
       *) echo "unknown part $name" >&2; exit 2 ;;

@@ -29,7 +29,12 @@ from lightning_d9d.kernels.linear_cross_entropy import (
 )
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
-from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
+from lightning_d9d.kernels.swiglu import (
+    swiglu_reference,
+    swiglu_triton,
+    weighted_swiglu_reference,
+    weighted_swiglu_triton,
+)
 
 pytestmark = pytest.mark.gpu
 OUT_BOUND, GRAD_BOUND = 2**-8, 2**-7
@@ -65,6 +70,24 @@ def test_swiglu(shape: tuple[int, ...]) -> None:
     gate32, up32 = fp32_copies(gate, up)
     ref = swiglu_reference(gate32, up32)
     expected = grads((ref,), (gate32, up32))
+    assert relative_error(out, ref) < OUT_BOUND
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < GRAD_BOUND
+
+
+@pytest.mark.parametrize(("rows", "ffn"), [(131072, 384), (3001, 1531)])
+def test_weighted_swiglu(rows: int, ffn: int) -> None:
+    """The experts' SwiGLU with each row's routing weight, read in place from one ``[rows, 2 * ffn]`` projection,
+    against fp32 (the MoE benchmark shape's 131,072 rows of 384, and a ragged one). Once it passes here,
+    ``lightning_d9d.kernels.swiglu.WEIGHTED_SWIGLU_GPU_CHECKED`` may be set (``auto`` then runs it on CUDA)."""
+    gate_up = leaf(rows, 2 * ffn, dtype=torch.bfloat16, device="cuda", seed=3)
+    weights = leaf(rows, dtype=torch.bfloat16, device="cuda", seed=4, scale=0.1, shift=0.2)
+    with poisoned_allocations():
+        out = weighted_swiglu_triton(*gate_up.split(ffn, dim=-1), weights)
+        got = grads((out,), (gate_up, weights))
+    gate_up32, weights32 = fp32_copies(gate_up, weights)
+    ref = weighted_swiglu_reference(*gate_up32.split(ffn, dim=-1), weights32)
+    expected = grads((ref,), (gate_up32, weights32))
     assert relative_error(out, ref) < OUT_BOUND
     for grad, want in zip(got, expected, strict=True):
         assert relative_error(grad, want) < GRAD_BOUND

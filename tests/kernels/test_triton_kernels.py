@@ -16,7 +16,12 @@ from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens, weights_by_row
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
-from lightning_d9d.kernels.swiglu import swiglu_reference, swiglu_triton
+from lightning_d9d.kernels.swiglu import (
+    swiglu_reference,
+    swiglu_triton,
+    weighted_swiglu_reference,
+    weighted_swiglu_triton,
+)
 from lightning_d9d.modules import RMSNorm, SwiGLU, apply_rotary
 
 pytest.importorskip("triton")
@@ -83,6 +88,26 @@ def test_swiglu(shape: tuple[int, ...], dtype: torch.dtype) -> None:
         got = grads((out,), (gate, up))
     ref = swiglu_reference(gate, up)
     expected = grads((ref,), (gate, up))
+    assert relative_error(out, ref) < BOUND[dtype]
+    for grad, want in zip(got, expected, strict=True):
+        assert relative_error(grad, want) < BOUND[dtype]
+
+
+@pytest.mark.parametrize(
+    ("rows", "ffn", "dtype"),
+    [(5, 7, torch.float32), (3, 1500, torch.float32), (37, 48, torch.bfloat16), (1030, 20, torch.float32)],
+)
+def test_weighted_swiglu(rows: int, ffn: int, dtype: torch.dtype) -> None:
+    """The experts' SwiGLU with each row's routing weight, read in place from halves of one ``[rows, 2 * ffn]``
+    projection (strided rows), against the reference: output and the gradients of the projection and of the
+    weights (a per-row reduction). 1500 columns take two column blocks; 1030 rows several row tiles."""
+    gate_up = leaf(rows, 2 * ffn, dtype=dtype, device="cpu", seed=3)
+    weights = leaf(rows, dtype=dtype, device="cpu", seed=4)
+    with poisoned_allocations():
+        out = weighted_swiglu_triton(*gate_up.split(ffn, dim=-1), weights)
+        got = grads((out,), (gate_up, weights))
+    ref = weighted_swiglu_reference(*gate_up.split(ffn, dim=-1), weights)
+    expected = grads((ref,), (gate_up, weights))
     assert relative_error(out, ref) < BOUND[dtype]
     for grad, want in zip(got, expected, strict=True):
         assert relative_error(grad, want) < BOUND[dtype]

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
-from lightning_d9d.kernels.swiglu import swiglu
+from lightning_d9d.kernels.swiglu import weighted_swiglu
 from lightning_d9d.modules.autocast import to_autocast_dtype
 
 
@@ -96,7 +96,7 @@ class GroupedExperts(nn.Module):
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
         gate, up = gate_up.split(gate_proj.shape[-1], dim=-1)
         return grouped_mm(
-            weigh_rows(swiglu(gate, up), row_weights), down_proj, tokens_per_expert, backend=self.gemm_backend
+            weighted_swiglu(gate, up, row_weights), down_proj, tokens_per_expert, backend=self.gemm_backend
         )
 
     def extra_repr(self) -> str:
@@ -108,7 +108,8 @@ class GroupedExperts(nn.Module):
 
 def weigh_rows(activation: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
     """``activation [N, ffn]`` times each row's routing weight (cast to the activation's dtype; unchanged when
-    ``None``): the experts' share of the weighted sum ``combine`` finishes."""
+    ``None``): the experts' share of the weighted sum ``combine`` finishes, for experts of another activation
+    than SwiGLU (ours fuse it: :func:`~lightning_d9d.kernels.swiglu.weighted_swiglu`)."""
     if row_weights is None:
         return activation
     return activation * row_weights.to(activation.dtype).unsqueeze(-1)
