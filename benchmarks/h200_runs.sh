@@ -9,6 +9,7 @@
 #   long     dense at seq 16,384 and 32,768, batch 1: baseline vs ours, with and without FSDP on the one rank
 #   kernels  benchmarks/kernel_speed.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
 #            installed: benchmarks/README.md)
+#   permute  the MoE permutation's gather against a token-major candidate (benchmarks/permute_candidates.py, ~1 min)
 #   gpu      the gpu-marked tests
 #   ladder4b, ladder1.7b  the scale ladder (issue 25) at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
 #            bf16 and FP8 rowwise (its supported recipe), ours (no FSDP on the one rank: its best fit) bf16 and
@@ -108,6 +109,7 @@ for part in "${@:-dense moe}"; do
             --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_cudagraphs || status=1
         done ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
+      permute) python3 benchmarks/permute_candidates.py 2>&1 | tee "$OUT/permute/permute.jsonl"; test "${PIPESTATUS[0]}" = 0 ;;
       fa4|fa4_tests) fa4_env && {
           python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_flash_attn4_gpu.py \
             "tests/gpu/test_kernels_gpu.py::test_attention_backends_equal_fp32_attention" \
