@@ -424,7 +424,7 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     Qwen3-MoE-like shape: 16384 tokens, hidden 1024, top-8 of 128 experts, expert width 768."""
     import os
 
-    from lightning_d9d.kernels import permute_tokens, unpermute_tokens, weights_by_row
+    from lightning_d9d.kernels import permute_tokens, unpermute_tokens, weigh_rows, weights_by_row
 
     tokens, hidden, top_k, experts = 16384, 1024, 8, 128
     x = torch.randn(tokens, hidden, device="cuda", dtype=DTYPE).requires_grad_()
@@ -439,10 +439,8 @@ def moe_rows(copy_gbs: float) -> list[dict[str, Any]]:
     def round_trip_rows_weighed() -> torch.Tensor:
         """The MoE block's way: each row weighed by the "expert" (fused into its scaling), an unweighted sum back."""
         grouped, permutation = permute_tokens(x, indices)
-        row_weights = weights_by_row(weights, permutation).to(DTYPE).unsqueeze(-1)
-        return unpermute_tokens(
-            grouped * scale[indices.reshape(-1)[permutation.order]] * row_weights, permutation
-        )
+        expert_rows = grouped * scale[indices.reshape(-1)[permutation.order]]
+        return unpermute_tokens(weigh_rows(expert_rows, weights_by_row(weights, permutation)), permutation)
 
     def with_kernels(mode: str, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
         def run() -> torch.Tensor:

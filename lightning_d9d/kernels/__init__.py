@@ -20,6 +20,7 @@ from lightning_d9d.kernels.permute import (
     count_tokens_per_expert,
     permute_tokens,
     unpermute_tokens,
+    weigh_rows,
     weights_by_row,
 )
 from lightning_d9d.kernels.rmsnorm import rms_norm
@@ -41,5 +42,6 @@ __all__ = [
     "select_grouped_gemm_backend",
     "swiglu",
     "unpermute_tokens",
+    "weigh_rows",
     "weights_by_row",
 ]

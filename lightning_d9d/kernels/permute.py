@@ -122,6 +122,14 @@ def weights_by_row(weights: torch.Tensor, permutation: Permutation) -> torch.Ten
     return column.reshape(-1)
 
 
+def weigh_rows(rows: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
+    """``rows [N, width]`` times each row's weight (:func:`weights_by_row`, cast to the rows' dtype; ``rows``
+    unchanged when ``None``): how experts weigh their activations before an unweighted :func:`unpermute_tokens`."""
+    if row_weights is None:
+        return rows
+    return rows * row_weights.to(rows.dtype).unsqueeze(-1)
+
+
 def unpermute_tokens(
     grouped: torch.Tensor, permutation: Permutation, weights: torch.Tensor | None = None
 ) -> torch.Tensor:

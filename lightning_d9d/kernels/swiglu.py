@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_d9d.kernels.dispatch import launchable, use_triton
+from lightning_d9d.kernels.permute import weigh_rows
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK = 2048
@@ -98,7 +99,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def weighted_swiglu_reference(
     gate: torch.Tensor, up: torch.Tensor, row_weights: torch.Tensor
 ) -> torch.Tensor:
-    return F.silu(gate) * up * row_weights.to(gate.dtype).unsqueeze(-1)
+    return weigh_rows(F.silu(gate) * up, row_weights)
 
 
 @triton.jit

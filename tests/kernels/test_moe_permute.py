@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_d9d.kernels import count_tokens_per_expert, permute_tokens, unpermute_tokens, weights_by_row
+from lightning_d9d.kernels import (
+    count_tokens_per_expert,
+    permute_tokens,
+    unpermute_tokens,
+    weigh_rows,
+    weights_by_row,
+)
 from lightning_d9d.kernels.permute import sort_key
 
 
@@ -72,7 +78,7 @@ def _moe_like(
     grouped, permutation = permute_tokens(hidden, indices)
     expert_rows = grouped * scale[indices.reshape(-1)[permutation.order]]
     if weighed == "rows":
-        return unpermute_tokens(expert_rows * weights_by_row(weights, permutation).unsqueeze(-1), permutation)
+        return unpermute_tokens(weigh_rows(expert_rows, weights_by_row(weights, permutation)), permutation)
     return unpermute_tokens(expert_rows, permutation, weights)
 
 

@@ -13,7 +13,14 @@ import pytest
 import torch
 from kernel_checks import grads, leaf, poisoned_allocations, relative_error
 
-from lightning_d9d.kernels import dispatch, grouped_mm, permute_tokens, unpermute_tokens, weights_by_row
+from lightning_d9d.kernels import (
+    dispatch,
+    grouped_mm,
+    permute_tokens,
+    unpermute_tokens,
+    weigh_rows,
+    weights_by_row,
+)
 from lightning_d9d.kernels.rmsnorm import rms_norm_reference, rms_norm_triton
 from lightning_d9d.kernels.rope import rope_reference, rope_triton
 from lightning_d9d.kernels.swiglu import (
@@ -194,7 +201,7 @@ def _routed_through(
     grouped, permutation = permute_tokens(hidden, indices)
     expert_rows = grouped * scale[indices.reshape(-1)[permutation.order]]
     if weighed == "rows":
-        weighted = expert_rows * weights_by_row(weights, permutation).to(grouped.dtype).unsqueeze(-1)
+        weighted = weigh_rows(expert_rows, weights_by_row(weights, permutation))
         return grouped, unpermute_tokens(weighted, permutation)
     return grouped, unpermute_tokens(expert_rows, permutation, weights)
 

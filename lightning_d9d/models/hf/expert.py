@@ -37,12 +37,11 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_d9d.kernels import grouped_mm
+from lightning_d9d.kernels import grouped_mm, weigh_rows
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
 from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
-from lightning_d9d.modules.moe.experts import weigh_rows
 from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.options import ParallelOptions
 

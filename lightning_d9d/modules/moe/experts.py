@@ -106,15 +106,6 @@ class GroupedExperts(nn.Module):
         )
 
 
-def weigh_rows(activation: torch.Tensor, row_weights: torch.Tensor | None) -> torch.Tensor:
-    """``activation [N, ffn]`` times each row's routing weight (cast to the activation's dtype; unchanged when
-    ``None``): the experts' share of the weighted sum ``combine`` finishes, for experts of another activation
-    than SwiGLU (ours fuse it: :func:`~lightning_d9d.kernels.swiglu.weighted_swiglu`)."""
-    if row_weights is None:
-        return activation
-    return activation * row_weights.to(activation.dtype).unsqueeze(-1)
-
-
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts: under expert parallelism the weights are ``DTensor``s split over ``ep`` on dim 0
     (FSDP has gathered its own dim by now) and the kernels take plain tensors; the gradient flows back into the
