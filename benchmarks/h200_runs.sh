@@ -30,6 +30,10 @@
 #            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
 #            package and examples, `git archive <commit> lightning_d9d examples | tar -x -C runs/base`, carried)
 #            (~6 min)
+#   master   MasterWeightAdamW (bf16 parameters, fp32 masters in the optimizer): its gpu tests, then the MoE shape
+#            (MASTER_MODEL: another) with the plain recipe, ours without FSDP on the one rank, and the same with
+#            master weights, the kernel forced (LIGHTNING_D9D_KERNELS=triton: its flag is set only after the tests
+#            pass) (~7 min)
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
@@ -101,6 +105,11 @@ for part in "${@:-dense moe}"; do
           && PYTHONPATH="$PWD/${BASE:-runs/base}:$PYTHONPATH" LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe \
             --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/moe_ab_base" \
             --paths ours_trainer_compiled_nofsdp ;;
+      master) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_master_weights_gpu.py 2>&1 \
+            | tee "$OUT/master/tests.log"; test "${PIPESTATUS[0]}" = 0 \
+          && LIGHTNING_D9D_KERNELS=triton LIGHTNING_D9D_GROUPED_GEMM=torch bench --model "${MASTER_MODEL:-moe}" \
+            --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/master" \
+            --paths "${MASTER_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_master}" ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do

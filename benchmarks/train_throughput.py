@@ -134,6 +134,8 @@ PATHS: dict[str, str] = {
     # CUDA graphs (issue 25): compile="reduce-overhead" (Inductor's CUDA graph trees around each compiled block);
     # without FSDP on the one rank, whose per-step all-gathers would give the blocks new parameter addresses.
     "ours_trainer_compiled_nofsdp_cudagraphs": 'ours_trainer_compiled_nofsdp with compile="reduce-overhead"',
+    "ours_trainer_compiled_nofsdp_master": "ours_trainer_compiled_nofsdp with MasterWeightAdamW: bf16 parameters,"
+    " fp32 master weights in the optimizer",
     # FlashAttention 4 (issue 25): the attention backend forced by LIGHTNING_D9D_ATTENTION=flash_attn4 in the
     # worker (refused, so the path fails, where flash_attn.cute cannot run); the pair to measure against cuDNN
     "ours_trainer_compiled_fa4": "ours_trainer_compiled with the flash_attn4 attention backend (FlashAttention 4)",
@@ -167,6 +169,7 @@ DEFAULT_PATHS = [
         "titan_compiled_fp8_rowwise",
         "titan_compiled_fp8_tensorwise",
         "ours_trainer_compiled_nofsdp_cudagraphs",
+        "ours_trainer_compiled_nofsdp_master",
         "ours_trainer_compiled_fp8_tensorwise",
         "ours_trainer_compiled_fp8_rowwise",
         "ours_trainer_compiled_nofsdp_fp8_tensorwise",
@@ -927,7 +930,9 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
         # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
         # compares runs that took the same optimizer steps; the schedule costs nothing measurable either way.
-        module = module_cls(config, lr=args.lr, warmup_steps=0, max_steps=10**9)
+        module = module_cls(
+            config, lr=args.lr, warmup_steps=0, max_steps=10**9, master_weights=path.endswith("_master")
+        )
     trainer.fit(module, DataLoader(FixedBatches(), batch_size=args.batch_size, num_workers=0))
     assert module.model is not None
     result: dict[str, Any] = {

@@ -43,6 +43,7 @@ from lightning_d9d.compat import should_accumulate
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.metrics import CausalLMPerplexity
+from lightning_d9d.optim import MasterWeightAdamW
 
 
 def model_inputs(batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -122,6 +123,7 @@ class Qwen3Pretraining(L.LightningModule):
         weight_decay: float = 0.1,
         warmup_steps: int = 10,
         max_steps: int = 100,
+        master_weights: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(
@@ -131,6 +133,7 @@ class Qwen3Pretraining(L.LightningModule):
                 "weight_decay": weight_decay,
                 "warmup_steps": warmup_steps,
                 "max_steps": max_steps,
+                "master_weights": master_weights,
             }
         )
         self.config = config
@@ -174,9 +177,16 @@ class Qwen3Pretraining(L.LightningModule):
 
     def configure_optimizers(self):  # type: ignore[no-untyped-def]
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True
-        )
+        optimizer: torch.optim.Optimizer
+        if hp.get("master_weights", False):
+            # bf16 parameters, fp32 masters in the optimizer (D9DStrategy(fsdp_on_one_rank=False), one device)
+            optimizer = MasterWeightAdamW(
+                self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95)
+            )
+        else:
+            optimizer = torch.optim.AdamW(
+                self.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=(0.9, 0.95), fused=True
+            )
 
         def warmup_cosine(step: int) -> float:
             if step < hp.warmup_steps:

@@ -31,6 +31,8 @@ _STATES_PER_PARAMETER = {
     "Adamax": 2,
     "Adagrad": 1,
     "Adadelta": 2,
+    # bf16 parameters; an fp32 master and two fp32 moments each: 12 bytes, six of the parameter's size
+    "MasterWeightAdamW": 6,
 }
 
 

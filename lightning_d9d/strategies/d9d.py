@@ -36,6 +36,7 @@ from lightning_d9d.models.hf import hf_pipeline_for
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
+from lightning_d9d.optim import check_master_weight_run
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
     PipelineRunner,
@@ -289,6 +290,17 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             # graphs, before the step's first forward, which may reuse the memory of the last step's gradients
             # (see _mark_cudagraph_step).
             use_automatic_optimization(trainer, ZeroGradFirstOptimization)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        check_master_weight_run(
+            self.optimizers,
+            precision=self.precision_plugin.precision,
+            autocast=self.precision_plugin.autocast_device is not None,
+            accumulate=trainer.accumulate_grad_batches,
+            pipeline_degree=self.parallel_dims.pp,
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

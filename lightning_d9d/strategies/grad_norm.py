@@ -38,6 +38,15 @@ def _local_norm(norm: Tensor) -> Tensor:
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
+def _group_norm(grads: list[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
+    """The norm of one group's gradients, in fp32 at least: bf16 gradients (``MasterWeightAdamW``'s) would
+    otherwise give a bf16 norm, 2**-9 off, and clip by it."""
+    if all(g.dtype in (torch.float32, torch.float64) for g in grads):
+        return torch.nn.utils.get_total_norm(grads, norm_type, foreach=foreach)
+    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
 def total_grad_norm(
     groups: Sequence[Sequence[Tensor]],
     norm_type: float = 2.0,
@@ -53,11 +62,7 @@ def total_grad_norm(
     """
     norm_type = float(norm_type)
     norms = [
-        _local_norm(
-            torch.nn.utils.get_total_norm(
-                [p.grad for p in group if p.grad is not None], norm_type, foreach=foreach
-            )
-        )
+        _local_norm(_group_norm([p.grad for p in group if p.grad is not None], norm_type, foreach))
         for group in groups
     ]
     if norms:
@@ -98,6 +103,11 @@ def clip_grad_norm_(
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total
+
+
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """What clipping to ``max_norm`` multiplies the gradients by: torch's ``clip_grads_with_norm_`` formula."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def clip_grad_value_(parameters: Iterable[Tensor], clip_value: float, *, foreach: bool | None = None) -> None:
