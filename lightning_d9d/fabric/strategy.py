@@ -33,6 +33,7 @@ from typing_extensions import override
 from lightning_d9d.fabric import checkpoint as fabric_checkpoint
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.inputs import ModelInputs
+from lightning_d9d.optim import MasterWeightAdamW, check_master_weight_run
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
@@ -48,7 +49,7 @@ from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
-from lightning_d9d.strategies.precision import D9DPrecisionBase
+from lightning_d9d.strategies.precision import D9DPrecisionBase, master_weight_scale
 from lightning_d9d.strategies.topology import MeshTopology
 
 
@@ -209,6 +210,18 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             _rebind(optimizer, names, module)
         return module, optimizers, scheduler
 
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        # (a loop of the user's accumulates as it likes: MasterWeightAdamW's docstring says why not to)
+        check_master_weight_run(
+            [optimizer],
+            precision=self.precision.precision,
+            autocast=self.precision.autocast_device is not None,
+            accumulate=1,
+            pipeline_degree=self.parallel_dims.pp,
+        )
+        return super().setup_optimizer(optimizer)
+
     # --------------------------------------------------------------------------------- loss, backward
     def model_loss(
         self, model: nn.Module, inputs: ModelInputs, target: torch.Tensor, loss_fn: LossFn
@@ -251,6 +264,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             float(max_norm),
             float(norm_type),
             error_if_nonfinite=error_if_nonfinite,
+            scale_in_step=master_weight_scale(optimizer),
         )
 
     @override
@@ -328,6 +342,12 @@ def _as_d9d_precision(plugin: FabricPrecision) -> D9DPrecisionBase:
 
 def _check_rebindable(optimizer: Optimizer, names: dict[int, str]) -> None:
     """Before sharding: every parameter of ``optimizer`` is the model's, and it has not stepped yet."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        raise ValueError(
+            "MasterWeightAdamW takes its parameters' fp32 values as masters when it is built: build it over the "
+            "set-up model instead (model = fabric.setup_module(model); optimizer = "
+            "fabric.setup_optimizers(MasterWeightAdamW(model.parameters(), ...)))"
+        )
     if optimizer.state:
         raise ValueError(
             f"{type(optimizer).__name__} has state already (it stepped): fabric.setup(model, optimizer) "

@@ -9,7 +9,7 @@ adds up the norms of parameters that other ranks hold.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,8 +89,12 @@ def clip_grad_norm_(
     extra_groups: Sequence[dist.ProcessGroup | None] = (),
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    scale_in_step: Callable[[Tensor], None] | None = None,
 ) -> Tensor:
-    """Scale all gradients so that their joint norm is at most ``max_norm``; returns the norm before clipping."""
+    """Scale all gradients so that their joint norm is at most ``max_norm``; returns the norm before clipping.
+
+    ``scale_in_step`` (``MasterWeightAdamW.scale_gradients``) takes the coefficient instead: the optimizer applies
+    it in fp32 in its step, rather than a pass here rewriting bf16 gradients."""
     parameters = list(parameters)
     groups = group_parameters_by_mesh(parameters)
     # Where a zero norm must be made (no gradients here): the parameters' device, which the collective needs.
@@ -100,6 +104,9 @@ def clip_grad_norm_(
         raise RuntimeError(
             f"the total norm of order {norm_type} of the gradients is not finite: {total.item()}"
         )
+    if scale_in_step is not None:
+        scale_in_step(clip_coefficient(total, max_norm))
+        return total
     for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total

@@ -21,13 +21,7 @@ from typing_extensions import override
 from lightning_d9d.compat import DtypeContextManager, convert_fp_tensor
 from lightning_d9d.optim import MasterWeightAdamW
 from lightning_d9d.strategies.accumulation import StepTokens
-from lightning_d9d.strategies.grad_norm import (
-    clip_coefficient,
-    clip_grad_norm_,
-    clip_grad_value_,
-    group_parameters_by_mesh,
-    total_grad_norm,
-)
+from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -140,22 +134,18 @@ class D9DPrecision(D9DPrecisionBase, Precision):
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        if isinstance(optimizer, MasterWeightAdamW):
-            # the coefficient goes into the step, applied in fp32, rather than rewriting the bf16 gradients
-            params = list(self.main_params(optimizer))
-            total = total_grad_norm(
-                group_parameters_by_mesh(params),
-                extra_groups=self.norm_reduce_groups,
-                device=_device_of(params),
-            )
-            optimizer.scale_gradients(clip_coefficient(total, float(clip_val)))
-            return
-        clip_grad_norm_(self.main_params(optimizer), float(clip_val), extra_groups=self.norm_reduce_groups)
+        clip_grad_norm_(
+            self.main_params(optimizer),
+            float(clip_val),
+            extra_groups=self.norm_reduce_groups,
+            scale_in_step=master_weight_scale(optimizer),
+        )
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: int | float) -> None:
         clip_grad_value_(self.main_params(optimizer), float(clip_val))
 
 
-def _device_of(params: Sequence[Tensor]) -> torch.device | None:
-    return params[0].device if params else None
+def master_weight_scale(optimizer: Optimizer) -> Callable[[Tensor], None] | None:
+    """Where norm clipping hands its coefficient: a ``MasterWeightAdamW`` applies it in its step."""
+    return optimizer.scale_gradients if isinstance(optimizer, MasterWeightAdamW) else None

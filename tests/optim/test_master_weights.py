@@ -285,3 +285,27 @@ def test_the_trainer_trains_as_with_fp32_parameters() -> None:
 def test_runs_it_cannot_train_right_are_refused(options: dict[str, Any], error: type, message: str) -> None:
     with pytest.raises(error, match=message):
         fit(master_weights=True, steps=1, **options)
+
+
+# ---------------------------------------------------------------------------------------------- Fabric
+def test_fabric_takes_it_over_the_set_up_model_and_clips_in_the_step() -> None:
+    from lightning_d9d import D9DFabricStrategy
+
+    fabric = L.Fabric(
+        accelerator="cpu", devices=1, precision="bf16-mixed", strategy=D9DFabricStrategy(fsdp_on_one_rank=False)
+    )
+    fabric.launch()
+    with pytest.raises(ValueError, match="build it over the set-up model"):
+        model = tiny_model()
+        fabric.setup(model, MasterWeightAdamW(model.parameters()))
+    model = fabric.setup_module(tiny_model())
+    optimizer = fabric.setup_optimizers(MasterWeightAdamW(model.parameters(), lr=LR))
+    inputs, labels = batch(0)
+    with fabric.autocast():
+        loss = causal_lm_loss(model(inputs), labels)
+    fabric.backward(loss)
+    grads = [p.grad.clone() for p in model.parameters()]
+    fabric.clip_gradients(model, optimizer, max_norm=0.01)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
+    scale = optimizer.optimizer._grad_scale
+    assert scale is not None and float(scale) < 0.5
