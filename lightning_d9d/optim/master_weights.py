@@ -115,7 +115,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
                 loss = closure()
         grad_scale, self._grad_scale = self._grad_scale, None
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
+            hypers: dict[int, AdamWHyper] = {}  # one per step count in the group (all alike, as a rule)
             for param in group["params"]:
                 if param.grad is None:
                     continue
@@ -123,17 +123,20 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     raise RuntimeError("MasterWeightAdamW does not support sparse gradients")
                 state = self.state[param]
                 state["step"] += 1
-                hyper = AdamWHyper(
-                    lr=float(group["lr"]),
-                    beta1=float(beta1),
-                    beta2=float(beta2),
-                    eps=float(group["eps"]),
-                    weight_decay=float(group["weight_decay"]),
-                    step=int(state["step"].item()),
-                )
-                scale = None if grad_scale is None else grad_scale.to(param.device)
+                step = int(state["step"].item())
+                hyper = hypers.get(step)
+                if hyper is None:
+                    hyper = hypers[step] = _hyper(group, step)
+                if grad_scale is not None and grad_scale.device != param.device:
+                    grad_scale = grad_scale.to(param.device)
                 adamw_master_step(
-                    state["master"], param.grad, state["exp_avg"], state["exp_avg_sq"], param, hyper, scale
+                    state["master"],
+                    param.grad,
+                    state["exp_avg"],
+                    state["exp_avg_sq"],
+                    param,
+                    hyper,
+                    grad_scale,
                 )
         return loss
 
@@ -160,6 +163,18 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     state[key] = value.to(device=param.device, dtype=torch.float32)
                 setattr(param, _MASTER_ATTRIBUTE, state["master"])
                 param.copy_(state["master"])
+
+
+def _hyper(group: dict[str, Any], step: int) -> AdamWHyper:
+    beta1, beta2 = group["betas"]
+    return AdamWHyper(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        step=step,
+    )
 
 
 def check_master_weight_run(
