@@ -14,6 +14,8 @@ keep these copies; autocast keeps one per weight (2 bytes per parameter: about 7
 parameters). The measurement is of what autograd keeps, not of a GPU's allocator. ``--model moe`` measures our
 Qwen3-MoE's layers (every layer sparse: 16 experts of width ``hidden / 4``, top-4): what the experts and the token
 permutation keep, e.g. a snapshot of another commit against this tree (``PYTHONPATH=<snapshot>``).
+``--master-weights``: the parameters bf16, as ``MasterWeightAdamW`` makes them (no autocast copies; the residual
+stream bf16 from the embedding on).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from lightning_d9d.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.optim import MasterWeightAdamW
 from lightning_d9d.plans.compile import apply_compile
 
 
@@ -107,9 +110,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=300, help="batch 3 x tokens / 3")
+    parser.add_argument(
+        "--master-weights", action="store_true", help="bf16 parameters, fp32 masters in MasterWeightAdamW"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     model = build(args.model, args.hidden, args.layers)
+    if args.master_weights:
+        MasterWeightAdamW(model.parameters())  # the parameters become bf16, as when a run builds it
     weight_dims = {size for shape in _weight_shapes(model) for size in shape}
     if args.tokens % 3 or args.tokens in weight_dims:
         # a flattened (tokens, width) activation of a weight's shape would be counted as a weight's copy
@@ -123,7 +131,8 @@ def main() -> None:
     totals = saved_bytes_by_kind(model, ids)
     weights_bf16 = 2 * sum(param.numel() for param in model.model.layers.parameters() if param.ndim >= 2)
     print(
-        f"{'compiled' if args.compile else 'eager'} {args.model} blocks, {args.layers} layers of hidden {args.hidden}:"
+        f"{'compiled' if args.compile else 'eager'} {args.model} blocks, {args.layers} layers of hidden {args.hidden}"
+        f"{', master weights' if args.master_weights else ''}:"
     )
     for kind, nbytes in sorted(totals.items()):
         print(f"  {kind:30s} {nbytes / 2**20:8.2f} MiB")
