@@ -24,14 +24,15 @@
 #            MoE target's table of where the step goes (~2 min)
 #   titan06  the 0.6B shape in one run: the plain recipe, torchtitan, ours with and without FSDP on the one rank
 #   whole4b  Qwen3-4B's whole shape (H200 only: ~130 GiB): torchtitan bf16, ours without FSDP on the one rank and
-#            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True): under
-#            torchtitan's peak?
+#            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True), and with
+#            MasterWeightAdamW (no autocast copies, bf16 gradients: ~14 GB less by count): under torchtitan's peak?
+#            (the master path needs LIGHTNING_D9D_KERNELS=triton until ADAMW_MASTER_GPU_CHECKED is set)
 #   moe_ab   the MoE shape, a change against the code before it in one lease: the plain recipe and ours (no FSDP on
 #            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
 #            package and examples, `git archive <commit> lightning_d9d examples | tar -x -C runs/base`, carried)
 #            (~6 min)
 #   master   MasterWeightAdamW (bf16 parameters, fp32 masters in the optimizer): its gpu tests, then the MoE shape
-#            (MASTER_MODEL: another) with the plain recipe, ours without FSDP on the one rank, and the same with
+#            (MASTER_MODEL / MASTER_ARGS: another, e.g. 4b and "--layers 18 --path-timeout 240") with the plain recipe, ours without FSDP on the one rank, and the same with
 #            master weights, the kernel forced (LIGHTNING_D9D_KERNELS=triton: its flag is set only after the tests
 #            pass) (~7 min)
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
@@ -98,7 +99,7 @@ for part in "${@:-dense moe}"; do
       titan06) bench --seq-len 4096 --batch-size 4 --out "$OUT/titan06" \
           --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
       whole4b) bench --model 4b --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --path-timeout 240 \
-          --out "$OUT/whole4b" --paths "${titan}ours_trainer_compiled_nofsdp,ours_trainer_compiled_reshard" ;;
+          --out "$OUT/whole4b" --paths "${titan}ours_trainer_compiled_nofsdp,ours_trainer_compiled_reshard,ours_trainer_compiled_nofsdp_master" ;;
       moe_ab) test -d "${BASE:-runs/base}/lightning_d9d" || { echo "moe_ab: no snapshot in ${BASE:-runs/base}" >&2; false; } \
           && LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 \
             --out "$OUT/moe_ab" --paths hf_fsdp_compiled,ours_trainer_compiled_nofsdp \
@@ -108,7 +109,7 @@ for part in "${@:-dense moe}"; do
       master) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_master_weights_gpu.py 2>&1 \
             | tee "$OUT/master/tests.log"; test "${PIPESTATUS[0]}" = 0 \
           && LIGHTNING_D9D_KERNELS=triton LIGHTNING_D9D_GROUPED_GEMM=torch bench --model "${MASTER_MODEL:-moe}" \
-            --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/master" \
+            ${MASTER_ARGS:-} --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/master" \
             --paths "${MASTER_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_master}" ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
