@@ -25,7 +25,8 @@
 #   titan06  the 0.6B shape in one run: the plain recipe, torchtitan, ours with and without FSDP on the one rank
 #   whole4b  Qwen3-4B's whole shape (H200 only: ~130 GiB): torchtitan bf16, ours without FSDP on the one rank and
 #            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True), and with
-#            MasterWeightAdamW (no autocast copies, bf16 gradients: ~14 GB less by count): under torchtitan's peak?
+#            MasterWeightAdamW (the same 16 bytes a parameter, but no autocast copies kept for backward: ~7 GB
+#            less by count, saved_for_backward.py): under torchtitan's peak?
 #            (the master path needs LIGHTNING_D9D_KERNELS=triton until ADAMW_MASTER_GPU_CHECKED is set)
 #   moe_ab   the MoE shape, a change against the code before it in one lease: the plain recipe and ours (no FSDP on
 #            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
