@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -233,10 +233,17 @@ class Losses(Callback):
         self.losses.append(float(outputs["loss"]))
 
 
-def fit(master_weights: bool, steps: int = 8, **trainer_kwargs: Any) -> tuple[Qwen3Pretraining, list[float]]:
+def fit(
+    master_weights: bool,
+    steps: int = 8,
+    *,
+    callbacks: list[Callback] = (),  # type: ignore[assignment]
+    resume_from: Path | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[Qwen3Pretraining, list[float]]:
     L.seed_everything(0, verbose=False)
     config = Qwen3Config.tiny()
-    module = Qwen3Pretraining(config, lr=1e-2, warmup_steps=1, max_steps=steps, master_weights=master_weights)
+    module = Qwen3Pretraining(config, lr=1e-2, warmup_steps=1, max_steps=8, master_weights=master_weights)
     losses = Losses()
     options: dict[str, Any] = {
         "strategy": D9DStrategy(fsdp_on_one_rank=False),
@@ -251,12 +258,12 @@ def fit(master_weights: bool, steps: int = 8, **trainer_kwargs: Any) -> tuple[Qw
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        enable_checkpointing=False,
-        callbacks=[losses],
+        enable_checkpointing=bool(callbacks),
+        callbacks=[losses, *callbacks],
         **options,
     )
     data = SyntheticCorpus(config.vocab_size, 32, 4)  # one batch, every step: the loss must fall
-    trainer.fit(module, DataLoader(data, batch_size=4))
+    trainer.fit(module, DataLoader(data, batch_size=4), ckpt_path=resume_from)
     return module, losses.losses
 
 
@@ -272,6 +279,28 @@ def test_the_trainer_trains_as_with_fp32_parameters() -> None:
         assert param.dtype == torch.bfloat16
         master = param._lightning_d9d_master
         assert master.dtype == torch.float32 and torch.equal(param.detach(), master.to(torch.bfloat16))
+
+
+def test_a_trainer_resume_continues_the_masters_exactly(tmp_path: Path) -> None:
+    """Saved at step 3 through the strategy's checkpoint (DCP), resumed to step 6: every master, moment and
+    parameter as in the run that never stopped."""
+    uninterrupted, _ = fit(master_weights=True, steps=6)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1, filename="{step}")
+    fit(master_weights=True, steps=3, callbacks=[checkpoints])
+    resumed, resumed_losses = fit(master_weights=True, steps=6, resume_from=tmp_path / "step=3.ckpt")
+    assert len(resumed_losses) == 3  # it resumed: steps 4-6 only
+    assert uninterrupted.model is not None and resumed.model is not None
+    expected_state, resumed_state = (
+        module.trainer.optimizers[0].state for module in (uninterrupted, resumed)
+    )
+    for (name, expected), param in zip(
+        uninterrupted.model.named_parameters(), resumed.model.parameters(), strict=True
+    ):
+        assert torch.equal(param, expected), name
+        assert int(resumed_state[param]["step"]) == 6
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            got, want = resumed_state[param][key], expected_state[expected][key]
+            assert got.dtype == torch.float32 and torch.equal(got, want), f"{key} of {name}"
 
 
 @pytest.mark.parametrize(
@@ -292,7 +321,10 @@ def test_fabric_takes_it_over_the_set_up_model_and_clips_in_the_step() -> None:
     from lightning_d9d import D9DFabricStrategy
 
     fabric = L.Fabric(
-        accelerator="cpu", devices=1, precision="bf16-mixed", strategy=D9DFabricStrategy(fsdp_on_one_rank=False)
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        strategy=D9DFabricStrategy(fsdp_on_one_rank=False),
     )
     fabric.launch()
     with pytest.raises(ValueError, match="build it over the set-up model"):
