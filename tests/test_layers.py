@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mesh",),
     ("kernels",),
     ("modules",),
+    ("optim",),
     ("plans", "pipeline", "state", "data"),
     ("models",),
     ("callbacks",),
