@@ -97,10 +97,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _parameters(self) -> Iterator[Tensor]:
         return chain.from_iterable(group["params"] for group in self.param_groups)
 
-    def masters(self) -> dict[Tensor, Tensor]:
-        """Each parameter's fp32 master."""
-        return {param: self.state[param]["master"] for param in self._parameters()}
-
     def scale_gradients(self, scale: Tensor) -> None:
         """Multiply the gradients by ``scale`` (one element, e.g. norm clipping's coefficient) in the next step,
         in fp32, instead of rewriting the bf16 gradients now. Scales given before one step multiply."""
