@@ -50,11 +50,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
-        *,
-        compute_dtype: torch.dtype = torch.bfloat16,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
-        self.compute_dtype = compute_dtype
         self._grad_scale: Tensor | None = None
         for group in self.param_groups:
             refused = [
@@ -86,7 +83,8 @@ class MasterWeightAdamW(torch.optim.AdamW):
             master = param.data
             setattr(param, _MASTER_ATTRIBUTE, master)
         with torch.no_grad():
-            param.data = master.to(self.compute_dtype)
+            # bf16 only: the strategy's autocast is bf16, and fp16 would need loss scaling this step does not do
+            param.data = master.to(torch.bfloat16)
         self.state[param] = {
             "step": torch.tensor(0.0, dtype=torch.float32),
             "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
