@@ -25,9 +25,9 @@ from lightning_d9d.kernels.triton_compat import tl, triton
 BLOCK = 2048
 # Elements of one weighted-SwiGLU tile (rows x columns).
 ROW_TILE = 4096
-# Set True once tests/gpu/test_kernels_gpu.py's weighted SwiGLU test has passed on a GPU (then ``auto`` runs it
-# on CUDA; until then the reference does, and ``LIGHTNING_D9D_KERNELS=triton`` forces it).
-WEIGHTED_SWIGLU_GPU_CHECKED = False
+# tests/gpu/test_kernels_gpu.py's weighted SwiGLU test passed on an H200 (session 26), so ``auto`` runs it on
+# CUDA (``LIGHTNING_D9D_KERNELS=torch`` keeps the reference).
+WEIGHTED_SWIGLU_GPU_CHECKED = True
 
 
 def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
