@@ -1,13 +1,13 @@
-"""The MoE permutation's copy on one CUDA GPU: the package's gather against a token-major candidate (one GPU).
+"""The MoE permutation's copy on one CUDA GPU: the package's token-major copy against the gather it replaced.
 
     python benchmarks/permute_candidates.py [--tokens 16384 --hidden 1024 --top-k 8 --experts 64]
 
 Session 23's profile (one H100, the MoE benchmark shape) timed the permutation's gather (grouped row ``r`` reads
-token ``order[r] // k``) at 160 us for 268 MB written: 1.7 TB/s, half the copy bandwidth. The candidate here
-reads each token's row once and writes it to its ``k`` grouped rows (``inverse``; every row written once, no
-atomics), so the reads are in order and each row is read once. Both must produce the same rows bit for bit;
-the faster one belongs in ``lightning_d9d.kernels.permute_triton.permute_rows``. Not built into the package until
-measured (no GPU was lent in session 24, which wrote it).
+token ``order[r] // k``) at 160 us for 268 MB written: 1.7 TB/s, half the copy bandwidth. The token-major copy
+(``lightning_d9d.kernels.permute_triton.spread_rows``) reads each token's row once and writes it to its ``k``
+grouped rows (``inverse``; every row written once, no atomics). Session 26 (one H200): 86 us against 114 us, so
+the package took it; the gather stays here as the baseline, with the copy's tile sizes the package did not pick.
+Both must produce the same rows bit for bit.
 """
 
 from __future__ import annotations
@@ -21,22 +21,31 @@ import triton.language as tl
 from triton.testing import do_bench
 
 from lightning_d9d.kernels.permute import group_by_expert
-from lightning_d9d.kernels.permute_triton import gather_rows
+from lightning_d9d.kernels.permute_triton import _spread_rows, spread_rows
 
 
 @triton.jit
-def _spread_rows(  # type: ignore[no-untyped-def]
-    SRC, INVERSE, DST, tokens, hidden, TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
+def _gather_rows(  # type: ignore[no-untyped-def]
+    SRC, IDX, DST, rows, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):  # pragma: no cover - compiled by Triton
-    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    token_mask = token < tokens
+    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    row_mask = row < rows
+    source = tl.load(IDX + row, mask=row_mask, other=0).to(tl.int64)
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = token_mask[:, None] & (cols < hidden)[None, :]
-        values = tl.load(SRC + token[:, None] * hidden + cols[None, :], mask=mask)
-        for j in tl.static_range(TOP_K):
-            row = tl.load(INVERSE + token * TOP_K + j, mask=token_mask, other=0).to(tl.int64)
-            tl.store(DST + row[:, None] * hidden + cols[None, :], values, mask=mask)
+        mask = row_mask[:, None] & (cols < hidden)[None, :]
+        values = tl.load(SRC + source[:, None] * hidden + cols[None, :], mask=mask)
+        tl.store(DST + row[:, None] * hidden + cols[None, :], values, mask=mask)
+
+
+def gather(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``source[index]`` with the tile the package used before session 26 (4 rows of up to 1024 a program)."""
+    out = torch.empty((index.numel(), source.shape[1]), dtype=source.dtype, device=source.device)
+    block = max(16, min(1024, triton.next_power_of_2(source.shape[1])))
+    _gather_rows[(triton.cdiv(index.numel(), 4),)](
+        source, index, out, index.numel(), source.shape[1], 4, block, num_warps=8 if 4 * block >= 4096 else 4
+    )
+    return out
 
 
 def spread(source: torch.Tensor, inverse: torch.Tensor, top_k: int, rows: int, warps: int) -> torch.Tensor:
@@ -63,7 +72,10 @@ def main() -> None:
     sources = torch.div(order, args.top_k, rounding_mode="floor")
     expected = x[sources]
     written = expected.numel() * expected.element_size()
-    variants = {"gather (the package's)": lambda: gather_rows(x, sources)}
+    variants = {
+        "gather (before session 26)": lambda: gather(x, sources),
+        "token-major (the package's)": lambda: spread_rows(x, inverse, args.top_k),
+    }
     for rows, warps in [(1, 4), (2, 4), (2, 8), (4, 8)]:
         variants[f"token-major, {rows} token(s) a program, {warps} warps"] = partial_spread(
             x, inverse, args.top_k, rows, warps

@@ -106,12 +106,11 @@ def permute_tokens(
         )
     top_k = expert_indices.shape[1]
     order, inverse = group_by_expert(expert_indices.reshape(-1), num_experts)
-    sources = torch.div(order, top_k, rounding_mode="floor")
     if use_triton("permute_tokens", hidden, expert_indices, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
-        grouped = permute_rows_triton(hidden, sources, inverse, top_k)
+        grouped = permute_rows_triton(hidden, inverse, top_k)
     else:
         # Token t's k slots sit at grouped rows inverse[t * k : (t + 1) * k].
-        grouped = _gather_rows(hidden, sources, inverse, top_k)
+        grouped = _gather_rows(hidden, torch.div(order, top_k, rounding_mode="floor"), inverse, top_k)
     return grouped, Permutation(order=order, inverse=inverse, top_k=top_k)
 
 
@@ -150,8 +149,7 @@ def unpermute_tokens(
     if use_triton("unpermute_tokens", *tensors, gpu_checked=PERMUTE_GPU_CHECKED, traceable=True):
         if weights is not None:
             return unpermute_rows_triton(grouped, permutation.inverse, weights)
-        sources = torch.div(permutation.order, top_k, rounding_mode="floor")
-        return sum_rows_triton(grouped, sources, permutation.inverse, top_k)
+        return sum_rows_triton(grouped, permutation.inverse, top_k)
     # Grouped row r holds slot order[r]: reading the slots' gradients through order undoes the gather.
     slots = _gather_rows(grouped, permutation.inverse, permutation.order, 1)
     slots = slots.view(num_tokens, top_k, grouped.shape[1])

@@ -1,16 +1,18 @@
-"""Triton MoE token permutation: the gather into expert-grouped rows and the weighted gather back, with their
+"""Triton MoE token permutation: the copy into expert-grouped rows and the weighted sum back, with their
 backward passes, for :mod:`lightning_d9d.kernels.permute` (which holds the references and picks).
 
-Every pass is a gather, never a scatter with atomics: permuting copies row ``order[r] // k`` into row ``r``,
-and its backward sums each token's ``k`` rows found through ``inverse``; unpermuting sums each token's ``k``
-rows times their weights (fp32, rounded once), and its backward writes each grouped row once (the rows are a
-permutation of the slots) and reduces each slot's weight gradient over the hidden dim. A token's ``k`` rows are
-read by ``k`` unrolled loads (``top_k`` is a compile-time constant) added into one fp32 accumulator, so no
-reduction crosses threads: on an H200 (16,384 tokens, top-8, hidden 1024, inside ``torch.compile``) the
-unpermute forward took 0.42 ms this way against 0.54 ms summing one ``[k, BLOCK]`` tile, the variant it replaced.
+No pass scatters with atomics. Permuting is token-major: each token's row is read once and written to its ``k``
+grouped rows ``inverse[t * k + j]`` (a permutation of the rows, so each is written once): on an H200 (16,384
+tokens, top-8, hidden 1024) 86 us against 114 us for the gather it replaced, which read row ``order[r] // k``
+for every grouped row ``r`` (``benchmarks/permute_candidates.py``). Its backward sums each token's ``k`` rows
+found through ``inverse``; unpermuting sums each token's ``k`` rows times their weights (fp32, rounded once),
+and its backward writes each grouped row once and reduces each slot's weight gradient over the hidden dim. A
+token's ``k`` rows are read by ``k`` unrolled loads (``top_k`` is a compile-time constant) added into one fp32
+accumulator, so no reduction crosses threads: on an H200 (inside ``torch.compile``) the unpermute forward took
+0.42 ms this way against 0.54 ms summing one ``[k, BLOCK]`` tile, the variant it replaced.
 
 Where the experts weighed their rows already (the MoE block's way: :func:`~lightning_d9d.kernels.permute.
-weights_by_row`), the way back is an unweighted sum (``sum_rows``) whose backward is the permutation's own gather
+weights_by_row`), the way back is an unweighted sum (``sum_rows``) whose backward is the permutation's own copy
 of each token's gradient into its rows: nothing of the rows is kept for it.
 
 The passes are torch custom operators (``lightning_d9d::permute_rows`` / ``unpermute_rows`` / ``sum_rows``,
@@ -27,23 +29,22 @@ import torch
 from lightning_d9d.kernels.dispatch import announce, launchable
 from lightning_d9d.kernels.triton_compat import tl, triton
 
-# Elements of one program's tile (rows x columns): enough bytes in flight per program, few enough registers.
-TILE = 8192
 BLOCK_H = 1024
 
 
 @triton.jit
-def _gather_rows(  # type: ignore[no-untyped-def]
-    SRC, IDX, DST, rows, hidden, ROWS: tl.constexpr, BLOCK: tl.constexpr
+def _spread_rows(  # type: ignore[no-untyped-def]
+    SRC, INVERSE, DST, tokens, hidden, TOP_K: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr
 ):  # pragma: no cover - compiled by Triton
-    row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    row_mask = row < rows
-    source = tl.load(IDX + row, mask=row_mask, other=0).to(tl.int64)
+    token = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    token_mask = token < tokens
     for start in range(0, hidden, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        mask = row_mask[:, None] & (cols < hidden)[None, :]
-        values = tl.load(SRC + source[:, None] * hidden + cols[None, :], mask=mask)
-        tl.store(DST + row[:, None] * hidden + cols[None, :], values, mask=mask)
+        mask = token_mask[:, None] & (cols < hidden)[None, :]
+        values = tl.load(SRC + token[:, None] * hidden + cols[None, :], mask=mask)
+        for j in tl.static_range(TOP_K):
+            row = tl.load(INVERSE + token * TOP_K + j, mask=token_mask, other=0).to(tl.int64)
+            tl.store(DST + row[:, None] * hidden + cols[None, :], values, mask=mask)
 
 
 @triton.jit
@@ -83,47 +84,41 @@ def _unpermute_backward(  # type: ignore[no-untyped-def]
     tl.store(DW + token * TOP_K + choice, dot, mask=choice < TOP_K)
 
 
-def _tile(hidden: int, rows: int) -> tuple[int, int]:
-    """(rows per tile as a power of two >= ``rows``, columns per tile)."""
-    rows_pow2 = triton.next_power_of_2(max(rows, 1))
-    return rows_pow2, max(16, min(BLOCK_H, triton.next_power_of_2(hidden), TILE // rows_pow2))
-
-
-def _warps(rows: int, block: int) -> int:
+def _warps(block: int) -> int:
     # 4 warps give a 1024-wide bf16 row 8 elements (one 16-byte load) per thread.
-    return 8 if rows * block >= 4096 else 4
+    return 8 if block >= 4096 else 4
 
 
-@torch.library.custom_op("lightning_d9d::gather_rows", mutates_args=())
-def gather_rows(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``source[index]``: rows of ``source [T, H]`` in the order ``index [N]`` names them."""
+@torch.library.custom_op("lightning_d9d::spread_rows", mutates_args=())
+def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows ``[T * top_k, H]``: token ``t``'s row of ``source [T, H]`` copied to rows ``inverse[t * top_k + j]``
+    for each ``j`` (``inverse`` a permutation of the rows, so each is written once)."""
     source = source.contiguous()
-    count, width = index.numel(), source.shape[1]
-    gathered = torch.empty((count, width), dtype=source.dtype, device=source.device)
-    rows, block = _tile(width, 4)
-    launchable(_gather_rows, source.device)[(triton.cdiv(count, rows),)](
-        source, index.contiguous(), gathered, count, width, rows, block, num_warps=_warps(rows, block)
+    tokens, width = source.shape
+    spread = torch.empty((tokens * top_k, width), dtype=source.dtype, device=source.device)
+    block = min(BLOCK_H, triton.next_power_of_2(width))
+    launchable(_spread_rows, source.device)[(tokens,)](
+        source, inverse.contiguous(), spread, tokens, width, top_k, 1, block, num_warps=_warps(block)
     )
-    return gathered
+    return spread
 
 
-@gather_rows.register_fake
-def _(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return source.new_empty((index.numel(), source.shape[1]))
+@spread_rows.register_fake
+def _(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    return source.new_empty((source.shape[0] * top_k, source.shape[1]))
 
 
 @torch.library.custom_op("lightning_d9d::permute_rows", mutates_args=())
-def permute_rows(
-    hidden: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """``hidden[sources]`` (``sources[r] = order[r] // top_k``); its backward reads through ``inverse``."""
+def permute_rows(hidden: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's row of ``hidden`` copied to its ``top_k`` grouped rows (``inverse``); the backward sums them
+    back through ``inverse``."""
     announce("permute_tokens")
-    return gather_rows(hidden, sources)
+    return spread_rows(hidden, inverse, top_k)
 
 
 @permute_rows.register_fake
-def _(hidden: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
-    return hidden.new_empty((sources.numel(), hidden.shape[1]))
+def _(hidden: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    return hidden.new_empty((hidden.shape[0] * top_k, hidden.shape[1]))
 
 
 @torch.library.custom_op("lightning_d9d::weighted_gather_sum", mutates_args=())
@@ -137,7 +132,7 @@ def weighted_gather_sum(
     w = weights.contiguous() if weights is not None else src
     block = min(BLOCK_H, triton.next_power_of_2(width))
     launchable(_weighted_gather_sum, src.device)[(tokens, triton.cdiv(width, block))](
-        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=_warps(1, block)
+        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=_warps(block)
     )
     return out
 
@@ -160,7 +155,7 @@ def unpermute_backward(
     k, block = triton.next_power_of_2(top_k), min(BLOCK_H, triton.next_power_of_2(width))
     launchable(_unpermute_backward, grouped.device)[(weights.shape[0],)](
         grad.contiguous(), grouped, inverse.contiguous(), weights, d_grouped, d_weights, width, top_k, k, block,
-        num_warps=_warps(1, block),
+        num_warps=_warps(block),
     )  # fmt: skip
     return d_grouped, d_weights
 
@@ -185,26 +180,26 @@ def _(grouped: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> to
 
 
 @torch.library.custom_op("lightning_d9d::sum_rows", mutates_args=())
-def sum_rows(grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+def sum_rows(grouped: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     """``sum_j grouped[inverse[t * k + j]]`` for every token ``t`` (rows the experts weighed already); its backward
-    hands each grouped row its token's gradient (``grad[sources]``, the permutation's own gather)."""
+    hands each grouped row its token's gradient (the permutation's own copy, :func:`spread_rows`)."""
     announce("unpermute_tokens")
     return weighted_gather_sum(grouped, inverse, None, top_k)
 
 
 @sum_rows.register_fake
-def _(grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+def _(grouped: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     return grouped.new_empty((grouped.shape[0] // top_k, grouped.shape[1]))
 
 
 def _permute_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    ctx.save_for_backward(inputs[2])
-    ctx.top_k = inputs[3]
+    ctx.save_for_backward(inputs[1])
+    ctx.top_k = inputs[2]
 
 
 def _permute_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (inverse,) = ctx.saved_tensors
-    return weighted_gather_sum(grad, inverse, None, ctx.top_k), None, None, None
+    return weighted_gather_sum(grad, inverse, None, ctx.top_k), None, None
 
 
 def _unpermute_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
@@ -220,11 +215,12 @@ def _unpermute_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, 
 
 def _sum_context(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(inputs[1])
+    ctx.top_k = inputs[2]
 
 
 def _sum_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    (sources,) = ctx.saved_tensors
-    return gather_rows(grad, sources), None, None, None
+    (inverse,) = ctx.saved_tensors
+    return spread_rows(grad, inverse, ctx.top_k), None, None
 
 
 permute_rows.register_autograd(_permute_grad, setup_context=_permute_context)
@@ -232,11 +228,9 @@ sum_rows.register_autograd(_sum_grad, setup_context=_sum_context)
 unpermute_rows.register_autograd(_unpermute_grad, setup_context=_unpermute_context)
 
 
-def permute_rows_triton(
-    hidden: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """``hidden[sources]`` (``sources[r] = order[r] // top_k``); backward through ``inverse``."""
-    out: torch.Tensor = permute_rows(hidden, sources, inverse, top_k)
+def permute_rows_triton(hidden: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Each token's row copied to its ``top_k`` grouped rows (``inverse``); backward through ``inverse``."""
+    out: torch.Tensor = permute_rows(hidden, inverse, top_k)
     return out
 
 
@@ -248,9 +242,7 @@ def unpermute_rows_triton(
     return out
 
 
-def sum_rows_triton(
-    grouped: torch.Tensor, sources: torch.Tensor, inverse: torch.Tensor, top_k: int
-) -> torch.Tensor:
-    """``sum_j grouped[inverse[t * k + j]]`` for every token ``t``; backward gathers through ``sources``."""
-    out: torch.Tensor = sum_rows(grouped, sources, inverse, top_k)
+def sum_rows_triton(grouped: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``sum_j grouped[inverse[t * k + j]]`` for every token ``t``; backward copies through ``inverse``."""
+    out: torch.Tensor = sum_rows(grouped, inverse, top_k)
     return out
