@@ -8,6 +8,7 @@ profiled steps; prints the CUDA kernels by total time, the GPU time per step, an
 
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --out runs/profile
     PYTHONPATH=. python benchmarks/profile_step.py --model moe --path hf_fsdp_compiled --out runs/profile
+    PYTHONPATH=. python benchmarks/profile_step.py --model moe --path ours_compiled --master-weights --out runs/profile
     PYTHONPATH=. python benchmarks/profile_step.py --model 4b --path ours_fsdp_compiled --out runs/profile4b
     PYTHONPATH=. python benchmarks/profile_step.py --model 4b --layers 18 --path ours_compiled --out runs/profile4b
 """
@@ -37,6 +38,11 @@ def main() -> None:
     # fewer decoder layers of the same shape: the per-layer kernels are the same, so a half-depth 4B fits 80 GB
     parser.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's own)")
     parser.add_argument("--out", type=Path, default=Path("runs/profile"))
+    parser.add_argument(
+        "--master-weights",
+        action="store_true",
+        help="bf16 parameters with fp32 masters (MasterWeightAdamW) instead of fused AdamW; paths without FSDP",
+    )
     own = parser.parse_args()
     shape = ["--model", own.model, "--layers", str(own.layers)]
     args = parse_args([*shape, "--seq-len", str(own.seq_len), "--batch-size", str(own.batch_size)])
@@ -50,8 +56,16 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1234)
     ids = torch.randint(0, model.config.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)
     inputs, labels = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     autocast = "fsdp" not in own.path  # the plain loops without FSDP autocast, as train_throughput.py
+    optimizer: torch.optim.Optimizer
+    if own.master_weights:
+        if not autocast:
+            raise SystemExit("--master-weights needs a path without FSDP (its parameters become bf16)")
+        from lightning_d9d.optim import MasterWeightAdamW
+
+        optimizer = MasterWeightAdamW(model.parameters(), lr=1e-4)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> None:
         with (
@@ -83,6 +97,7 @@ def main() -> None:
         torch.cuda.synchronize()
     own.out.mkdir(parents=True, exist_ok=True)
     name = f"{own.model}_{own.path}" + (f"_{own.layers}layers" if own.layers else "")
+    name += "_master" if own.master_weights else ""
     profile.export_chrome_trace(str(own.out / f"{name}.json"))
     averages = profile.key_averages()
     try:

@@ -72,13 +72,8 @@ def saved_bytes_by_kind(model: Qwen3ForCausalLM | Qwen3MoeForCausalLM, ids: torc
 
 
 def _weight_shapes(model: Qwen3ForCausalLM | Qwen3MoeForCausalLM) -> set[tuple[int, ...]]:
-    """The shapes a copy of a layer weight has: each matrix's, and the experts' gate and up concatenated."""
-    shapes = {tuple(param.shape) for param in model.model.layers.parameters() if param.ndim >= 2}
-    for name, param in model.model.layers.named_parameters():
-        if name.endswith("experts.gate_proj"):
-            experts, hidden, ffn = param.shape
-            shapes.add((experts, hidden, 2 * ffn))
-    return shapes
+    """The shapes a copy of a layer weight has: each matrix's (the experts' gate and up are one already)."""
+    return {tuple(param.shape) for param in model.model.layers.parameters() if param.ndim >= 2}
 
 
 def build(kind: str, hidden: int, layers: int) -> Qwen3ForCausalLM | Qwen3MoeForCausalLM:

@@ -237,22 +237,45 @@ def verify_checkpoint(checkpoint: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- commands
+def _check_module_shapes(
+    reader: DCPReader,
+    fmt: HFFormat,
+    config: dict[str, Any],
+    layout: str | None,
+    checkpoint: str,
+    config_path: str,
+) -> None:
+    """Every tensor of the checkpoint (``reader`` at its prefix) has the shape ``fmt``'s module implies."""
+    if fmt.hf_shapes is None:
+        return
+    chosen = fmt.resolve_layout(layout)
+    module_shapes = infer_shapes(fmt.from_hf(config, chosen), fmt.hf_shapes(config, chosen))
+    _check_shapes(
+        reader.shapes(), module_shapes, lambda key: f"{checkpoint} (as {reader.prefix + key!r})", config_path
+    )
+
+
 def _format_of_checkpoint(
-    reader: DCPReader, config: dict[str, Any], args: argparse.Namespace, checkpoint: str
+    reader: DCPReader, config: dict[str, Any], args: argparse.Namespace, checkpoint: str, config_path: str
 ) -> tuple[HFFormat, Any, str]:
-    """The format whose module keys the checkpoint holds, its writing mapper and the keys' prefix: ours for the
-    config's model type where it has one (our white-box model's checkpoint), else the ``transformers`` class the
-    config names, built on ``meta`` (a ``transformers`` model trained under the strategy keeps its class's
-    names and layout: Qwen3-MoE's fused experts, any family without a format of ours)."""
+    """The format whose module keys and shapes the checkpoint holds, its writing mapper and the keys' prefix:
+    ours for the config's model type where it has one (our white-box model's checkpoint), else the
+    ``transformers`` class the config names, built on ``meta`` (a ``transformers`` model trained under the strategy
+    keeps its class's names and layout: Qwen3-MoE's fused experts, any family without a format of ours). The
+    shapes decide where the names agree: our experts' ``gate_up_proj`` is transformers' transposed."""
     dtype = DTYPES[args.dtype] if args.dtype else None
     failures: list[CheckpointError] = []
     for build in (hf_format, transformers_model_format):
         try:
             fmt = build(config)
             mapper = writing_mapper(fmt, config, dtype, args.layout)
-            if args.prefix is not None:
-                return fmt, mapper, args.prefix
-            return fmt, mapper, detect_prefix(reader.all_keys(), mapper.input_keys(), checkpoint)
+            prefix = args.prefix
+            if prefix is None:
+                prefix = detect_prefix(reader.all_keys(), mapper.input_keys(), checkpoint)
+            _check_module_shapes(
+                reader.with_prefix(prefix), fmt, config, args.layout, checkpoint, config_path
+            )
+            return fmt, mapper, prefix
         except CheckpointError as failure:
             failures.append(failure)
     raise failures[0]
@@ -278,7 +301,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
     dtype = DTYPES[args.dtype] if args.dtype else None
-    fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint))
+    fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint), config_path)
     _check_model_type(fmt, args.model, config_path)
     aliases = set(fmt.tied(config))
     reader = reader.with_prefix(prefix)
@@ -290,12 +313,6 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
                 f"dcp-to-hf: left out {len(beyond)} tensors transformers' class has no field for: {beyond[:3]}"
             )
         ignore |= set(beyond)
-    if fmt.hf_shapes is not None:
-        layout = fmt.resolve_layout(args.layout)
-        module_shapes = infer_shapes(fmt.from_hf(config, layout), fmt.hf_shapes(config, layout))
-        _check_shapes(
-            reader.shapes(), module_shapes, lambda key: f"{checkpoint} (as {prefix + key!r})", config_path
-        )
     plan = reader.plan(mapper, ignore=ignore)
     output = Path(args.output).absolute()
     written = dtype if dtype is not None else next(iter(reader.dtypes().values()), None)

@@ -287,7 +287,7 @@ def _normal_weights(module: nn.Module) -> list[torch.Tensor]:
     if isinstance(module, (nn.Linear, nn.Embedding, TopKRouter)):
         return [module.weight]
     if isinstance(module, GroupedExperts):
-        return [module.gate_proj, module.up_proj, module.down_proj]
+        return [module.gate_up_proj, module.down_proj]
     return []
 
 

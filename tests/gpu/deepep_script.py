@@ -32,7 +32,7 @@ def block_on(rank: int, world: int, dispatcher: object) -> MoE:
     assert block.gate.expert_bias is not None
     block.gate.expert_bias[list(UNCHOSEN)] = -1e3  # these experts get no token
     local = EXPERTS // world
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj"):
         full = getattr(block.experts, name).detach()
         setattr(block.experts, name, torch.nn.Parameter(full[rank * local : (rank + 1) * local].bfloat16()))
     block.gate.weight.data = block.gate.weight.data.bfloat16()

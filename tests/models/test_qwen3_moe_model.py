@@ -200,8 +200,8 @@ def test_init_is_seeded_by_name_and_independent_of_construction_path() -> None:
         assert torch.equal(a, b), name
     experts = meta.model.layers["0"].mlp.experts
     # N(0, initializer_range) as transformers, not GroupedExperts' own uniform default
-    assert abs(float(experts.gate_proj.detach().std()) - config.initializer_range) < 0.005
-    assert not torch.equal(experts.gate_proj, meta.model.layers["2"].mlp.experts.gate_proj)  # per name
+    assert abs(float(experts.gate_up_proj.detach().std()) - config.initializer_range) < 0.005
+    assert not torch.equal(experts.gate_up_proj, meta.model.layers["2"].mlp.experts.gate_up_proj)  # per name
     router = meta.model.layers["0"].mlp.gate
     assert int(router.expert_load.abs().sum()) == 0  # to_empty garbage cleared
     other = Qwen3MoeForCausalLM(config)

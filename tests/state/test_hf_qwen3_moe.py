@@ -131,10 +131,10 @@ def test_fused_layout_loads_and_converts_to_the_per_expert_one(tmp_path: Path) -
 def test_fsdp_two_processes_load_and_export_match_transformers(tmp_path: Path) -> None:
     # 5 experts: uneven expert shards (3 + 2)
     hf = make_moe_checkpoint(tmp_path / "hf", num_experts=5)
-    shards = [(experts, SMALL["hidden_size"], SMALL["moe_intermediate_size"]) for experts in (3, 2)]
+    shards = [(experts, SMALL["hidden_size"], 2 * SMALL["moe_intermediate_size"]) for experts in (3, 2)]
     check_fsdp_load_and_export(
         _our_model,
-        "model.layers.0.mlp.experts.gate_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
         shards,
         hf,
         batch(VOCAB),

@@ -1,14 +1,15 @@
 """Experts: all experts' SwiGLU weights stacked, run with grouped GEMMs over tokens grouped by expert.
 
-Layout ``[E, in, out]`` (``gate_proj``/``up_proj`` ``[E, hidden, ffn]``, ``down_proj`` ``[E, ffn, hidden]``)
-so each projection is ``grouped_mm(x, w, tokens_per_expert)`` with no transpose. transformers' Qwen3-MoE holds
+Layout ``[E, in, out]`` so each projection is ``grouped_mm(x, w, tokens_per_expert)`` with no transpose:
+``gate_up_proj [E, hidden, 2 * ffn]`` (every expert's gate columns, then its up columns) and ``down_proj [E, ffn,
+hidden]``. Gate and up are one parameter so the forward runs *one* grouped GEMM of width ``2 * ffn`` instead of
+two of width ``ffn`` (fewer, fuller tiles; one input-gradient GEMM in backward instead of two plus a sum) on the
+weight as it is: two parameters had to be concatenated every forward (an expert-sized copy kept for backward,
+whose gradient came back as two strided slices that autograd copied again). transformers' Qwen3-MoE holds
 ``gate_up_proj [E, 2 * ffn, hidden]`` (gate rows first) and ``down_proj [E, hidden, ffn]``, checkpoints hold one
-``[out, in]`` matrix per expert: the Hugging Face mapping transposes and stacks. Gate and up stay separate
-parameters so that sharding the ffn dimension (tensor parallelism) cuts both alike and the Hugging Face mapping
-and init stay per projection; the forward concatenates them (this rank's shards) into one ``[E, hidden,
-2 * ffn]`` weight and runs *one* grouped GEMM of width ``2 * ffn`` instead of two of width ``ffn`` (fewer,
-fuller tiles; one input-gradient GEMM in backward instead of two plus a sum). The concatenation copies the
-weight once per forward (memory-bound, small beside the GEMM), and its backward only slices the gradient.
+``[out, in]`` matrix per expert: the Hugging Face mapping transposes, stacks and concatenates
+(:mod:`lightning_d9d.state.hf.qwen3_moe`). No plan shards the ffn dimension of the experts (tensor parallelism
+leaves them whole; expert parallelism splits dimension 0), so gate and up never need cutting alike.
 
 Expert parallelism (:func:`~lightning_d9d.plans.parallelize_expert`) shards dimension 0 over ``ep``: each rank
 holds ``num_experts / ep`` consecutive experts (``DTensor``s, whose local part :meth:`GroupedExperts.forward`
@@ -28,7 +29,6 @@ from torch.distributed.tensor import DTensor
 from lightning_d9d.kernels import grouped_mm
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.kernels.swiglu import weighted_swiglu
-from lightning_d9d.modules.autocast import to_autocast_dtype
 
 
 @runtime_checkable
@@ -66,14 +66,15 @@ class GroupedExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.gemm_backend = gemm_backend
-        self.gate_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
-        self.up_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, hidden_size, 2 * intermediate_size, device=device)
+        )
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, device=device))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         # nn.Linear's default per expert: uniform(+-1/sqrt(fan_in)).
-        for weight in (self.gate_proj, self.up_proj, self.down_proj):
+        for weight in (self.gate_up_proj, self.down_proj):
             bound = 1 / math.sqrt(weight.shape[1])
             nn.init.uniform_(weight, -bound, bound)
 
@@ -83,18 +84,12 @@ class GroupedExperts(nn.Module):
         """``grouped [N, hidden]`` rows sorted by expert, ``tokens_per_expert [E]`` -> ``[N, hidden]``; with
         ``row_weights [N]`` (each row's routing weight) every row's output is weighed by it (applied to the
         activation before the down projection, where it is narrow: see :mod:`lightning_d9d.modules.moe.dispatch`)."""
-        gate_proj, up_proj, down_proj = (_local(w) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        gate_up_proj, down_proj = _local(self.gate_up_proj), _local(self.down_proj)
         if self.gemm_backend == FLOAT8_BACKEND:
-            # the same concatenation, laid out column-major per expert as the float8 kernels read it (one copy)
-            gate_up_proj = torch.cat([gate_proj.mT, up_proj.mT], dim=-2).mT
-        else:
-            # Cast before concatenating (bf16-mixed without FSDP keeps fp32 weights; autocast does not cast a cat):
-            # cast after, the backward would cast the whole [E, hidden, 2 * ffn] gradient to fp32 and hand gate
-            # and up strided views of it, which AccumulateGrad copies again into contiguous gradients (two
-            # expert-sized fp32 copies per layer, 2.7 ms of a 166 ms MoE step on an H100).
-            gate_up_proj = torch.cat([to_autocast_dtype(gate_proj), to_autocast_dtype(up_proj)], dim=-1)
+            # laid out column-major per expert, as the float8 kernels read it (one copy)
+            gate_up_proj = gate_up_proj.mT.contiguous().mT
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
-        gate, up = gate_up.split(gate_proj.shape[-1], dim=-1)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return grouped_mm(
             weighted_swiglu(gate, up, row_weights), down_proj, tokens_per_expert, backend=self.gemm_backend
         )

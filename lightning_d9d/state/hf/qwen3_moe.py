@@ -10,9 +10,9 @@ and shapes. The routed experts differ in layout; two file layouts are read:
   first) and ``mlp.experts.down_proj [E, hidden, ffn]``, as a raw ``state_dict()`` saved without conversion
   holds it.
 
-Ours is ``mlp.experts.{gate,up}_proj [E, hidden, ffn]`` and ``mlp.experts.down_proj [E, ffn, hidden]``
-(:class:`~lightning_d9d.modules.moe.GroupedExperts`): stack the experts (or split gate from up), then swap the
-last two dims. Which layers are sparse follows transformers' rule (``mlp_only_layers``, ``decoder_sparse_step``).
+Ours is ``mlp.experts.gate_up_proj [E, hidden, 2 * ffn]`` (gate columns first) and ``mlp.experts.down_proj [E,
+ffn, hidden]`` (:class:`~lightning_d9d.modules.moe.GroupedExperts`): stack the experts, swap the last two dims,
+and put gate beside up (the fused layout only swaps: its name is ours, transposed). Which layers are sparse follows transformers' rule (``mlp_only_layers``, ``decoder_sparse_step``).
 
 The routers' selection bias (``router_selection_bias: true`` in the config, ours: auxiliary-loss-free balancing)
 has no tensor in transformers' Qwen3-MoE. It is written as ``mlp.gate.e_score_correction_bias [E]`` (fp32),
@@ -27,13 +27,12 @@ from collections.abc import Collection
 from typing import Any
 
 from ..compose import Parallel, Sequential, per_layer
-from ..mapper import Chunk, Identity, ModelStateMapper, Rename, Stack, Transpose
+from ..mapper import Concat, Identity, ModelStateMapper, Rename, Stack, Transpose
 from .qwen3 import LAYER, _layer_shapes, _top_shapes, qwen3_signature, qwen3_tied
 from .registry import HFConfig, HFFormat, register_hf_format
 
 PER_EXPERT = "per_expert"
 FUSED = "fused"
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Our router's selection bias <-> its name in the file (DeepSeek-V3's), relative to a layer.
 EXPERT_BIAS = "mlp.gate.expert_bias"
 FILE_EXPERT_BIAS = "mlp.gate.e_score_correction_bias"
@@ -86,24 +85,26 @@ def _sparse_mlp_shapes(config: HFConfig, layout: str) -> dict[str, tuple[int, ..
 
 def _experts_from_hf(config: HFConfig, layout: str) -> ModelStateMapper:
     """A sparse layer's expert tensors: file layout → our stacked ``[E, in, out]`` (keys relative to the layer)."""
-    experts, _, _ = _moe_sizes(config)
-    ours = {name: f"mlp.experts.{name}" for name in PROJECTIONS}
+    experts, _, ffn = _moe_sizes(config)
+    gate_up, down = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
     if layout == FUSED:
-        split = Chunk("mlp.experts.gate_up_proj", [ours["gate_proj"], ours["up_proj"]], dim=1)
-        return Parallel(
-            [
-                Sequential([split, Transpose([ours["gate_proj"], ours["up_proj"]], 1, 2)]),
-                Transpose([ours["down_proj"]], 1, 2),
-            ]
+        return Transpose([gate_up, down], 1, 2)
+
+    def stacked(name: str) -> ModelStateMapper:
+        # the per-expert matrices [out, in] -> ours [E, in, out], under the intermediate key mlp.experts.<name>
+        ours = f"mlp.experts.{name}"
+        return Sequential(
+            [Stack([f"mlp.experts.{e}.{name}.weight" for e in range(experts)], ours), Transpose([ours], 1, 2)]
         )
+
+    halves = ["mlp.experts.gate_proj", "mlp.experts.up_proj"]
     return Parallel(
-        Sequential(
-            [
-                Stack([f"mlp.experts.{e}.{name}.weight" for e in range(experts)], ours[name]),
-                Transpose([ours[name]], 1, 2),
-            ]
-        )
-        for name in PROJECTIONS
+        [
+            Sequential(
+                [Parallel([stacked("gate_proj"), stacked("up_proj")]), Concat(halves, gate_up, 2, [ffn, ffn])]
+            ),
+            stacked("down_proj"),
+        ]
     )
 
 

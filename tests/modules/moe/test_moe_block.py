@@ -77,7 +77,8 @@ def dense_reference(moe: MoE, hidden: torch.Tensor) -> tuple[torch.Tensor, torch
         row = torch.zeros_like(x)
         for choice in range(moe.gate.top_k):
             e = int(chosen[token, choice])
-            activated = F.silu(x @ experts.gate_proj[e]) * (x @ experts.up_proj[e])
+            gate, up = (x @ experts.gate_up_proj[e]).split(experts.intermediate_size)  # gate columns first
+            activated = F.silu(gate) * up
             row = row + weights[token, choice] * (activated @ experts.down_proj[e])
         if moe.shared_experts is not None:
             shared = moe.shared_experts
@@ -113,7 +114,7 @@ def test_block_equals_dense_reference(case: Case) -> None:
     for name, grad, expected_grad in zip(names, grads, expected_grads, strict=True):
         torch.testing.assert_close(grad, expected_grad, atol=1e-5, rtol=1e-5, msg=name)
     assert (
-        torch.count_nonzero(grads[names.index("experts.gate_proj")][idle]) == 0
+        torch.count_nonzero(grads[names.index("experts.gate_up_proj")][idle]) == 0
     )  # idle experts: no gradient
 
 
@@ -140,9 +141,7 @@ def test_block_matches_transformers_qwen3_moe(normalize: bool) -> None:
             param.normal_(0.0, 0.3, generator=generator)
         reference.gate.weight.copy_(moe.gate.weight)
         # transformers: gate_up_proj [E, 2 * ffn, hidden] (gate rows first), down_proj [E, hidden, ffn]
-        reference.experts.gate_up_proj.copy_(
-            torch.cat([moe.experts.gate_proj.transpose(1, 2), moe.experts.up_proj.transpose(1, 2)], dim=1)
-        )
+        reference.experts.gate_up_proj.copy_(moe.experts.gate_up_proj.transpose(1, 2))
         reference.experts.down_proj.copy_(moe.experts.down_proj.transpose(1, 2))
     hidden = torch.randn(2, 9, 16, generator=generator)
     torch.testing.assert_close(moe(hidden), reference(hidden), atol=1e-5, rtol=1e-5)

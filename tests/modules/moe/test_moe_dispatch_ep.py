@@ -53,7 +53,7 @@ def _expert_parallel_equals_local() -> dict[str, float]:
     rank, world = dist.get_rank(), dist.get_world_size()
     reference, sharded = _block(), _block()
     local = EXPERTS // world
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj"):
         full = getattr(sharded.experts, name)
         setattr(sharded.experts, name, torch.nn.Parameter(full.detach()[rank * local : (rank + 1) * local]))
     sharded.dispatcher = AllToAllDispatcher(dist.group.WORLD, EXPERTS)
@@ -65,7 +65,7 @@ def _expert_parallel_equals_local() -> dict[str, float]:
         "input grad": (grad - expected_grad).abs().max().item(),
     }
     errors["router grad"] = (sharded.gate.weight.grad - reference.gate.weight.grad).abs().max().item()
-    for name in ("gate_proj", "up_proj", "down_proj"):
+    for name in ("gate_up_proj", "down_proj"):
         # an expert's gradient sums the tokens of every rank: the reference's gradients summed over the ranks
         expected = getattr(reference.experts, name).grad.clone()
         dist.all_reduce(expected)
