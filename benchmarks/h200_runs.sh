@@ -20,22 +20,21 @@
 #   half4b   Qwen3-4B's layer at 18 of its 36 layers (fits an 80 GB card): torchtitan bf16, ours without and with
 #            FSDP on the one rank and with selective recompute (the 4B memory levers against torchtitan's peak),
 #            then a profile of our compiled step (benchmarks/profile_step.py)
-#   moe_profile  benchmarks/profile_step.py on our MoE shape (our model compiled, no FSDP: the best path), for the
+#   moe_profile  benchmarks/profile_step.py on our MoE shape (our model compiled, no FSDP, master weights: the best
+#            path; MOE_PROFILE_ARGS=" " profiles fused AdamW on fp32 parameters instead), for the
 #            MoE target's table of where the step goes (~2 min)
 #   titan06  the 0.6B shape in one run: the plain recipe, torchtitan, ours with and without FSDP on the one rank
 #   whole4b  Qwen3-4B's whole shape (H200 only: ~130 GiB): torchtitan bf16, ours without FSDP on the one rank and
 #            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True), and with
 #            MasterWeightAdamW (the same 16 bytes a parameter, but no autocast copies kept for backward: ~7 GB
 #            less by count, saved_for_backward.py): under torchtitan's peak?
-#            (the master path needs LIGHTNING_D9D_KERNELS=triton until ADAMW_MASTER_GPU_CHECKED is set)
 #   moe_ab   the MoE shape, a change against the code before it in one lease: the plain recipe and ours (no FSDP on
 #            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
 #            package and examples, `git archive <commit> lightning_d9d examples | tar -x -C runs/base`, carried)
 #            (~6 min)
 #   master   MasterWeightAdamW (bf16 parameters, fp32 masters in the optimizer): its gpu tests, then the MoE shape
-#            (MASTER_MODEL / MASTER_ARGS: another, e.g. 4b and "--layers 18 --path-timeout 240") with the plain recipe, ours without FSDP on the one rank, and the same with
-#            master weights, the kernel forced (LIGHTNING_D9D_KERNELS=triton: its flag is set only after the tests
-#            pass) (~7 min)
+#            (MASTER_MODEL / MASTER_ARGS: another, e.g. 4b and "--layers 18 --path-timeout 240") with the plain
+#            recipe, ours without FSDP on the one rank, and the same with master weights (~5 min)
 #   moe_fp8  the MoE shape: the plain recipe, ours bf16, FP8 rowwise with the experts in FP8 (fp8_experts=None:
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
@@ -96,7 +95,7 @@ for part in "${@:-dense moe}"; do
           --warmup 4 ${MOE_LARGE_LAYERS:+--layers "$MOE_LARGE_LAYERS"} --steps 12 --path-timeout 240 --out "$OUT/moe_large" \
           --paths "${MOE_LARGE_PATHS:-hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp}" ;;
       moe_profile) LIGHTNING_D9D_GROUPED_GEMM=torch python3 benchmarks/profile_step.py --model moe \
-          --path ours_compiled --out "$OUT/moe_profile" ;;
+          --path ours_compiled ${MOE_PROFILE_ARGS:---master-weights} --out "$OUT/moe_profile" ;;
       titan06) bench --seq-len 4096 --batch-size 4 --out "$OUT/titan06" \
           --paths "hf_fsdp_compiled,${titan}ours_trainer_compiled,ours_trainer_compiled_nofsdp" ;;
       whole4b) bench --model 4b --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --path-timeout 240 \
@@ -109,7 +108,7 @@ for part in "${@:-dense moe}"; do
             --paths ours_trainer_compiled_nofsdp ;;
       master) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_master_weights_gpu.py 2>&1 \
             | tee "$OUT/master/tests.log"; test "${PIPESTATUS[0]}" = 0 \
-          && LIGHTNING_D9D_KERNELS=triton LIGHTNING_D9D_GROUPED_GEMM=torch bench --model "${MASTER_MODEL:-moe}" \
+          && LIGHTNING_D9D_GROUPED_GEMM=torch bench --model "${MASTER_MODEL:-moe}" \
             ${MASTER_ARGS:-} --seq-len 4096 --batch-size 4 --warmup 4 --steps 12 --out "$OUT/master" \
             --paths "${MASTER_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_master}" ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \

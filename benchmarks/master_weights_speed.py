@@ -5,10 +5,11 @@
 The parameters of the benchmark model's shape (built on meta, then one tensor per parameter on the GPU), two ways:
 - **autocast**: fp32 parameters; per step, each weight cast to bf16 (autocast's copy in forward), a bf16 gradient
   cast to fp32 (autocast's cast backward), and torch's fused AdamW over fp32 parameters and gradients;
-- **master**: bf16 parameters with bf16 gradients, ``MasterWeightAdamW``'s step (the Triton kernel: run with
-  ``LIGHTNING_D9D_KERNELS=triton`` until ``ADAMW_MASTER_GPU_CHECKED`` is set).
+- **master**: bf16 parameters with bf16 gradients, ``MasterWeightAdamW``'s step (the Triton kernel).
 Only the bytes outside the matmuls differ between the two, so this is the lever's size; the whole step's
 difference is ``train_throughput.py``'s ``ours_trainer_compiled_nofsdp_master`` path. Median of CUDA-event times.
+Session 26, one H200, the MoE shape (1.62 B parameters): 21.3 ms against 15.6 ms (5.8 ms a step less; each at
+~3 TB/s).
 """
 
 from __future__ import annotations
