@@ -2,11 +2,11 @@
 
     PYTHONPATH=. python benchmarks/adamw_tiles.py [--numel 268435456]
 
-``MasterWeightAdamW``'s Triton pass (``lightning_d9d.kernels.adamw``) moves 28 bytes an element (reads fp32 master,
-moments and a bf16 gradient; writes them and the bf16 copy). Session 26 timed it at ~2.9 TB/s on both an H100 and
-an H200 (``master_weights_speed.py``): the same rate on cards of 3.35 and 4.8 TB/s says the pass is not at the
-bandwidth. This times the kernel alone at each tile (CUDA-event median of ``triton.testing.do_bench``), the
-package's first; a faster tile belongs in ``kernels/adamw.py``.
+``MasterWeightAdamW``'s Triton pass (``lightning_d9d.kernels.adamw``) moves 28 bytes an element (reads fp32
+master, moments and a bf16 gradient; writes them and the bf16 copy). Session 26 timed it at ~2.9 TB/s on both
+an H100 and an H200 (``master_weights_speed.py``): the same rate on cards of 3.35 and 4.8 TB/s says the pass
+is not at the bandwidth. This times the kernel alone at each tile (CUDA-event median of
+``triton.testing.do_bench``), the package's first; a faster tile belongs in ``kernels/adamw.py``.
 """
 
 from __future__ import annotations

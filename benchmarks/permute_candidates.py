@@ -2,12 +2,12 @@
 
     python benchmarks/permute_candidates.py [--tokens 16384 --hidden 1024 --top-k 8 --experts 64]
 
-Session 23's profile (one H100, the MoE benchmark shape) timed the permutation's gather (grouped row ``r`` reads
-token ``order[r] // k``) at 160 us for 268 MB written: 1.7 TB/s, half the copy bandwidth. The token-major copy
-(``lightning_d9d.kernels.permute_triton.spread_rows``) reads each token's row once and writes it to its ``k``
-grouped rows (``inverse``; every row written once, no atomics). Session 26 (one H200): 86 us against 114 us, so
-the package took it; the gather stays here as the baseline, with the copy's tile sizes the package did not pick.
-Both must produce the same rows bit for bit.
+Session 23's profile (one H100, the MoE benchmark shape) timed the permutation's gather (grouped row ``r``
+reads token ``order[r] // k``) at 160 us for 268 MB written: 1.7 TB/s, half the copy bandwidth. The
+token-major copy (``lightning_d9d.kernels.permute_triton.spread_rows``) reads each token's row once and writes
+it to its ``k`` grouped rows (``inverse``; every row written once, no atomics). Session 26 (one H200): 86 us
+against 114 us, so the package took it; the gather stays here as the baseline, with the copy's tile sizes the
+package did not pick. Both must produce the same rows bit for bit.
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ and shapes. The routed experts differ in layout; two file layouts are read:
 
 Ours is ``mlp.experts.gate_up_proj [E, hidden, 2 * ffn]`` (gate columns first) and ``mlp.experts.down_proj [E,
 ffn, hidden]`` (:class:`~lightning_d9d.modules.moe.GroupedExperts`): stack the experts, swap the last two dims,
-and put gate beside up (the fused layout only swaps: its name is ours, transposed). Which layers are sparse follows transformers' rule (``mlp_only_layers``, ``decoder_sparse_step``).
+and put gate beside up (the fused layout only swaps: its name is ours, transposed). Which layers are sparse
+follows transformers' rule (``mlp_only_layers``, ``decoder_sparse_step``).
 
 The routers' selection bias (``router_selection_bias: true`` in the config, ours: auxiliary-loss-free balancing)
 has no tensor in transformers' Qwen3-MoE. It is written as ``mlp.gate.e_score_correction_bias [E]`` (fp32),
