@@ -24,8 +24,8 @@ from test_trainer_parity import BASE, assert_matches_reference, launcher_by_worl
 CASES: dict[str, dict] = {
     # SGD, every step's gradients compared (assert_same_step_grads), here and in moe_tp2_cp2 and moe_tp2_ep2:
     # under AdamW the rounding of gradient entries near eps grows past the 1e-5 band in 5 steps (in a dense MLP's
-    # up_proj: 3.6e-6 before the experts' gate and up became one parameter, whose init changed the trajectory;
-    # 1.7e-5 after, 2.2e-5 at tp2 x cp2)
+    # up_proj: 3.1e-6 here and 3.6e-6 at tp2 x cp2 before the experts' gate and up became one parameter, whose
+    # init changed the trajectory; 1.7e-5 and 2.2e-5 after)
     "moe_tp2": {
         "devices": 2,
         "dp": 1,
