@@ -30,6 +30,8 @@ from lightning_d9d.kernels.dispatch import announce, launchable
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK_H = 1024
+# 4 warps give a 1024-wide bf16 row 8 elements (one 16-byte load) per thread.
+WARPS = 4
 
 
 @triton.jit
@@ -84,11 +86,6 @@ def _unpermute_backward(  # type: ignore[no-untyped-def]
     tl.store(DW + token * TOP_K + choice, dot, mask=choice < TOP_K)
 
 
-def _warps(block: int) -> int:
-    # 4 warps give a 1024-wide bf16 row 8 elements (one 16-byte load) per thread.
-    return 8 if block >= 4096 else 4
-
-
 @torch.library.custom_op("lightning_d9d::spread_rows", mutates_args=())
 def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     """Rows ``[T * top_k, H]``: token ``t``'s row of ``source [T, H]`` copied to rows ``inverse[t * top_k + j]``
@@ -98,7 +95,7 @@ def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torc
     spread = torch.empty((tokens * top_k, width), dtype=source.dtype, device=source.device)
     block = min(BLOCK_H, triton.next_power_of_2(width))
     launchable(_spread_rows, source.device)[(tokens,)](
-        source, inverse.contiguous(), spread, tokens, width, top_k, 1, block, num_warps=_warps(block)
+        source, inverse.contiguous(), spread, tokens, width, top_k, 1, block, num_warps=WARPS
     )
     return spread
 
@@ -132,7 +129,7 @@ def weighted_gather_sum(
     w = weights.contiguous() if weights is not None else src
     block = min(BLOCK_H, triton.next_power_of_2(width))
     launchable(_weighted_gather_sum, src.device)[(tokens, triton.cdiv(width, block))](
-        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=_warps(block)
+        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=WARPS
     )
     return out
 
@@ -155,7 +152,7 @@ def unpermute_backward(
     k, block = triton.next_power_of_2(top_k), min(BLOCK_H, triton.next_power_of_2(width))
     launchable(_unpermute_backward, grouped.device)[(weights.shape[0],)](
         grad.contiguous(), grouped, inverse.contiguous(), weights, d_grouped, d_weights, width, top_k, k, block,
-        num_warps=_warps(block),
+        num_warps=WARPS,
     )  # fmt: skip
     return d_grouped, d_weights
 
