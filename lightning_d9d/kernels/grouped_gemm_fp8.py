@@ -11,8 +11,8 @@ inputs what this module arranges:
   ``T + 15 * G`` rounded up to 16, and the slack joins the last group). Zero rows change no scale (an amax) and
   add nothing to the weight gradient; their outputs are dropped.
 - ``w`` ``[G, K, N]`` column-major per group (strides ``(K * N, 1, K)``): our experts hold ``[G, K, N]``
-  row-major (``modules/moe/experts.py``), so a row-major ``w`` is copied once into that layout;
-  :class:`~lightning_d9d.modules.moe.GroupedExperts` copies its `gate_up_proj` into it once a forward.
+  row-major (``modules/moe/experts.py``), so a row-major ``w`` is copied once into that layout
+  (:func:`column_major`).
 - ``K`` and ``N`` multiples of 16, bf16 or fp32 operands, CUDA with compute capability 9.0 or newer, and the
   ``torchao`` package (:func:`fp8_grouped_gemm_unsupported` says which is missing).
 

@@ -78,9 +78,10 @@ def test_the_backend_refuses_cpu_and_auto_never_picks_it() -> None:
     assert fp8.FLOAT8_BACKEND in gg.grouped_gemm_backends()
 
 
-def test_the_experts_hand_the_float8_backend_column_major_weights(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Named ``torchao_fp8``, GroupedExperts builds its gate/up weight column-major (the layout torchao reads,
-    one copy as before); the products are the bf16 experts' (a stand-in backend that checks the layout)."""
+def test_the_experts_hand_the_float8_backend_their_weights_as_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Named ``torchao_fp8``, GroupedExperts hands its ``gate_up_proj`` and ``down_proj`` as held (row-major: the
+    backend's ``column_major`` copies each once into torchao's layout, no copy of the experts' own before it); the
+    products are the bf16 experts' (a stand-in backend that records the layout)."""
     monkeypatch.setattr(gg._REGISTRY, "backends", dict(gg._REGISTRY.backends))
     layouts: list[bool] = []
 
@@ -98,4 +99,4 @@ def test_the_experts_hand_the_float8_backend_column_major_weights(monkeypatch: p
     experts.gemm_backend = fp8.FLOAT8_BACKEND
     x, sizes = torch.randn(21, 16), torch.tensor([5, 0, 9, 7])
     torch.testing.assert_close(experts(x, sizes), reference(x, sizes))
-    assert layouts == [True, False]  # gate/up built column-major; down_proj as held (the backend copies it)
+    assert layouts == [False, False]

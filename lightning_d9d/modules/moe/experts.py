@@ -27,7 +27,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
-from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.kernels.swiglu import weighted_swiglu
 
 
@@ -85,9 +84,6 @@ class GroupedExperts(nn.Module):
         ``row_weights [N]`` (each row's routing weight) every row's output is weighed by it (applied to the
         activation before the down projection, where it is narrow: see :mod:`lightning_d9d.modules.moe.dispatch`)."""
         gate_up_proj, down_proj = _local(self.gate_up_proj), _local(self.down_proj)
-        if self.gemm_backend == FLOAT8_BACKEND:
-            # laid out column-major per expert, as the float8 kernels read it (one copy)
-            gate_up_proj = gate_up_proj.mT.contiguous().mT
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return grouped_mm(
