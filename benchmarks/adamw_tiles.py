@@ -23,6 +23,12 @@ from lightning_d9d.kernels import adamw
 TILES = [(adamw.BLOCK, 8), (1024, 4), (2048, 4), (2048, 8), (4096, 4), (8192, 8), (8192, 16), (16384, 16)]
 
 
+def _copy_ms(nbytes: int) -> float:
+    source = torch.empty(nbytes, device="cuda", dtype=torch.uint8)
+    target = torch.empty_like(source)
+    return float(do_bench(lambda: target.copy_(source)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--numel", type=int, default=1 << 28)
@@ -33,6 +39,14 @@ def main() -> None:
     grad, param = (
         torch.randn(n, device="cuda", dtype=torch.bfloat16),
         torch.empty(n, device="cuda").bfloat16(),
+    )
+    # What this card's memory moves at all, the same 28 bytes an element: torch's copy of the bytes (a read and a
+    # write of 14 per element), the ceiling a streaming pass can reach.
+    copy_ms = _copy_ms(14 * n)
+    print(
+        json.dumps(
+            {"copy_14B_each_way": True, "ms": round(copy_ms, 3), "TBs": round(28 * n / copy_ms / 1e9, 2)}
+        )
     )
     for block, warps in TILES:
 

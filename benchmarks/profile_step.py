@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_gaps import device_intervals, gap_summary
 from train_throughput import QWEN3_SHAPES, build_model, parse_args
 
 
@@ -106,6 +107,7 @@ def main() -> None:
         table = averages.table(sort_by="self_cuda_time_total", row_limit=own.rows, max_name_column_width=70)
     peak = torch.cuda.max_memory_allocated(device) / 2**30
     header = f"{name}: {unprofiled_ms:.1f} ms/step wall (unprofiled), peak {peak:.2f} GiB\n"
+    header += gap_summary(device_intervals(profile), own.steps)
     (own.out / f"{name}.txt").write_text(header + table)
     print(header + table, flush=True)
 

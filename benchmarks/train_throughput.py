@@ -306,7 +306,7 @@ def _batches(args: argparse.Namespace, vocab: int, device: Any) -> tuple[Any, An
     ranks = torch.randperm(vocab, generator=generator)
     weights = torch.empty(vocab)
     weights[ranks] = 1.0 / (torch.arange(vocab, dtype=torch.float32) + 10.0)
-    steps = args.warmup + args.steps + args.probe_steps
+    steps = args.warmup + args.steps + args.probe_steps + args.profile_steps
     ids = torch.multinomial(weights, steps * args.batch_size * (args.seq_len + 1), True, generator=generator)
     ids = ids.view(steps, args.batch_size, args.seq_len + 1)
     return ids[..., :-1].contiguous().to(device), ids[..., 1:].contiguous().to(device)
@@ -426,6 +426,18 @@ class SyncProbe:
             key = f"{w.filename}:{w.lineno}"
             where[key] = where.get(key, 0) + 1
         return {"syncs": len(syncs), "where": where}
+
+
+def _write_profile(profile: Any, args: argparse.Namespace, path: str) -> None:
+    """``--profile-steps``: the kernel table and where the GPU waited, as ``profile_<path>.txt`` in ``--out``."""
+    from gpu_gaps import device_intervals, gap_summary
+
+    averages = profile.key_averages()
+    table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
+    text = gap_summary(device_intervals(profile), args.profile_steps) + table
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_{path}.txt").write_text(text)
+    print(text, flush=True)
 
 
 def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, Any]:
@@ -795,6 +807,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             self.sync_probe: dict[str, Any] | None = None
             self.ends: list[Any] = []
             self.losses: list[Any] = []
+            self.profiler: Any = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             self.losses.append(outputs["loss"].detach() if isinstance(outputs, dict) else outputs)
@@ -816,11 +829,24 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 _sync(device)
                 self.t1 = time.perf_counter()
                 probe.start()  # the probe steps follow the measured window
+            if self.profiler is not None and batch_idx == total + args.probe_steps + args.profile_steps - 1:
+                _sync(device)
+                self.profiler.__exit__(None, None, None)
+                _write_profile(self.profiler, args, path)
+                self.profiler = None
 
         def on_train_end(self, trainer, pl_module):  # type: ignore[no-untyped-def]
-            self.sync_probe = probe.stop()
+            self.sync_probe = self.sync_probe or probe.stop()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):  # type: ignore[no-untyped-def]
+            if args.profile_steps and batch_idx == total + args.probe_steps:
+                self.sync_probe = probe.stop()  # the profiled steps come after the probe's
+                _sync(device)
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler.__enter__()
             stall()
 
         def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
@@ -851,7 +877,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         accelerator="gpu" if device.type == "cuda" else "cpu",
         devices=1,
         precision="bf16-mixed",
-        max_steps=total + args.probe_steps,
+        max_steps=total + args.probe_steps + args.profile_steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -1247,6 +1273,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--probe-steps", type=int, default=2, help="extra steps that count host syncs")
+    parser.add_argument(
+        "--profile-steps",
+        type=int,
+        default=0,
+        help="Trainer paths: profile this many steps after the probe (kernel table + GPU gaps in --out)",
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
         "--time-adamw", type=int, default=1, help="ours_fsdp_loop: also time isolated AdamW steps (1/0)"
@@ -1284,6 +1316,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         f"--warmup={args.warmup}",
         f"--steps={args.steps}",
         f"--probe-steps={args.probe_steps}",
+        f"--profile-steps={args.profile_steps}",
+        f"--out={args.out}",
         f"--lr={args.lr}",
         f"--time-adamw={args.time_adamw}",
         f"--seed={args.seed}",
