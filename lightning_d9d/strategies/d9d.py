@@ -283,12 +283,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # precision plugin), not ModelParallelStrategy's: that one insists on ``configure_model`` and
         # materializes meta modules before sharding, while this strategy parallelizes any module itself.
         Strategy.setup(self, trainer)
-        if (
-            self._runner is not None or self._may_record_cuda_graphs
-        ) and trainer.state.fn == TrainerFn.FITTING:
-            # Zero gradients before the schedule computes them (a private Lightning class: see compat); with CUDA
-            # graphs, before the step's first forward, which may reuse the memory of the last step's gradients
-            # (see _mark_cudagraph_step).
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Zero (free) gradients before the step's first forward, not after its training_step as Lightning
+            # does (a private Lightning class: see compat). Under pp the schedule computes gradients inside
+            # training_step, which a later zero_grad would erase; with CUDA graphs the forward may reuse the memory
+            # of the last step's gradients (see _mark_cudagraph_step); and in every run the last step's gradients
+            # would otherwise stay allocated through the forward, where a step's memory peaks (3.0 GiB of the
+            # MoE benchmark shape's 40.6, docs/benchmarks.md, session 27).
             use_automatic_optimization(trainer, ZeroGradFirstOptimization)
 
     @override

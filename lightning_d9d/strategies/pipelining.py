@@ -2,7 +2,9 @@
 
 Two things in Lightning's loop assume that ``training_step`` only builds a graph and ``backward`` runs it:
 - its closure zeroes gradients *after* ``training_step`` (on the first micro-step of an accumulation window),
-  which would erase what the schedule just computed: :class:`ZeroGradFirstOptimization` zeroes first;
+  which would erase what the schedule just computed: :class:`ZeroGradFirstOptimization` zeroes first (the
+  strategy uses it in every fit: the last step's gradients are then freed before the forward, not held through
+  it, where a step's memory peaks);
 - its ``backward`` would run ``loss.backward()`` again: the strategy skips it when pipelining.
 """
 
