@@ -17,6 +17,10 @@ def device_intervals(profile: Any) -> list[tuple[float, float, str]]:
 
     intervals = []
     for event in profile.events():
+        # record_function ranges also appear on the device's timeline (``gpu_user_annotation``, spanning the
+        # kernels they launched): they are not work, and counted as such would hide the gaps they span
+        if getattr(event, "is_user_annotation", False):
+            continue
         if event.device_type == DeviceType.CUDA and event.time_range.end > event.time_range.start:
             intervals.append((float(event.time_range.start), float(event.time_range.end), event.name))
     return sorted(intervals)
