@@ -56,6 +56,21 @@ def test_every_path_gets_the_same_fresh_batch_each_step() -> None:
     assert entropy < math.log(500) - 0.3  # learnable: well below the uniform distribution's ln(vocab)
 
 
+def test_the_gpu_tests_training_data_is_the_benchmarks() -> None:
+    """tests/gpu/zipf_training.py (the FP8 gpu tests' loop) draws the benchmark's batches: it builds the
+    benchmark's arguments, so an option added there cannot break it unseen on a machine without a GPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "gpu"))
+    from train_throughput import _batches, parse_args
+    from zipf_training import zipf_batches
+
+    inputs, labels = zipf_batches(300, steps=3, batch_size=2, seq_len=64, device=torch.device("cpu"))
+    args = parse_args(
+        ["--seq-len", "64", "--batch-size", "2", "--warmup", "1", "--steps", "2", "--probe-steps", "0"]
+    )
+    expected_inputs, expected_labels = _batches(args, 300, "cpu")  # 1 + 2 steps: the same three batches
+    assert torch.equal(inputs, expected_inputs) and torch.equal(labels, expected_labels)
+
+
 def test_the_fa4_and_cudnn_paths_force_their_backends_and_the_others_nothing() -> None:
     from train_throughput import DEFAULT_PATHS, PATHS, path_environment
 

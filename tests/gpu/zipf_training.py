@@ -4,7 +4,6 @@ fused AdamW; the losses of every step."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -14,16 +13,30 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 
+def zipf_batches(
+    vocab_size: int, *, steps: int, batch_size: int, seq_len: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The benchmark's batches for ``steps`` steps (``inputs``, ``labels`` ``[steps, batch_size, seq_len]``)."""
+    from train_throughput import _batches, parse_args
+
+    # the benchmark's own options, so that every option its data depends on has its default here too (a
+    # hand-built Namespace missed one added later, and both gpu tests that train on this data failed on it)
+    options = {"--steps": steps, "--batch-size": batch_size, "--seq-len": seq_len, "--probe-steps": 0}
+    args = parse_args([str(item) for pair in options.items() for item in pair])
+    args.warmup = 0  # (the benchmark asks for at least one warm-up step; these runs count every step)
+    inputs, labels = _batches(args, vocab_size, device)
+    return inputs, labels
+
+
 def train_on_zipf_batches(
     model: nn.Module, vocab_size: int, *, steps: int, lr: float, batch_size: int, seq_len: int
 ) -> list[float]:
-    from train_throughput import _batches
-
     from lightning_d9d.modules.loss import causal_lm_loss
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), fused=True)
-    args = argparse.Namespace(warmup=0, steps=steps, probe_steps=0, batch_size=batch_size, seq_len=seq_len)
-    inputs, labels = _batches(args, vocab_size, torch.device("cuda"))
+    inputs, labels = zipf_batches(
+        vocab_size, steps=steps, batch_size=batch_size, seq_len=seq_len, device=torch.device("cuda")
+    )
     losses = []
     for step in range(steps):
         with torch.autocast("cuda", dtype=torch.bfloat16):
