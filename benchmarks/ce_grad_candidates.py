@@ -12,7 +12,8 @@ pass reads them. Two ways to read them back from L2 instead of memory, timed her
 - ``persistent``: ``SMs x k`` programs loop over the rows, so only that many rows are in flight.
 
 Every variant must write the same gradient and losses bit for bit (the arithmetic is the same; only the order
-in which blocks are visited differs).
+in which blocks are visited differs). Session 27 (H100): the package's 646 us, reversed 706, persistent 714-1,656:
+neither brings the second read back from L2, and the package's kernel stays.
 """
 
 from __future__ import annotations
