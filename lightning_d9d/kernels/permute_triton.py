@@ -86,10 +86,11 @@ def _unpermute_backward(  # type: ignore[no-untyped-def]
     tl.store(DW + token * TOP_K + choice, dot, mask=choice < TOP_K)
 
 
-@torch.library.custom_op("lightning_d9d::spread_rows", mutates_args=())
-def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
-    """Rows ``[T * top_k, H]``: token ``t``'s row of ``source [T, H]`` copied to rows ``inverse[t * top_k + j]``
-    for each ``j`` (``inverse`` a permutation of the rows, so each is written once)."""
+# The ops below that an MoE layer's forward calls (permute_rows, sum_rows, unpermute_rows) launch their kernels
+# through these plain functions, not through the spread_rows / weighted_gather_sum ops: a custom op's dispatch costs
+# the host tens of microseconds, and the layer's routing is where the GPU waits for the host (docs/benchmarks.md,
+# session 27). The two ops exist for the autograd formulas, which compile traces and which must call ops.
+def _spread(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     source = source.contiguous()
     tokens, width = source.shape
     spread = torch.empty((tokens * top_k, width), dtype=source.dtype, device=source.device)
@@ -98,6 +99,27 @@ def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torc
         source, inverse.contiguous(), spread, tokens, width, top_k, 1, block, num_warps=WARPS
     )
     return spread
+
+
+def _gather_sum(
+    src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, top_k: int
+) -> torch.Tensor:
+    src = src.contiguous()
+    tokens, width = index.numel() // top_k, src.shape[1]
+    out = torch.empty((tokens, width), dtype=src.dtype, device=src.device)
+    w = weights.contiguous() if weights is not None else src
+    block = min(BLOCK_H, triton.next_power_of_2(width))
+    launchable(_weighted_gather_sum, src.device)[(tokens, triton.cdiv(width, block))](
+        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=WARPS
+    )
+    return out
+
+
+@torch.library.custom_op("lightning_d9d::spread_rows", mutates_args=())
+def spread_rows(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Rows ``[T * top_k, H]``: token ``t``'s row of ``source [T, H]`` copied to rows ``inverse[t * top_k + j]``
+    for each ``j`` (``inverse`` a permutation of the rows, so each is written once)."""
+    return _spread(source, inverse, top_k)
 
 
 @spread_rows.register_fake
@@ -110,7 +132,7 @@ def permute_rows(hidden: torch.Tensor, inverse: torch.Tensor, top_k: int) -> tor
     """Each token's row of ``hidden`` copied to its ``top_k`` grouped rows (``inverse``); the backward sums them
     back through ``inverse``."""
     announce("permute_tokens")
-    return spread_rows(hidden, inverse, top_k)
+    return _spread(hidden, inverse, top_k)
 
 
 @permute_rows.register_fake
@@ -123,15 +145,7 @@ def weighted_gather_sum(
     src: torch.Tensor, index: torch.Tensor, weights: torch.Tensor | None, top_k: int
 ) -> torch.Tensor:
     """``out[t] = sum_j weights[t, j] * src[index[t * top_k + j]]`` (weights 1 when None), summed in fp32."""
-    src = src.contiguous()
-    tokens, width = index.numel() // top_k, src.shape[1]
-    out = torch.empty((tokens, width), dtype=src.dtype, device=src.device)
-    w = weights.contiguous() if weights is not None else src
-    block = min(BLOCK_H, triton.next_power_of_2(width))
-    launchable(_weighted_gather_sum, src.device)[(tokens, triton.cdiv(width, block))](
-        src, index.contiguous(), w, out, width, top_k, weights is not None, block, num_warps=WARPS
-    )
-    return out
+    return _gather_sum(src, index, weights, top_k)
 
 
 @weighted_gather_sum.register_fake
@@ -168,7 +182,7 @@ def _(
 def unpermute_rows(grouped: torch.Tensor, inverse: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """``sum_j weights[t, j] * grouped[inverse[t * k + j]]`` for every token ``t``."""
     announce("unpermute_tokens")
-    return weighted_gather_sum(grouped, inverse, weights, weights.shape[1])
+    return _gather_sum(grouped, inverse, weights, weights.shape[1])
 
 
 @unpermute_rows.register_fake
@@ -181,7 +195,7 @@ def sum_rows(grouped: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.
     """``sum_j grouped[inverse[t * k + j]]`` for every token ``t`` (rows the experts weighed already); its backward
     hands each grouped row its token's gradient (the permutation's own copy, :func:`spread_rows`)."""
     announce("unpermute_tokens")
-    return weighted_gather_sum(grouped, inverse, None, top_k)
+    return _gather_sum(grouped, inverse, None, top_k)
 
 
 @sum_rows.register_fake
