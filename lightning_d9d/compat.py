@@ -130,7 +130,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         _AUTOMATIC,
         "_AutomaticOptimization",
         _PIPELINING + _STRATEGY,
-        "subclassed as ZeroGradFirstOptimization and swapped into the fit loop (its __class__) under pp",
+        "subclassed as ZeroGradFirstOptimization and swapped into the fit loop (its __class__) in every fit",
     ),
     PrivateName(
         _AUTOMATIC,

@@ -607,7 +607,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         A training step marks only where it opens a window of gradient accumulation: the gradients of the
         window's earlier micro-steps may live in the graphs' memory (the backward's outputs that autograd keeps
         as ``.grad``), which a new generation would hand out again; the window's opening comes after the
-        zero-grad-first closure (used whenever CUDA graphs may record: see :meth:`setup`) set them to ``None``.
+        zero-grad-first closure (used in every fit: see :meth:`setup`) set them to ``None``.
         Marking where no block records graphs (the plan fell back, or the device is not CUDA) changes nothing."""
         if self._may_record_cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
