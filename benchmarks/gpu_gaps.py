@@ -52,3 +52,13 @@ def gap_summary(intervals: list[tuple[float, float, str]], steps: int, top: int 
     for length, before, after in sorted(gaps, reverse=True)[:top]:
         lines.append(f"  {length:9.1f}  {before[:60]} -> {after[:60]}")
     return "\n".join(lines) + "\n"
+
+
+def profile_report(profile: Any, steps: int, rows: int) -> str:
+    """Where the GPU waited (:func:`gap_summary`), then ``rows`` of the kernel table by device time."""
+    averages = profile.key_averages()
+    try:
+        table = averages.table(sort_by="self_device_time_total", row_limit=rows, max_name_column_width=70)
+    except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
+        table = averages.table(sort_by="self_cuda_time_total", row_limit=rows, max_name_column_width=70)
+    return gap_summary(device_intervals(profile), steps) + table

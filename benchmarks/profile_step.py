@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_gaps import device_intervals, gap_summary
+from gpu_gaps import profile_report
 from train_throughput import QWEN3_SHAPES, build_model, parse_args
 
 
@@ -100,16 +100,11 @@ def main() -> None:
     name = f"{own.model}_{own.path}" + (f"_{own.layers}layers" if own.layers else "")
     name += "_master" if own.master_weights else ""
     profile.export_chrome_trace(str(own.out / f"{name}.json"))
-    averages = profile.key_averages()
-    try:
-        table = averages.table(sort_by="self_device_time_total", row_limit=own.rows, max_name_column_width=70)
-    except (AttributeError, KeyError, ValueError):  # older torch names it after CUDA
-        table = averages.table(sort_by="self_cuda_time_total", row_limit=own.rows, max_name_column_width=70)
     peak = torch.cuda.max_memory_allocated(device) / 2**30
-    header = f"{name}: {unprofiled_ms:.1f} ms/step wall (unprofiled), peak {peak:.2f} GiB\n"
-    header += gap_summary(device_intervals(profile), own.steps)
-    (own.out / f"{name}.txt").write_text(header + table)
-    print(header + table, flush=True)
+    text = f"{name}: {unprofiled_ms:.1f} ms/step wall (unprofiled), peak {peak:.2f} GiB\n"
+    text += profile_report(profile, own.steps, own.rows)
+    (own.out / f"{name}.txt").write_text(text)
+    print(text, flush=True)
 
 
 if __name__ == "__main__":

@@ -434,11 +434,9 @@ class SyncProbe:
 
 def _write_profile(profile: Any, args: argparse.Namespace, path: str) -> None:
     """``--profile-steps``: the kernel table and where the GPU waited, as ``profile_<path>.txt`` in ``--out``."""
-    from gpu_gaps import device_intervals, gap_summary
+    from gpu_gaps import profile_report
 
-    averages = profile.key_averages()
-    table = averages.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70)
-    text = gap_summary(device_intervals(profile), args.profile_steps) + table
+    text = profile_report(profile, args.profile_steps, rows=40)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_{path}.txt").write_text(text)
     print(text, flush=True)
