@@ -27,7 +27,7 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_d9d.modules.moe import LoadCountingRouter, update_expert_bias
+from lightning_d9d.modules.moe import LoadCountingRouter, counts_expert_load, update_expert_bias
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -73,7 +73,7 @@ def routers_by_layer(module: torch.nn.Module) -> dict[str, LoadCountingRouter]:
     keyed ``layer{i}`` by their decoder layer (their module path otherwise)."""
     named: dict[str, LoadCountingRouter] = {}
     for path, child in module.named_modules():
-        if isinstance(child, LoadCountingRouter):
+        if counts_expert_load(child):
             match = _LAYER.search(path + ".")
             named[f"layer{match.group(1)}" if match else path] = child
     return named

@@ -3,6 +3,7 @@
 from lightning_d9d.modules.moe.all_to_all import AllToAllDispatcher
 from lightning_d9d.modules.moe.balancing import (
     LoadCountingRouter,
+    counts_expert_load,
     paused_load_counting,
     routers_in,
     update_expert_bias,
@@ -28,6 +29,7 @@ __all__ = [
     "TokenDispatcher",
     "TopKRouter",
     "attach_loss",
+    "counts_expert_load",
     "deep_ep_available",
     "expert_parallel_dispatcher",
     "load_balancing_loss",

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 
-@runtime_checkable
 class LoadCountingRouter(Protocol):
     """A router that counts its experts' load for the bias update: our :class:`~.router.TopKRouter`, or a
     ``transformers`` router given the counting forward (:func:`lightning_d9d.models.hf.routing.count_router_load`).
@@ -41,9 +40,17 @@ class LoadCountingRouter(Protocol):
     count_load: bool
 
 
+def counts_expert_load(module: object) -> TypeGuard[LoadCountingRouter]:
+    """Whether ``module`` has :class:`LoadCountingRouter`'s members. Not ``isinstance`` against a runtime-checkable
+    protocol: since Python 3.12 that looks attributes up with ``inspect.getattr_static``, which does not see an
+    ``nn.Module``'s buffers (kept in ``_buffers``, served by ``Module.__getattr__``), so no router matched there:
+    the selection biases were never moved and ``init_weights`` left the buffers as ``to_empty`` made them."""
+    return all(hasattr(module, name) for name in LoadCountingRouter.__annotations__)
+
+
 def routers_in(module: nn.Module) -> list[LoadCountingRouter]:
     """Every load-counting router in ``module`` (:class:`LoadCountingRouter`), in module order."""
-    return [child for child in module.modules() if isinstance(child, LoadCountingRouter)]
+    return [child for child in module.modules() if counts_expert_load(child)]
 
 
 @torch.no_grad()

@@ -15,7 +15,7 @@ from tiny_hf import MOE, VOCAB, tiny_causal_lm, tiny_model
 
 from lightning_d9d.models.hf import add_selection_bias, count_router_load, hf_routers
 from lightning_d9d.modules.hf_init import init_transformers_model_
-from lightning_d9d.modules.moe import LoadCountingRouter, paused_load_counting, routers_in, update_expert_bias
+from lightning_d9d.modules.moe import counts_expert_load, paused_load_counting, routers_in, update_expert_bias
 from lightning_d9d.state.hf import load_hf, save_hf
 from lightning_d9d.state.reader import CheckpointReader
 
@@ -112,8 +112,9 @@ def test_built_on_meta_the_counters_and_the_bias_start_at_zero() -> None:
         assert router.expert_bias is not None
         router.expert_bias.fill_(float("nan"))
     assert init_transformers_model_(model, 1234) == []  # nothing left unwritten
+    assert len(routers_in(model)) == model.config.num_hidden_layers
     for router in routers_in(model):
-        assert isinstance(router, LoadCountingRouter)
+        assert counts_expert_load(router)
         assert (
             not router.expert_load.any() and router.expert_bias is not None and not router.expert_bias.any()
         )

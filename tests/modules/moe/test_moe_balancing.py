@@ -3,13 +3,16 @@ ranks equal to one process on the concatenated tokens."""
 
 from __future__ import annotations
 
+import inspect
 import itertools
+import typing
 
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
 
+from lightning_d9d.callbacks.moe import routers_by_layer
 from lightning_d9d.models import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.moe import TopKRouter, routers_in, update_expert_bias
 from lightning_d9d.plans.checkpointing import CheckpointingKind, apply_activation_checkpointing
@@ -108,3 +111,36 @@ def test_two_ranks_equal_one_process_on_all_tokens() -> None:
         for step in range(STEPS):
             assert torch.equal(rank_loads[step], single_loads[step]), step
             torch.testing.assert_close(rank_biases[step], single_biases[step], atol=1e-6, rtol=0)
+
+
+def _protocol_check_of_python_312(cls: type, instance: object) -> bool:
+    """``isinstance(instance, cls)`` for a runtime-checkable protocol as Python 3.12 and newer decide it: every
+    member looked up with ``inspect.getattr_static``, which does not call ``nn.Module.__getattr__`` (this
+    machine's Python is 3.11, whose ``hasattr`` does)."""
+    if not getattr(cls, "_is_protocol", False) or not getattr(cls, "_is_runtime_protocol", False):
+        return type.__instancecheck__(cls, instance)
+    missing = object()
+    members = typing._get_protocol_attrs(cls)  # type: ignore[attr-defined]
+    return all(inspect.getattr_static(instance, name, missing) is not missing for name in members)
+
+
+def test_routers_are_found_under_the_protocol_check_of_python_312(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routers keep ``expert_load`` / ``expert_bias`` as buffers. On Python 3.12 an ``isinstance`` against the
+    protocol found none (measured on the GPU machine's 3.12: biases never moved, the counters never reset,
+    both left as ``to_empty`` made them); the routers are found by their members instead."""
+    monkeypatch.setattr(type(typing.Protocol), "__instancecheck__", _protocol_check_of_python_312)
+    config = Qwen3MoeConfig.tiny(router_selection_bias=True)
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(config)
+    model.to_empty(device="cpu")
+    routers = routers_in(model)
+    assert len(routers) == len(config.sparse_layers) == 2
+    for router in routers:
+        assert router.expert_bias is not None
+        router.expert_load.fill_(7)  # what the allocation held
+        router.expert_bias.fill_(float("nan"))
+    model.init_weights(seed=0)
+    assert all(
+        not r.expert_load.any() and r.expert_bias is not None and not r.expert_bias.any() for r in routers
+    )
+    assert len(routers_by_layer(model)) == 2
