@@ -198,6 +198,12 @@ def _grouped_gemm_installed() -> bool:
     return importlib.util.find_spec("grouped_gemm") is not None
 
 
+# Looked up once at import: Dynamo (torch 2.11) refuses to trace importlib's find_spec, and ``auto`` asks this
+# backend whether it suits the inputs inside every compiled MoE block whose operands torch's kernel does not take
+# (fp32, or a GPU without one): such a block failed to compile ("Attempted to call function marked as skipped").
+_GROUPED_GEMM_INSTALLED = _grouped_gemm_installed()
+
+
 def package_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """The ``grouped_gemm`` package's ``ops.gmm``. It reads the group sizes as CPU int64 (a host
     synchronisation: its cuBLAS build needs them there; its CUTLASS build would also take them on the device)
@@ -214,7 +220,7 @@ def package_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tens
 
 
 def _package_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
-    if not _grouped_gemm_installed():
+    if not _GROUPED_GEMM_INSTALLED:
         return "the grouped_gemm package is not installed (pip install 'lightning-d9d[grouped-gemm]')"
     if not x.is_cuda or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         return f"grouped_gemm runs bf16 on CUDA only, got {x.dtype} / {w.dtype} on {x.device}"
