@@ -87,6 +87,14 @@ def check_grouped_inputs(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Te
 
 
 # ----------------------------------------------------------------------------------------- loop
+# The loop reads the group sizes on the host, which a CUDA graph cannot record (and a replay would not redo).
+# torch's cudagraph_unsafe tag keeps these ops out of Inductor's CUDA graphs: with graph partitions (on by
+# default; TORCHINDUCTOR_GRAPH_PARTITION) the graph is cut around them and its parts recorded; without, the
+# whole graph runs without CUDA graphs (get_first_incompatible_cudagraph_node, counted in
+# counters["inductor"]["cudagraph_skips"]).
+_HOST_READ_TAGS = (torch.Tag.cudagraph_unsafe,)
+
+
 def loop_grouped_mm(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     """The reference: one matmul per group. Empty groups give empty blocks (and zero gradients for their ``w``).
 
@@ -105,7 +113,7 @@ def _loop_unsupported(x: torch.Tensor, w: torch.Tensor) -> str | None:
     return None
 
 
-@torch.library.custom_op("lightning_d9d::loop_grouped_mm", mutates_args=())
+@torch.library.custom_op("lightning_d9d::loop_grouped_mm", mutates_args=(), tags=_HOST_READ_TAGS)
 def _traced_loop(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return loop_grouped_mm(x, w, group_sizes)
@@ -116,7 +124,7 @@ def _(x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor) -> torch.Tens
     return x.new_empty((x.shape[0], w.shape[2]))
 
 
-@torch.library.custom_op("lightning_d9d::loop_grouped_mm_backward", mutates_args=())
+@torch.library.custom_op("lightning_d9d::loop_grouped_mm_backward", mutates_args=(), tags=_HOST_READ_TAGS)
 def _traced_loop_backward(
     grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor, group_sizes: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -70,10 +70,10 @@ def parallelize_blocks(
     masks than forward did and the gradients are silently wrong.
 
     A compile mode with CUDA graphs (``"reduce-overhead"``, ``"max-autotune"``) is kept only where the graphs can
-    replay: no FSDP around the blocks, no pipeline, no MoE layers (``moe``: whether the blocks hold any; ``None``
-    looks for this package's :class:`~lightning_d9d.modules.moe.MoE`). Elsewhere the blocks compile in the same
-    mode without CUDA graphs, and one warning names the reason (:func:`~lightning_d9d.plans.compile.
-    cudagraph_fallback`).
+    replay: no FSDP around the blocks, no pipeline, no MoE layers under expert parallelism (``moe``: whether the
+    blocks hold any; ``None`` looks for this package's :class:`~lightning_d9d.modules.moe.MoE`). Elsewhere the
+    blocks compile in the same mode without CUDA graphs, and one warning names the reason (:func:`~lightning_d9d.
+    plans.compile.cudagraph_fallback`).
     """
     # swaps modules: before checkpointing wraps and compile traces them (a no-op where the plan converted first)
     convert_blocks_to_float8(block_lists, dims, options)
@@ -83,7 +83,10 @@ def parallelize_blocks(
         if moe is None:
             moe = any(isinstance(m, MoE) for blocks in block_lists for m in blocks.modules())
         mode, reason = cudagraph_fallback(
-            mode, fsdp_sharded=wraps_in_fsdp(dims, options), pipelined=dims.pp_enabled, moe=moe
+            mode,
+            fsdp_sharded=wraps_in_fsdp(dims, options),
+            pipelined=dims.pp_enabled,
+            expert_parallel=moe and dims.ep_enabled,
         )
         if reason is not None:
             log.warning(

@@ -39,11 +39,10 @@ PIPELINE_REASON = (
     "backwards and sends activations between ranks, which per-block graphs of cudagraph trees are not proven on "
     "here (and a pipeline spans several ranks, where FSDP wraps the blocks anyway); use pp=1 for CUDA graphs"
 )
-MOE_REASON = (
-    "the blocks hold MoE layers, whose token counts per expert are data: under ep the all-to-all's split sizes are "
-    "read on the host (.tolist()), a dynamic shape Inductor refuses to graph (get_first_incompatible_cudagraph_node: "
-    "unbacked symbols), and the 'loop' grouped GEMM backend reads group sizes on the host, which a CUDA graph "
-    "capture cannot; compile the dense blocks only, or use compile=True"
+EXPERT_PARALLEL_REASON = (
+    "the blocks hold MoE layers under expert parallelism (ep > 1): the all-to-all's split sizes are token counts "
+    "read on the host (.tolist()), a data-dependent shape Inductor does not graph "
+    "(get_first_incompatible_cudagraph_node: unbacked symbols); with ep=1 the MoE blocks keep CUDA graphs"
 )
 
 
@@ -53,16 +52,27 @@ def uses_cudagraphs(mode: str | None) -> bool:
 
 
 def cudagraph_fallback(
-    mode: str, *, fsdp_sharded: bool, pipelined: bool, moe: bool
+    mode: str, *, fsdp_sharded: bool, pipelined: bool, expert_parallel: bool
 ) -> tuple[str, str | None]:
     """The mode the blocks compile in and, where it is not ``mode``, why: a CUDA-graph mode falls back to the
     same mode without CUDA graphs when FSDP wraps the blocks (``fsdp_sharded``), the blocks are pipeline stages
-    (``pipelined``) or hold MoE layers (``moe``); any other mode is kept, with no reason. The first reason that
-    applies is named (FSDP, then pipeline, then MoE), so the one the user can change on one GPU comes first."""
+    (``pipelined``) or hold MoE layers whose tokens cross ranks (``expert_parallel``); any other mode is kept,
+    with no reason. The first reason that applies is named (FSDP, then pipeline, then ep), so the one the user
+    can change on one GPU comes first.
+
+    MoE blocks on one ep rank keep CUDA graphs: routing, permutation and torch's grouped GEMM stay on the device
+    with shapes fixed by the batch (``T * top_k`` rows). A part that reads the host there (the ``loop`` grouped
+    GEMM: fp32, GPUs without a grouped kernel) is an operator tagged ``cudagraph_unsafe``, which Inductor keeps out
+    of the graphs it records by itself (it cuts the graph around it, or records none of it)."""
     fallback = CUDAGRAPH_FALLBACK_MODES.get(mode)
     if fallback is None:
         return mode, None
-    for applies, reason in ((fsdp_sharded, FSDP_REASON), (pipelined, PIPELINE_REASON), (moe, MOE_REASON)):
+    reasons = (
+        (fsdp_sharded, FSDP_REASON),
+        (pipelined, PIPELINE_REASON),
+        (expert_parallel, EXPERT_PARALLEL_REASON),
+    )
+    for applies, reason in reasons:
         if applies:
             return fallback, reason
     return mode, None

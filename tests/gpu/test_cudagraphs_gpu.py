@@ -1,8 +1,10 @@
 """``D9DStrategy(compile="reduce-overhead", fsdp_on_one_rank=False)`` on one CUDA GPU: the blocks really run as
 CUDA graphs (cudagraph trees recorded graphs, Inductor skipped none) and train as ``compile=True`` does.
 
-The tiny Qwen3 in fp32, 20 steps, in this process (one device: no launcher). Run on the GPU machine:
-``pytest -m gpu tests/gpu/test_cudagraphs_gpu.py``.
+The tiny Qwen3 in fp32, and the tiny Qwen3-MoE in bf16-mixed (its experts on torch's grouped GEMM, selection
+biases moved after every step from the loads the graphs counted), 20 steps each, in this process (one device: no
+launcher); the MoE in fp32 too, where the grouped GEMM is the host-reading loop, which Inductor must keep out of
+the recorded graphs. Run on the GPU machine: ``pytest -m gpu tests/gpu/test_cudagraphs_gpu.py``.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ STEPS = 20
 TOLERANCE = 1e-5
 
 
-def train(compile: bool | str) -> dict[str, Any]:
+def train(compile: bool | str, *, moe: bool = False, precision: str = "32-true") -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
@@ -41,7 +43,9 @@ def train(compile: bool | str) -> dict[str, Any]:
     from torch.utils.data import DataLoader
 
     from lightning_d9d import D9DStrategy
-    from lightning_d9d.models import Qwen3Config
+    from lightning_d9d.callbacks.moe import ExpertLoadBalancing
+    from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig
+    from lightning_d9d.modules.moe import TopKRouter
 
     class RecordLosses(Callback):
         def __init__(self) -> None:
@@ -53,27 +57,31 @@ def train(compile: bool | str) -> dict[str, Any]:
     torch._dynamo.reset()  # also resets cudagraph trees
     counters.clear()
     L.seed_everything(0, verbose=False)
-    config = Qwen3Config.tiny()
+    config = Qwen3MoeConfig.tiny(router_selection_bias=True) if moe else Qwen3Config.tiny()
     recorder = RecordLosses()
+    callbacks: list[Callback] = [recorder, ExpertLoadBalancing(log_load=False)] if moe else [recorder]
     trainer = L.Trainer(
         strategy=D9DStrategy(compile=compile, fsdp_on_one_rank=False),
         accelerator="gpu",
         devices=1,
-        precision="32-true",
+        precision=precision,  # type: ignore[arg-type]
         max_steps=STEPS,
         limit_val_batches=0,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[recorder],
+        callbacks=callbacks,
     )
     module = Qwen3Pretraining(config, lr=3e-3, warmup_steps=2, max_steps=STEPS)
     data = SyntheticCorpus(config.vocab_size, 64, 4 * STEPS)
     trainer.fit(module, DataLoader(data, batch_size=4))
     manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
     return {
         "losses": [float(loss) for loss in recorder.losses],
+        # moved every step from the loads counted in the (replayed) forward: a count lost or doubled moves them
+        "biases": [router.expert_bias.detach().cpu() for router in routers if router.expert_bias is not None],
         # roots holds recorded CUDAGraphNodes only (warm-up runs are not recordings)
         "recorded_roots": 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values()),
         "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
@@ -95,3 +103,43 @@ def test_reduce_overhead_records_cuda_graphs_and_trains_as_default_compile(caplo
     assert (
         graphs["losses"][-1] < graphs["losses"][0] - 0.1
     )  # it learnt: the comparison is not of two flat runs
+
+
+# The MoE in bf16-mixed: the same kernels in both modes again (losses and biases came out bitwise equal on an
+# H100, 2026-12-06); TOLERANCE allows the atomics above. A selection bias moves by the callback's rate (1e-3) a
+# step, so one rate is one step on which a single expert's load compared differently with the mean.
+BIAS_TOLERANCE = 1e-3
+
+
+def test_moe_blocks_record_cuda_graphs_and_train_as_default_compile(caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger="lightning_d9d.plans"):
+        graphs = train("reduce-overhead", moe=True, precision="bf16-mixed")
+    assert not [r for r in caplog.records if r.name == "lightning_d9d.plans"], "the plan fell back"
+    assert graphs["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (its log says why)"
+    assert graphs["recorded_roots"] > 0, "no CUDA graph was recorded"
+    default = train(True, moe=True, precision="bf16-mixed")
+    assert len(graphs["losses"]) == len(default["losses"]) == STEPS
+    worst = max(abs(a - b) for a, b in zip(graphs["losses"], default["losses"], strict=True))
+    bias_gap = max(
+        float((a - b).abs().max()) for a, b in zip(graphs["biases"], default["biases"], strict=True)
+    )
+    print(
+        f"MoE reduce-overhead vs default: loss difference {worst:.3g}, selection-bias difference {bias_gap:.3g}"
+    )
+    assert worst <= TOLERANCE, (graphs["losses"], default["losses"])
+    assert bias_gap <= BIAS_TOLERANCE, (graphs["biases"], default["biases"])
+    # loads not counted under the graphs would leave every bias at 0
+    assert graphs["biases"] and all(float(b.abs().max()) > 0 for b in graphs["biases"])
+    assert graphs["losses"][-1] < graphs["losses"][0] - 0.1
+
+
+def test_moe_blocks_on_the_host_reading_grouped_gemm_keep_it_out_of_the_cuda_graphs() -> None:
+    """fp32: ``auto`` picks the ``loop`` grouped GEMM, which reads the group sizes on the host; its operators carry
+    the cudagraph_unsafe tag, so Inductor records the graph's other parts (graph partitions, on by default) and
+    runs the loop between them: a capture of the host read would fail. It trains as the default mode."""
+    graphs = train("reduce-overhead", moe=True)
+    assert graphs["recorded_roots"] > 0, "no CUDA graph was recorded"
+    default = train(True, moe=True)
+    worst = max(abs(a - b) for a, b in zip(graphs["losses"], default["losses"], strict=True))
+    print(f"MoE fp32 reduce-overhead (loop GEMM, skips {graphs['cudagraph_skips']}) vs default: {worst:.3g}")
+    assert worst <= TOLERANCE, (graphs["losses"], default["losses"])
