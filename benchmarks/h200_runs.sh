@@ -39,6 +39,9 @@
 #            where the GPU and torchao allow) and with them in bf16 (MOE_FP8_PATHS overrides the list)
 #   cudagraphs  the 0.6B shape: compile="reduce-overhead" (CUDA graph trees per block) against the same without
 #            graphs, at seq 4096 x 4 and at a launch-bound seq 1024 x 1
+#   moe_cudagraphs  the MoE shape, ours without FSDP with master weights, with and without CUDA graphs, beside the
+#            plain recipe, at 1,024, 4,096 and 16,384 tokens a step (~9 min; MOE_CG_SHAPES="4096x4x4x12" picks
+#            one: seq x batch x warm-up x steps)
 #   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
 #            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
 #            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min);
@@ -113,6 +116,13 @@ for part in "${@:-dense moe}"; do
             --paths "${MASTER_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_master}" ;;
       moe_fp8) LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len 4096 --batch-size 4 --warmup 4 \
           --steps 12 --path-timeout 200 --out "$OUT/moe_fp8" --paths "${MOE_FP8_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_fp8_rowwise,ours_trainer_compiled_nofsdp_fp8_rowwise_bf16experts}" ;;
+      moe_cudagraphs) for shape in ${MOE_CG_SHAPES:-1024x1x6x20 4096x1x4x16 4096x4x4x12}; do
+          IFS=x read -r seq batch warm steps <<<"$shape"
+          LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len "$seq" --batch-size "$batch" --warmup "$warm" \
+            --steps "$steps" --out "$OUT/moe_cudagraphs${seq}x$batch" --paths \
+            hf_fsdp_compiled,ours_trainer_compiled_nofsdp_master,ours_trainer_compiled_nofsdp_cudagraphs_master \
+            || status=1
+        done ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do
           set -- $shape
           bench --seq-len "$1" --batch-size "$2" --out "$OUT/cudagraphs$1x$2" \
