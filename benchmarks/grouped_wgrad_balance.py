@@ -11,11 +11,18 @@ gradient, at even group sizes and at sizes routed from Zipf-drawn tokens (each v
 random top-k set of experts: routing by the token alone, as a fresh router roughly does), and the forward's
 product at the same sizes for comparison; and two made-up spreads, a ramp (0 to twice the mean) and 8 experts at
 three times the mean. Session 27 (H100): 314 us even, 348-370 us at the uneven sizes for gate_up (docs/benchmarks.md).
+
+The lever it prices (not in the package yet): split every expert's tokens into ``--splits`` consecutive pieces,
+run the weight-gradient GEMM over ``experts x splits`` groups (shorter contractions, the heavy expert's work
+spread over more programs) and sum each expert's pieces (``wgrad_split{S}_us``, the sum included; ``split{S}_err``:
+its error against an fp32 reference, beside the unsplit GEMM's ``err``: the pieces are rounded to bf16 before the
+sum).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -32,6 +39,17 @@ def zipf_sizes(tokens: int, top_k: int, experts: int, vocab: int = 151936) -> to
     return torch.bincount(choice[ids].reshape(-1), minlength=experts)
 
 
+def split_ends(sizes: torch.Tensor, pieces: int) -> torch.Tensor:
+    """Group ends of every group cut into ``pieces`` consecutive parts (empty ones allowed), ``[G * pieces]``."""
+    starts = torch.cumsum(sizes, 0) - sizes
+    parts = torch.arange(1, pieces + 1, device=sizes.device)
+    return (starts[:, None] + sizes[:, None] * parts // pieces).reshape(-1)
+
+
+def relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((value.double() - reference.double()).norm() / reference.double().norm())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=16384)
@@ -39,6 +57,7 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ffn", type=int, default=384)
+    parser.add_argument("--splits", type=int, nargs="*", default=[2, 4])
     args = parser.parse_args()
     rows = args.tokens * args.top_k
     even = torch.full((args.experts,), rows // args.experts)
@@ -60,18 +79,31 @@ def main() -> None:
             wgrad_ms = do_bench(lambda x=x, dy=dy, ends=ends: torch._grouped_mm(x.t(), dy, offs=ends))
             forward_ms = do_bench(lambda x=x, w=w, ends=ends: torch._grouped_mm(x, w, offs=ends))
             flops = 2 * rows * k * n
-            print(
-                json.dumps(
-                    {
-                        "sizes": name,
-                        **stats,
-                        "gemm": label,
-                        "wgrad_us": round(wgrad_ms * 1e3, 1),
-                        "wgrad_TFLOPs": round(flops / wgrad_ms / 1e9, 1),
-                        "forward_us": round(forward_ms * 1e3, 1),
-                    }
-                )
+            bounds = [0, *torch.cumsum(sizes, 0).tolist()]
+            reference = torch.stack(
+                [x[a:b].t().float() @ dy[a:b].float() for a, b in itertools.pairwise(bounds)]
             )
+            row = {
+                "sizes": name,
+                **stats,
+                "gemm": label,
+                "wgrad_us": round(wgrad_ms * 1e3, 1),
+                "wgrad_TFLOPs": round(flops / wgrad_ms / 1e9, 1),
+                "forward_us": round(forward_ms * 1e3, 1),
+                "err": f"{relative_error(torch._grouped_mm(x.t(), dy, offs=ends), reference):.2e}",
+            }
+            for pieces in args.splits:
+                cut = split_ends(sizes.cuda(), pieces).to(torch.int32)
+
+                def split_wgrad(
+                    x: torch.Tensor = x, dy: torch.Tensor = dy, cut: torch.Tensor = cut
+                ) -> torch.Tensor:
+                    parts = torch._grouped_mm(x.t(), dy, offs=cut)
+                    return parts.view(args.experts, -1, *parts.shape[1:]).sum(1)
+
+                row[f"wgrad_split{pieces}_us"] = round(do_bench(split_wgrad) * 1e3, 1)
+                row[f"split{pieces}_err"] = f"{relative_error(split_wgrad(), reference):.2e}"
+            print(json.dumps(row))
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}))
 
 
