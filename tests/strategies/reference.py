@@ -97,6 +97,8 @@ def use_optimizer(module: torch.nn.Module, config: dict) -> None:
     noise up to an lr-sized update. Parameters then differ from the reference's by the gradients' own
     differences times lr, which a tight tolerance can hold."""
     if config.get("optimizer", "adamw") == "adamw":
+        if "adamw_eps" in config:
+            _set_adamw_eps(module, config["adamw_eps"])
         return
     assert config["optimizer"] == "sgd", config["optimizer"]
     configure = module.configure_optimizers
@@ -110,6 +112,23 @@ def use_optimizer(module: torch.nn.Module, config: dict) -> None:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     module.configure_optimizers = sgd  # type: ignore[method-assign]
+
+
+def _set_adamw_eps(module: torch.nn.Module, eps: float) -> None:
+    """AdamW with a larger ``eps`` (``config["adamw_eps"]``): its update ``lr * m / (sqrt(v) + eps)`` moves by up to
+    ``lr / eps`` per unit of a near-zero gradient's rounding (1e5 at lr 1e-3 and torch's 1e-8), so two runs whose
+    gradients agree to the last bits may end within 1e-5 on one CPU and past it on another (seen: the same code
+    within the band on earlier machines, 1.2e-5 off on an AMD EPYC with AVX2). At 1e-6 that factor is 1e3, and the
+    optimizer is still AdamW over the same parameters."""
+    configure = module.configure_optimizers
+
+    def with_eps():  # type: ignore[no-untyped-def]
+        configured = configure()
+        for group in configured["optimizer"].param_groups:
+            group["eps"] = eps
+        return configured
+
+    module.configure_optimizers = with_eps  # type: ignore[method-assign]
 
 
 def _microbatches(config: dict) -> int:
