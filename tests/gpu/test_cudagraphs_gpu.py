@@ -143,3 +143,82 @@ def test_moe_blocks_on_the_host_reading_grouped_gemm_keep_it_out_of_the_cuda_gra
     worst = max(abs(a - b) for a, b in zip(graphs["losses"], default["losses"], strict=True))
     print(f"MoE fp32 reduce-overhead (loop GEMM, skips {graphs['cudagraph_skips']}) vs default: {worst:.3g}")
     assert worst <= TOLERANCE, (graphs["losses"], default["losses"])
+
+
+def train_hf_moe(compile: bool | str) -> dict[str, Any]:
+    """A LightningModule around a tiny ``transformers`` Qwen3-MoE (the adapter's plan), bf16-mixed, one GPU
+    without FSDP: its experts run the adapter's forward (torch's grouped GEMM in bf16 over the fp32 weights), not
+    ``transformers``' fallback loop, which reads the group offsets on the host."""
+    import lightning as L
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+    from torch.utils.data import DataLoader
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+    from tiny_hf import VOCAB, tiny_model
+
+    from lightning_d9d import D9DStrategy, model_loss
+    from lightning_d9d.models.hf.config_plans import expert_modules
+    from lightning_d9d.modules.loss import causal_lm_loss
+
+    class LogitsLoss:
+        def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss(output.logits, labels)
+
+        def count(self, labels: torch.Tensor) -> torch.Tensor:
+            return causal_lm_loss.count(labels)
+
+    class HFMoe(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = tiny_model("qwen3_moe")
+            self.losses: list[torch.Tensor] = []
+
+        def training_step(self, ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = model_loss(self, self.model, (ids,), ids, LogitsLoss())
+            self.losses.append(loss.detach().clone())  # no host sync each step
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    torch._dynamo.reset()
+    counters.clear()
+    L.seed_everything(0, verbose=False)
+    module = HFMoe()
+    trainer = L.Trainer(
+        strategy=D9DStrategy(compile=compile, fsdp_on_one_rank=False),
+        accelerator="gpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    ids = torch.randint(0, VOCAB, (4 * STEPS, 32), generator=torch.Generator().manual_seed(3))
+    trainer.fit(module, DataLoader(ids, batch_size=4))
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return {
+        "losses": [float(loss) for loss in module.losses],
+        "ours": ["forward" in vars(experts) for experts in expert_modules(module.model).values()],
+        "recorded_roots": 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+
+
+def test_a_transformers_moe_model_records_cuda_graphs_and_trains_as_default_compile(caplog: Any) -> None:
+    with caplog.at_level(logging.WARNING, logger="lightning_d9d.plans"):
+        graphs = train_hf_moe("reduce-overhead")
+    assert not [r for r in caplog.records if r.name == "lightning_d9d.plans"], "the plan fell back"
+    assert graphs["ours"] == [True, True], "the experts kept transformers' forward"
+    assert graphs["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (its log says why)"
+    assert graphs["recorded_roots"] > 0, "no CUDA graph was recorded"
+    default = train_hf_moe(True)
+    assert len(graphs["losses"]) == len(default["losses"]) == STEPS
+    worst = max(abs(a - b) for a, b in zip(graphs["losses"], default["losses"], strict=True))
+    print(f"transformers MoE reduce-overhead vs default: largest loss difference {worst:.3g}")
+    assert worst <= TOLERANCE, (graphs["losses"], default["losses"])
+    assert graphs["losses"][-1] < graphs["losses"][0] - 0.1

@@ -21,13 +21,21 @@ for each experts module:
 
 Refused before any collective (:func:`check_hf_expert_model`): a config without ``base_model_ep_plan`` (a dense
 model), a plan that names no experts module, an experts module that is not ``transformers``' stacked layout (other
-parameters, biases, another forward signature), and an ``ep`` that does not divide the number of experts.
+parameters, biases, another forward signature, or a forward that computes otherwise on a small CPU probe: gate and
+up interleaved, another gate), and an ``ep`` that does not divide the number of experts.
+
+Without ``ep`` the same forward runs with a local dispatcher (a permutation by expert; no exchange) wherever the
+probe finds it exact, unless ``$LIGHTNING_D9D_HF_KERNELS=0``: ``transformers``' own grouped forward, compiled
+over fp32 weights (one GPU with ``fsdp_on_one_rank=False``, the CUDA-graph setting), falls back to a host loop
+over the experts in fp32 (``transformers::grouped_mm_fallback``, reading the offsets on the host), where ours runs
+the grouped GEMM in autocast's dtype, every step on the device.
 
 Nothing here imports ``transformers``.
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 import types
@@ -37,10 +45,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_d9d.kernels import grouped_mm, weigh_rows
+from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, weigh_rows
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
+from lightning_d9d.models.hf.kernels import ENV_VAR as HF_KERNELS_ENV_VAR
+from lightning_d9d.models.hf.kernels import hf_kernels_enabled
 from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
 from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.options import ParallelOptions
@@ -50,6 +60,8 @@ WEIGHTS = ("gate_up_proj", "down_proj")
 ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
 # The instance attributes an expert-parallel experts module holds its dispatcher and its number of experts in.
 _DISPATCHER, _NUM_EXPERTS = "_d9d_dispatcher", "_d9d_num_experts"
+# _forward_problem's findings, by class and settings
+_PROBED: dict[tuple[Any, ...], str | None] = {}
 log = logging.getLogger("lightning_d9d.models.hf")
 
 
@@ -73,7 +85,8 @@ def check_hf_expert_model(model: nn.Module, ep: int) -> None:
 
 def _layout_problem(experts: nn.Module) -> str | None:
     """Why the adapter's forward (:func:`expert_parallel_forward`) cannot run ``experts`` (``None``: it can):
-    it takes ``transformers``' stacked layout only."""
+    it takes ``transformers``' stacked layout only, and only where the class's own forward computes what ours does
+    (:func:`_forward_problem`)."""
     own = dict(experts.named_parameters(recurse=False))
     act_fn = getattr(experts, "act_fn", None)
     others = [child for child in experts.children() if child is not act_fn]
@@ -93,6 +106,57 @@ def _layout_problem(experts: nn.Module) -> str | None:
         return (
             f"has gate_up_proj {tuple(own['gate_up_proj'].shape)} and down_proj {tuple(own['down_proj'].shape)}, "
             "not transformers' [E, 2 * ffn, hidden] / [E, hidden, ffn]"
+        )
+    return _forward_problem(experts)
+
+
+def _forward_problem(experts: nn.Module) -> str | None:
+    """Whether the class's own forward computes what :func:`expert_parallel_forward` does (``None``: it does),
+    read off a probe: a shallow copy of ``experts`` with small random fp32 weights on the CPU, its experts chosen
+    at random for a few tokens, both forwards compared. Stacked experts may gate otherwise (gate and up
+    interleaved, a clamped or shifted activation, a post-expert norm) under the same parameter names; the
+    probe tells. Once per class and settings (the instance's plain attributes, the config's experts
+    implementation)."""
+    config = getattr(experts, "config", None)
+    settings = tuple(
+        sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))
+    )
+    implementation = getattr(config, "_experts_implementation", None)
+    key: tuple[Any, ...] = (type(experts), type(getattr(experts, "act_fn", None)), settings, implementation)
+    if key not in _PROBED:
+        _PROBED[key] = _probe_forward(experts)
+    return _PROBED[key]
+
+
+def _probe_forward(experts: nn.Module) -> str | None:
+    num_experts = int(experts.get_parameter("gate_up_proj").shape[0])
+    hidden, ffn, tokens, top_k = 16, 8, 12, min(2, num_experts)
+    # the probe's own numbers, drawn without advancing the caller's RNG stream
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        gate_up_proj = torch.randn(num_experts, 2 * ffn, hidden) / hidden**0.5
+        down_proj = torch.randn(num_experts, hidden, ffn) / ffn**0.5
+        hidden_states = torch.randn(tokens, hidden)
+        top_k_index = torch.rand(tokens, num_experts).topk(top_k, dim=1).indices
+        top_k_weights = torch.rand(tokens, top_k)
+    probe = copy.copy(experts)  # shares act_fn and config; its own parameters and attributes below
+    probe.__dict__["_parameters"] = {
+        "gate_up_proj": nn.Parameter(gate_up_proj, requires_grad=False),
+        "down_proj": nn.Parameter(down_proj, requires_grad=False),
+    }
+    probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts, "gemm_backend": None})
+    try:
+        with torch.no_grad():
+            theirs = type(experts).forward(probe, hidden_states, top_k_index, top_k_weights)
+            ours = expert_parallel_forward(probe, hidden_states, top_k_index, top_k_weights)
+    except Exception as error:  # a forward that needs more than the probe holds: not ours to replace
+        return f"has a forward that failed on the adapter's probe ({type(error).__name__}: {error})"
+    if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
+        return "has a forward whose output is not [tokens, hidden]; the adapter's forward returns that"
+    if not torch.allclose(theirs, ours, rtol=1e-5, atol=1e-6):
+        return (
+            f"has a forward that computes otherwise than act_fn(gate) * up on gate_up_proj's halves, weighted, "
+            f"through down_proj (largest difference on a probe {(theirs - ours).abs().max():.3g})"
         )
     return None
 
@@ -144,16 +208,11 @@ def parallelize_hf_experts(
     model: nn.Module, dims: ParallelDims, options: ParallelOptions, *, dispatch_backend: str | None = None
 ) -> list[nn.Module]:
     """Split every experts module of ``model`` over ``ep`` (see the module docstring); returns them. Without ep
-    only the experts the FP8 plan pointed at the float8 grouped GEMM (:func:`offer_experts_to_float8`) change:
-    our forward with a local dispatcher, since ``transformers``' own never reaches our registry. Call it after
-    tp / cp and before the block plan (recompute, compile, FSDP)."""
+    the experts keep their weights and run our forward with a local dispatcher where it computes what theirs
+    does (:func:`_run_ours_locally`). Call it after tp / cp and before the block plan (recompute, compile,
+    FSDP)."""
     if not dims.ep_enabled:
-        changed = []
-        for experts in expert_modules(model).values():
-            if getattr(experts, "gemm_backend", None) == FLOAT8_BACKEND:
-                _run_ours(experts, LocalDispatcher())
-                changed.append(experts)
-        return changed
+        return _run_ours_locally(model)
     check_hf_expert_model(model, dims.ep)
     group = dims.mesh_for("ep").get_group()
     changed = []
@@ -162,6 +221,37 @@ def parallelize_hf_experts(
         split_expert_weights(experts, dims, options)
         _run_ours(experts, expert_parallel_dispatcher(group, num_experts, backend=dispatch_backend))
         changed.append(experts)
+    return changed
+
+
+def _run_ours_locally(model: nn.Module) -> list[nn.Module]:
+    """Without ep: every experts module the adapter's forward computes exactly (:func:`_layout_problem`) runs it
+    with a local dispatcher, unless ``$LIGHTNING_D9D_HF_KERNELS=0``; the float8 experts always (only ours reaches
+    the float8 grouped GEMM). Why: ``transformers``' own grouped forward, compiled over fp32 weights (autocast
+    without FSDP's bf16 copies: ``fsdp_on_one_rank=False``), leaves ``torch.nn.functional.grouped_mm`` for a loop
+    over the experts in fp32 that reads the group offsets on the host (``transformers::grouped_mm_fallback``),
+    which a CUDA graph cannot capture; ours casts to autocast's dtype and takes the grouped GEMM registry's choice,
+    with routing and permutation on the device."""
+    changed, kept = [], {}
+    for module_name, experts in expert_modules(model).items():
+        float8 = getattr(experts, "gemm_backend", None) == FLOAT8_BACKEND
+        if not float8 and not hf_kernels_enabled():
+            continue
+        problem = None if float8 else _layout_problem(experts)
+        if problem is None:
+            _run_ours(experts, LocalDispatcher())
+            changed.append(experts)
+        else:
+            kept[module_name] = problem
+    if changed:
+        log.info(
+            "%s: %d experts modules run lightning_d9d's grouped GEMM forward (set $%s=0 to keep transformers')",
+            type(model).__name__,
+            len(changed),
+            HF_KERNELS_ENV_VAR,
+        )
+    for module_name, problem in kept.items():
+        log.info("%s keeps transformers' experts forward: it %s", module_name, problem)
     return changed
 
 
@@ -179,7 +269,8 @@ def expert_parallel_forward(
     dispatcher: TokenDispatcher = getattr(self, _DISPATCHER)
     gate_up_proj = _local(self.get_parameter("gate_up_proj"))
     down_proj = _local(self.get_parameter("down_proj"))
-    counts = torch.bincount(top_k_index.reshape(-1), minlength=getattr(self, _NUM_EXPERTS))
+    # not bincount: on CUDA it reads the largest index on the host first, which a CUDA graph cannot capture
+    counts = count_tokens_per_expert(top_k_index, getattr(self, _NUM_EXPERTS))
     empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
     routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
     dispatched = dispatcher.dispatch(hidden_states, routing)

@@ -34,7 +34,8 @@ layer then fails to compile). With nothing routed (no Hub kernel loaded: ``kerne
 function the forward calls is the plain one either way, so :func:`unwrap_hub_kernel_forwards` gives such modules
 their class's original forward when the strategy compiles.
 
-``$LIGHTNING_D9D_HF_KERNELS=0`` leaves every module as it is (default ``1``). Independently,
+``$LIGHTNING_D9D_HF_KERNELS=0`` leaves every module as it is (default ``1``), an MoE model's experts without ep
+too (:mod:`lightning_d9d.models.hf.expert`). Independently,
 ``$LIGHTNING_D9D_KERNELS=reference`` keeps the swapped forward on the PyTorch reference.
 """
 

@@ -102,7 +102,8 @@ def parallelize_hf(
        without a mask skips ``transformers``' mask preparation and its host sync
        (:func:`~.attention.causal_attention_without_mask_sync`).
     2c. ep > 1: the stacked experts split over ep, tokens brought by our dispatcher
-       (:func:`~.expert.parallelize_hf_experts`; without ep, only experts in float8 run our forward). Under tp
+       (:func:`~.expert.parallelize_hf_experts`; without ep our forward with a local dispatcher, where a probe of
+       the class finds it exact). Under tp
        each MoE block routes this rank's sequence shard, its weights whole, its gradients summed over tp
        (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
     3. In training no KV cache (:func:`train_without_cache`); under compile, no ``kernels`` routing wrapper

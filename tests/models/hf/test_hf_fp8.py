@@ -347,15 +347,17 @@ def cpu_experts_rank(fp8_experts: bool | None) -> dict[str, Any]:
     }
 
 
-def test_off_hopper_the_stacked_experts_keep_transformers_forward_with_one_log_line() -> None:
+def test_off_hopper_the_stacked_experts_stay_in_bf16_with_one_log_line() -> None:
+    # they run the adapter's forward on the registry's grouped GEMM, as every experts module without ep does
+    # (test_hf_local_experts.py), not the float8 one
     (auto,) = run_distributed(cpu_experts_rank, 1, None, timeout=120)
     assert auto["messages"] == [
         "fp8 (rowwise): 2 grouped experts stay in bf16: the model runs on 'cpu' and torchao's float8 grouped GEMM "
         "runs on CUDA only"
     ]
-    assert auto["backends"] == [None, None] and auto["ours"] == [False, False]
+    assert auto["backends"] == [None, None] and auto["ours"] == [True, True]
     (off,) = run_distributed(cpu_experts_rank, 1, False, timeout=120)  # the default: not even offered
-    assert off == {"messages": [], "backends": ["absent", "absent"], "ours": [False, False]}
+    assert off == {"messages": [], "backends": ["absent", "absent"], "ours": [True, True]}
 
 
 def test_fp8_experts_on_experts_the_adapter_cannot_run_are_refused_before_any_collective() -> None:
