@@ -42,6 +42,9 @@
 #   moe_cudagraphs  the MoE shape, ours without FSDP with master weights, with and without CUDA graphs, beside the
 #            plain recipe, at 1,024, 4,096 and 16,384 tokens a step (~9 min; MOE_CG_SHAPES="4096x4x4x12" picks
 #            one: seq x batch x warm-up x steps)
+#   hf_moe   a transformers Qwen3-MoE at the MoE shape under the adapter: with FSDP on the one rank, without (its
+#            experts on the adapter's forward since session 29) and as CUDA graphs, beside the plain recipe, at
+#            4,096 x 4 and 1,024 x 1 tokens (~8 min)
 #   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
 #            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
 #            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min);
@@ -121,6 +124,13 @@ for part in "${@:-dense moe}"; do
           LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len "$seq" --batch-size "$batch" --warmup "$warm" \
             --steps "$steps" --out "$OUT/moe_cudagraphs${seq}x$batch" --paths \
             hf_fsdp_compiled,ours_trainer_compiled_nofsdp_master,ours_trainer_compiled_nofsdp_cudagraphs_master \
+            || status=1
+        done ;;
+      hf_moe) for shape in 4096x4x4x12 1024x1x6x20; do
+          IFS=x read -r seq batch warm steps <<<"$shape"
+          LIGHTNING_D9D_GROUPED_GEMM=torch bench --model moe --seq-len "$seq" --batch-size "$batch" --warmup "$warm" \
+            --steps "$steps" --out "$OUT/hf_moe${seq}x$batch" --paths \
+            hf_fsdp_compiled,hf_trainer_compiled,hf_trainer_compiled_nofsdp,hf_trainer_compiled_nofsdp_cudagraphs \
             || status=1
         done ;;
       cudagraphs) for shape in "4096 4" "1024 1"; do

@@ -99,6 +99,9 @@ PATHS: dict[str, str] = {
     # selective activation checkpointing (matmul and attention outputs kept, element-wise ops recomputed).
     "ours_trainer_compiled_nofsdp": "ours_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
     "hf_trainer_compiled_nofsdp": "hf_trainer_compiled with D9DStrategy(fsdp_on_one_rank=False)",
+    # --model moe: the adapter's experts forward without ep (transformers' own, compiled over fp32 weights, loops
+    # over the experts on the host), replayed as CUDA graphs
+    "hf_trainer_compiled_nofsdp_cudagraphs": 'hf_trainer_compiled_nofsdp with compile="reduce-overhead"',
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
     "ours_trainer_compiled_full": 'ours_trainer_compiled with activation_checkpointing="full" (every block)',
@@ -161,6 +164,7 @@ DEFAULT_PATHS = [
         "hf_fsdp_compiled",
         "ours_trainer_compiled_nofsdp",
         "hf_trainer_compiled_nofsdp",
+        "hf_trainer_compiled_nofsdp_cudagraphs",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
         "ours_trainer_compiled_full",
