@@ -117,6 +117,12 @@ def _forward_problem(experts: nn.Module) -> str | None:
     interleaved, a clamped or shifted activation, a post-expert norm) under the same parameter names; the
     probe tells. Once per class and settings (the instance's plain attributes, the config's experts
     implementation)."""
+    instance_forward = vars(experts).get("forward")
+    if (
+        instance_forward is not None
+        and getattr(instance_forward, "__func__", None) is not expert_parallel_forward
+    ):
+        return "has a forward of its own on the instance, which the adapter would replace"
     config = getattr(experts, "config", None)
     settings = tuple(
         sorted((k, v) for k, v in vars(experts).items() if isinstance(v, (bool, int, float, str)))

@@ -86,6 +86,21 @@ def test_experts_that_compute_otherwise_keep_their_forward_and_are_refused_under
         check_hf_expert_model(model, 2)
 
 
+def test_experts_with_a_forward_of_their_own_keep_it() -> None:
+    model = tiny_causal_lm("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    own = experts.forward
+
+    def users(*args: Any) -> Any:  # e.g. a user's wrapper around the class's forward
+        return own(*args)
+
+    experts.forward = users
+    assert local_experts(model) == [model.model.layers[1].mlp.experts]
+    assert vars(experts)["forward"] is users
+    with pytest.raises(NotImplementedError, match="a forward of its own on the instance"):
+        check_hf_expert_model(model, 2)
+
+
 def test_a_compiled_block_over_fp32_weights_keeps_the_grouped_gemm_on_the_device(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
