@@ -34,15 +34,54 @@ STEPS = 20
 TOLERANCE = 1e-5
 
 
+def fresh_compile_state() -> None:
+    """No graphs or counters of an earlier run in this process (cudagraph trees are reset with dynamo)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def one_gpu_trainer(compile: bool | str, precision: str, callbacks: list[Any] | None = None) -> Any:
+    """A quiet ``Trainer`` on one GPU without FSDP on the one rank (what CUDA graphs need), ``STEPS`` steps."""
+    import lightning as L
+
+    from lightning_d9d import D9DStrategy
+
+    return L.Trainer(
+        strategy=D9DStrategy(compile=compile, fsdp_on_one_rank=False),
+        accelerator="gpu",
+        devices=1,
+        precision=precision,  # type: ignore[arg-type]
+        max_steps=STEPS,
+        limit_val_batches=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks or [],
+    )
+
+
+def graph_facts() -> dict[str, int]:
+    """Graphs recorded since :func:`fresh_compile_state` (roots holds recorded CUDAGraphNodes only: warm-up runs
+    are not recordings) and Inductor's count of graphs it ran without CUDA graphs."""
+    from torch._dynamo.utils import counters
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    return {
+        "recorded_roots": 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values()),
+        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+    }
+
+
 def train(compile: bool | str, *, moe: bool = False, precision: str = "32-true") -> dict[str, Any]:
     import lightning as L
     from lightning.pytorch.callbacks import Callback
     from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus
-    from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
     from torch.utils.data import DataLoader
 
-    from lightning_d9d import D9DStrategy
     from lightning_d9d.callbacks.moe import ExpertLoadBalancing
     from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig
     from lightning_d9d.modules.moe import TopKRouter
@@ -54,37 +93,21 @@ def train(compile: bool | str, *, moe: bool = False, precision: str = "32-true")
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
             self.losses.append(outputs["loss"].detach().clone())  # no host sync each step
 
-    torch._dynamo.reset()  # also resets cudagraph trees
-    counters.clear()
+    fresh_compile_state()
     L.seed_everything(0, verbose=False)
     config = Qwen3MoeConfig.tiny(router_selection_bias=True) if moe else Qwen3Config.tiny()
     recorder = RecordLosses()
     callbacks: list[Callback] = [recorder, ExpertLoadBalancing(log_load=False)] if moe else [recorder]
-    trainer = L.Trainer(
-        strategy=D9DStrategy(compile=compile, fsdp_on_one_rank=False),
-        accelerator="gpu",
-        devices=1,
-        precision=precision,  # type: ignore[arg-type]
-        max_steps=STEPS,
-        limit_val_batches=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=callbacks,
-    )
+    trainer = one_gpu_trainer(compile, precision, callbacks)
     module = Qwen3Pretraining(config, lr=3e-3, warmup_steps=2, max_steps=STEPS)
     data = SyntheticCorpus(config.vocab_size, 64, 4 * STEPS)
     trainer.fit(module, DataLoader(data, batch_size=4))
-    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
     routers = [m for m in module.modules() if isinstance(m, TopKRouter)]
     return {
         "losses": [float(loss) for loss in recorder.losses],
         # moved every step from the loads counted in the (replayed) forward: a count lost or doubled moves them
         "biases": [router.expert_bias.detach().cpu() for router in routers if router.expert_bias is not None],
-        # roots holds recorded CUDAGraphNodes only (warm-up runs are not recordings)
-        "recorded_roots": 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values()),
-        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        **graph_facts(),
     }
 
 
@@ -150,14 +173,12 @@ def train_hf_moe(compile: bool | str) -> dict[str, Any]:
     without FSDP: its experts run the adapter's forward (torch's grouped GEMM in bf16 over the fp32 weights), not
     ``transformers``' fallback loop, which reads the group offsets on the host."""
     import lightning as L
-    from torch._dynamo.utils import counters
-    from torch._inductor import cudagraph_trees
     from torch.utils.data import DataLoader
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
     from tiny_hf import VOCAB, tiny_model
 
-    from lightning_d9d import D9DStrategy, model_loss
+    from lightning_d9d import model_loss
     from lightning_d9d.models.hf.config_plans import expert_modules
     from lightning_d9d.modules.loss import causal_lm_loss
 
@@ -183,29 +204,15 @@ def train_hf_moe(compile: bool | str) -> dict[str, Any]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
-    torch._dynamo.reset()
-    counters.clear()
+    fresh_compile_state()
     L.seed_everything(0, verbose=False)
     module = HFMoe()
-    trainer = L.Trainer(
-        strategy=D9DStrategy(compile=compile, fsdp_on_one_rank=False),
-        accelerator="gpu",
-        devices=1,
-        precision="bf16-mixed",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
     ids = torch.randint(0, VOCAB, (4 * STEPS, 32), generator=torch.Generator().manual_seed(3))
-    trainer.fit(module, DataLoader(ids, batch_size=4))
-    manager = cudagraph_trees.get_manager(torch.cuda.current_device(), create_if_none_exists=False)
+    one_gpu_trainer(compile, "bf16-mixed").fit(module, DataLoader(ids, batch_size=4))
     return {
         "losses": [float(loss) for loss in module.losses],
         "ours": ["forward" in vars(experts) for experts in expert_modules(module.model).values()],
-        "recorded_roots": 0 if manager is None else sum(len(nodes) for nodes in manager.roots.values()),
-        "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+        **graph_facts(),
     }
 
 
