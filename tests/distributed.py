@@ -51,6 +51,16 @@ def set_torchrun_environment(rank: int, world_size: int, port: int, run_id: str)
 NCCL_ENVIRONMENT = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 
+def freeze_inherited_heap() -> None:
+    """Call first in a process forked from the pytest process. It inherits that process's heap (every module
+    earlier tests imported, Lightning's and transformers' among them); Python's collector would walk all of it in
+    each full collection, and touching its pages copies them: a compile-heavy rank ran twice as slow after an
+    in-process Trainer fit earlier in the same pytest process (44 against 23 s,
+    tests/plans/test_fp8_compositions.py). Frozen, the inherited objects are left out of every collection; only
+    what the child itself allocates is collected."""
+    gc.freeze()
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -62,12 +72,7 @@ def _rank_main(
     backend: str = "gloo",
 ) -> None:
     code = 0
-    # A forked rank inherits the test process's heap (every module earlier tests imported, Lightning's and
-    # transformers' among them). Python's collector would walk all of it in each full collection, and touching its
-    # pages copies them: a compile-heavy rank ran twice as slow after an in-process Trainer fit earlier in the same
-    # pytest process (44 against 23 s, tests/plans/test_fp8_compositions.py). Frozen, the inherited objects are
-    # left out of every collection; only what the rank itself allocates is collected.
-    gc.freeze()
+    freeze_inherited_heap()
     try:
         os.environ.update(
             MASTER_ADDR="127.0.0.1",

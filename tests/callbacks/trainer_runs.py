@@ -35,7 +35,12 @@ from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
-from distributed import LIBC_CRASHES, free_port, set_torchrun_environment  # noqa: E402
+from distributed import (  # noqa: E402
+    LIBC_CRASHES,
+    free_port,
+    freeze_inherited_heap,
+    set_torchrun_environment,
+)
 from pretrain_qwen3 import Qwen3Pretraining, SyntheticCorpus  # noqa: E402
 
 from lightning_d9d import D9DStrategy  # noqa: E402
@@ -158,6 +163,7 @@ KINDS = {"hf": hf_run, "train": train_run}
 
 def _rank(run: dict[str, Any], rank: int, port: int) -> None:
     code = 0
+    freeze_inherited_heap()
     try:
         set_torchrun_environment(rank, run["devices"], port, f"trainer-runs-{port}")
         torch.set_num_threads(1)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint.state_dict
 import torch.distributed.device_mesh
 import torch.distributed.fsdp
-from distributed import free_port
+from distributed import free_port, freeze_inherited_heap
 from torch import nn
 
 from lightning_d9d.state import training  # imported before the forks: each rank would import it again
@@ -206,6 +206,7 @@ def resume_each(roots: list[str]) -> dict[str, dict[str, Any]]:
 # -------------------------------------------------------------------------------------------- launching
 def _rank(rank: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
     code = 1
+    freeze_inherited_heap()
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         torch.set_num_threads(1)

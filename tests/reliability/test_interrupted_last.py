@@ -25,7 +25,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import free_port, set_torchrun_environment
+from distributed import free_port, freeze_inherited_heap, set_torchrun_environment
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -115,6 +115,7 @@ def _in_a_fork(fn: Any, *args: Any) -> None:
 
     def child() -> None:
         code = 0
+        freeze_inherited_heap()
         try:
             fn(*args)
         except BaseException:
