@@ -36,16 +36,18 @@ Nothing here imports ``transformers``.
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
 import types
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, weigh_rows
+from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, loop_grouped_mm, weigh_rows
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
@@ -150,11 +152,13 @@ def _probe_forward(experts: nn.Module) -> str | None:
         "gate_up_proj": nn.Parameter(gate_up_proj, requires_grad=False),
         "down_proj": nn.Parameter(down_proj, requires_grad=False),
     }
-    probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts, "gemm_backend": None})
+    probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts})
     try:
         with torch.no_grad():
             theirs = type(experts).forward(probe, hidden_states, top_k_index, top_k_weights)
-            ours = expert_parallel_forward(probe, hidden_states, top_k_index, top_k_weights)
+            # the reference grouped GEMM: the registry's choice (a CUDA-only backend named in the environment,
+            # say) must not decide whether the forward computes the class's numbers, nor be announced from here
+            ours = _experts_forward(probe, hidden_states, top_k_index, top_k_weights, loop_grouped_mm)
     except Exception as error:  # a forward that needs more than the probe holds: not ours to replace
         return f"has a forward that failed on the adapter's probe ({type(error).__name__}: {error})"
     if not isinstance(theirs, torch.Tensor) or theirs.shape != ours.shape:
@@ -272,6 +276,23 @@ def expert_parallel_forward(
 ) -> torch.Tensor:
     """``transformers``' experts forward with the experts split over ``ep``: ``[T, H]`` rows, each token's top-k
     experts and weights -> ``[T, H]``, the weighted sum of its experts' outputs."""
+    # the FP8 plan's backend where it chose float8 (offer_experts_to_float8), else the registry's choice; the
+    # transposed weights are column-major per expert, the float8 kernels' layout, so they are read without a copy
+    backend = getattr(self, "gemm_backend", None)
+    return _experts_forward(
+        self, hidden_states, top_k_index, top_k_weights, functools.partial(grouped_mm, backend=backend)
+    )
+
+
+def _experts_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    matmul: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`expert_parallel_forward` with the grouped GEMM given (the probe runs the reference loop, whatever
+    the registry would choose on this machine)."""
     dispatcher: TokenDispatcher = getattr(self, _DISPATCHER)
     gate_up_proj = _local(self.get_parameter("gate_up_proj"))
     down_proj = _local(self.get_parameter("down_proj"))
@@ -280,16 +301,12 @@ def expert_parallel_forward(
     empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
     routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
     dispatched = dispatcher.dispatch(hidden_states, routing)
-    # the FP8 plan's backend where it chose float8 (offer_experts_to_float8), else the registry's choice; the
-    # transposed weights are column-major per expert, the float8 kernels' layout, so they are read without a copy
-    backend = getattr(self, "gemm_backend", None)
     counts = dispatched.tokens_per_expert
-    gate_up = grouped_mm(dispatched.tokens, gate_up_proj.transpose(1, 2), counts, backend=backend)
-    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = matmul(dispatched.tokens, gate_up_proj.transpose(1, 2), counts).chunk(2, dim=-1)
     act_fn: Any = self.act_fn
     # each row weighed by its routing weight before the down projection (combine only sums: see moe.dispatch)
     activation = weigh_rows(act_fn(gate) * up, dispatched.row_weights)
-    output = grouped_mm(activation, down_proj.transpose(1, 2), counts, backend=backend)
+    output = matmul(activation, down_proj.transpose(1, 2), counts)
     return dispatcher.combine(output, dispatched)
 
 

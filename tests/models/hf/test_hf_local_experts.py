@@ -86,6 +86,23 @@ def test_experts_that_compute_otherwise_keep_their_forward_and_are_refused_under
         check_hf_expert_model(model, 2)
 
 
+def test_the_probe_does_not_ask_the_registry(monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """The probe runs the reference grouped GEMM: a CUDA-only backend named in the environment (read on a GPU
+    machine at plan time) must not fail it, which would keep transformers' forward and refuse ep; nor may the
+    probe announce a backend the run will not use."""
+    from lightning_d9d.kernels import grouped_gemm
+    from lightning_d9d.models.hf import expert
+
+    monkeypatch.setattr(expert, "_PROBED", {})  # probed afresh, not read from an earlier test's finding
+    monkeypatch.setattr(grouped_gemm._REGISTRY, "announced", set())
+    monkeypatch.setenv("LIGHTNING_D9D_GROUPED_GEMM", "grouped_gemm")  # bf16 on CUDA only
+    model = tiny_causal_lm("qwen3_moe")
+    with caplog.at_level("INFO", logger="lightning_d9d.kernels"):
+        assert local_experts(model) == list(expert_modules(model).values())
+    check_hf_expert_model(model, 2)
+    assert "grouped GEMM backend" not in caplog.text
+
+
 def test_experts_with_a_forward_of_their_own_keep_it() -> None:
     model = tiny_causal_lm("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
