@@ -3,6 +3,7 @@ product per piece, the pieces of an expert summed, is the expert's whole product
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -10,8 +11,6 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import itertools
-
 from grouped_wgrad_balance import split_ends
 
 

@@ -182,13 +182,6 @@ def train_hf_moe(compile: bool | str) -> dict[str, Any]:
     from lightning_d9d.models.hf.config_plans import expert_modules
     from lightning_d9d.modules.loss import causal_lm_loss
 
-    class LogitsLoss:
-        def __call__(self, output: Any, labels: torch.Tensor) -> torch.Tensor:
-            return causal_lm_loss(output.logits, labels)
-
-        def count(self, labels: torch.Tensor) -> torch.Tensor:
-            return causal_lm_loss.count(labels)
-
     class HFMoe(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
@@ -197,7 +190,8 @@ def train_hf_moe(compile: bool | str) -> dict[str, Any]:
             self.losses: list[torch.Tensor] = []
 
         def training_step(self, ids: torch.Tensor, batch_idx: int) -> torch.Tensor:
-            loss = model_loss(self, self.model, (ids,), ids, LogitsLoss())
+            # causal_lm_loss takes a transformers output (on CUDA: the head fused with the loss)
+            loss = model_loss(self, self.model, (ids,), ids, causal_lm_loss)
             self.losses.append(loss.detach().clone())  # no host sync each step
             return loss
 

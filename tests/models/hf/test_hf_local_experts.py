@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from tiny_hf import MOE, VOCAB, tiny_causal_lm
+from tiny_hf import VOCAB, tiny_causal_lm
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
@@ -154,4 +154,4 @@ def test_a_compiled_block_over_fp32_weights_keeps_the_grouped_gemm_on_the_device
     assert not [t for t in targets if t.startswith("transformers.")], targets
     assert targets.count("aten._grouped_mm.default") >= 2 + 3  # forward's two products, backward's gradients
     assert [get_first_incompatible_cudagraph_node(graph) for graph in graphs] == [None, None]
-    assert block.experts.gate_up_proj.grad is not None and MOE["num_experts"] == 4
+    assert block.experts.gate_up_proj.grad is not None
