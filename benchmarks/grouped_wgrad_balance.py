@@ -12,7 +12,8 @@ random top-k set of experts: routing by the token alone, as a fresh router rough
 product at the same sizes for comparison; and two made-up spreads, a ramp (0 to twice the mean) and 8 experts at
 three times the mean. Session 27 (H100): 314 us even, 348-370 us at the uneven sizes for gate_up (docs/benchmarks.md).
 
-The lever it prices (not in the package yet): split every expert's tokens into ``--splits`` consecutive pieces,
+The lever it prices (measured and dropped, session 30 on an H100: 582-597 us at 2 pieces and 644-663 us at 4
+against 319-367 us unsplit for gate_up; docs/benchmarks.md): split every expert's tokens into ``--splits`` consecutive pieces,
 run the weight-gradient GEMM over ``experts x splits`` groups (shorter contractions, the heavy expert's work
 spread over more programs) and sum each expert's pieces (``wgrad_split{S}_us``, the sum included; ``split{S}_err``:
 its error against an fp32 reference, beside the unsplit GEMM's ``err``: the pieces are rounded to bf16 before the

@@ -164,7 +164,7 @@ for part in "${@:-dense moe}"; do
         ) ;;
       hfattn) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_hf_attention_gpu.py 2>&1 \
           | tee "$OUT/hfattn/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
-      unrun) python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \
+      unrun) python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/gpu/test_cudagraphs_gpu.py \
           tests/gpu/test_fp8_experts_gpu.py tests/gpu/test_packed_gpu.py tests/gpu/test_fp8_gpu.py \
           "tests/gpu/test_kernels_gpu.py::test_weighted_swiglu" 2>&1 \
           | tee "$OUT/unrun/tests.log"; test "${PIPESTATUS[0]}" = 0 ;;
