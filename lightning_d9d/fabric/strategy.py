@@ -50,6 +50,7 @@ from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.precision import D9DPrecisionBase, master_weight_scale
+from lightning_d9d.strategies.process_exit import destroy_process_group_at_exit
 from lightning_d9d.strategies.topology import MeshTopology
 
 
@@ -153,6 +154,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         Strategy.setup_environment(self)  # the device; the mesh below, not ModelParallelStrategy's 2-D one
         dims = self._resolve_dims()  # again: the cluster environment may have changed the world size
         self._setup_distributed()
+        destroy_process_group_at_exit()  # not left to the interpreter's teardown, where gloo can abort
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
         if self._options.async_tp:  # before the blocks compile (setup_module)

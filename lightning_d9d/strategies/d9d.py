@@ -69,6 +69,7 @@ from lightning_d9d.strategies.memory_report import report_memory_plan
 from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
+from lightning_d9d.strategies.process_exit import destroy_process_group_at_exit
 from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
 from lightning_d9d.strategies.topology import MeshTopology
 
@@ -257,6 +258,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         dims = self._resolve_dims()
         check_options_on_device(self._options, dims, self.root_device.type, owner="D9DStrategy")
         self._setup_distributed()
+        destroy_process_group_at_exit()  # not left to the interpreter's teardown, where gloo can abort
         self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
         self._device_mesh = self._dims.mesh
         if self._options.async_tp:  # before configure_model and the blocks' compile
