@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from train_throughput import LOSS_TOLERANCE, check_losses
+from train_throughput import LOSS_TOLERANCE, _summary, check_losses, derive, parse_args
 
 
 def _run(path: str, final: float) -> dict:
@@ -81,3 +81,25 @@ def test_the_fa4_and_cudnn_paths_force_their_backends_and_the_others_nothing() -
     assert "ours_trainer_compiled_nofsdp_cudnn" in PATHS
     assert path_environment("ours_trainer_compiled_nofsdp_cudnn") == {"LIGHTNING_D9D_ATTENTION": "sdpa_cudnn"}
     assert path_environment("ours_trainer_compiled_nofsdp") == {}
+
+
+def test_the_ratios_are_of_median_steps_not_of_the_window_s_tokens() -> None:
+    """One slow step in the baseline's window moves its mean tokens/s, not its median step: the table's ``vs``
+    columns are ratios of median steps (issue 25's targets), the mean ratio stays in the JSON beside them."""
+    args = parse_args(["--seq-len", "8", "--batch-size", "2", "--steps", "4"])
+    results = [
+        {
+            "path": path,
+            "ok": True,
+            "step_ms": _summary(steps),
+            "elapsed_s": sum(steps) / 1e3,
+            "losses": [9.0, 7.5],
+        }
+        for path, steps in (
+            ("hf_fsdp_compiled", [100.0, 100.0, 100.0, 500.0]),
+            ("ours_trainer_compiled", [50.0] * 4),
+        )
+    ]
+    derive(results, args, fpt=1)
+    assert results[1]["median_vs_hf_fsdp_compiled"] == 2.0
+    assert results[1]["vs_hf_fsdp_compiled"] == 4.0  # 800 ms against 200 ms for the window
