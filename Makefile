@@ -16,9 +16,6 @@ TORCH_PYPI_SPECS ?= torch==2.13.0 $(TORCH_RANGE)
 LITGPT_SPEC := litgpt==0.5.13
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
-# One pytest worker per core, a test file per worker at a time (a file's grouped launch runs once, in one
-# worker): the suite is CPU-bound and a single worker leaves a third of two cores idle between its launches.
-PYTEST_WORKERS ?= auto
 
 .PHONY: demo test lint venv install-torch clean
 
@@ -70,7 +67,7 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs checkpoints .pytest_cache .mypy_cache .ruff_cache
