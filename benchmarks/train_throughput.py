@@ -1155,12 +1155,14 @@ def derive(results: list[dict[str, Any]], args: argparse.Namespace, fpt: int) ->
         for name, baseline in base.items():
             if r.get("tokens_per_s"):
                 r[f"vs_{name}"] = r["tokens_per_s"] / baseline["tokens_per_s"]  # mean tokens/s
-                r[f"median_vs_{name}"] = _median_step(baseline) / _median_step(r)
+            if _median(r, "step_ms") and _median(baseline, "step_ms"):
+                r[f"median_vs_{name}"] = _median(baseline, "step_ms") / _median(r, "step_ms")
     check_losses(results)
 
 
-def _median_step(result: dict[str, Any]) -> float:
-    return float(result["step_ms"]["median"])
+def _median(result: dict[str, Any], key: str) -> Any:
+    """The median of a per-step summary (``_summary``), None where the path recorded none."""
+    return (result.get(key) or {}).get("median")
 
 
 LOSS_TOLERANCE = 0.02
@@ -1194,9 +1196,6 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
         )
 
-    def med(r: dict[str, Any], key: str) -> Any:
-        return (r.get(key) or {}).get("median")
-
     rows = [r for r in results if r["path"] != "matmul_peak"]
     lines = [
         # the ratios of the median step, which issue 25's targets name; tokens/s (and MFU) count the whole
@@ -1213,7 +1212,7 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             continue
         lines.append(
             f"| {_label(r, results)} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu', 0) * 100, '.1f')}% "
-            f"| {fmt(med(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} "
+            f"| {fmt(_median(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} "
             f"| {fmt(r.get('median_vs_hf_eager'), '.2f')} | {fmt(r.get('median_vs_hf_compiled'), '.2f')} "
             f"| {fmt(r.get('median_vs_hf_fsdp_compiled'), '.2f')} | {r.get('gpu')} |"
         )
@@ -1231,8 +1230,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         native = probe.get("native_syncs", 0)
         per_step = None if syncs is None else (syncs + native) / max(1, meta["probe_steps"])
         lines.append(
-            f"| {_label(r, results)} | {fmt(med(r, 'forward_ms'), '.1f')} | {fmt(med(r, 'backward_ms'), '.1f')} "
-            f"| {fmt(med(r, 'optimizer_ms'), '.1f')} | {fmt(med(r, 'gap_ms'), '.2f')} | {fmt(per_step, '.1f')} "
+            f"| {_label(r, results)} | {fmt(_median(r, 'forward_ms'), '.1f')} | {fmt(_median(r, 'backward_ms'), '.1f')} "
+            f"| {fmt(_median(r, 'optimizer_ms'), '.1f')} | {fmt(_median(r, 'gap_ms'), '.2f')} | {fmt(per_step, '.1f')} "
             f"| {fmt(r.get('first_step_s'), '.1f')} | {fmt(r.get('warmup_s'), '.1f')} "
             f"| {fmt(r.get('peak_mem_warmup_gib'), '.1f')} | {fmt(r.get('final_loss'), '.4f')} "
             f"| {fmt(100 * r['loss_vs_baseline'] if 'loss_vs_baseline' in r else None, '+.2f')}% |"
