@@ -102,6 +102,9 @@ PATHS: dict[str, str] = {
     # --model moe: the adapter's experts forward without ep (transformers' own, compiled over fp32 weights, loops
     # over the experts on the host), replayed as CUDA graphs
     "hf_trainer_compiled_nofsdp_cudagraphs": 'hf_trainer_compiled_nofsdp with compile="reduce-overhead"',
+    # the configuration of our model's best MoE step (session 28), for the adapter against it in one run
+    "hf_trainer_compiled_nofsdp_master": "hf_trainer_compiled_nofsdp with MasterWeightAdamW (bf16 parameters, fp32"
+    " masters in the optimizer)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
     "ours_trainer_compiled_nofsdp_selective": "both of the above",
     "ours_trainer_compiled_full": 'ours_trainer_compiled with activation_checkpointing="full" (every block)',
@@ -165,6 +168,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp",
         "hf_trainer_compiled_nofsdp",
         "hf_trainer_compiled_nofsdp_cudagraphs",
+        "hf_trainer_compiled_nofsdp_master",
         "ours_trainer_compiled_selective",
         "ours_trainer_compiled_nofsdp_selective",
         "ours_trainer_compiled_full",
@@ -921,9 +925,10 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         ``prog_bar``. ``lean`` (``hf_trainer_compiled_lean``): the loss on ``output.logits`` outside
         ``model_loss``, as :class:`LeanPretraining` scores ours."""
 
-        def __init__(self, lean: bool) -> None:
+        def __init__(self, lean: bool, master_weights: bool) -> None:
             super().__init__()
             self.lean = lean
+            self.master_weights = master_weights
             self.model: Any = None
             # causal_lm_loss, or LogitsLoss until causal_lm_loss takes a transformers output: tried at step 0
             self.loss_fn: Any = None
@@ -950,6 +955,10 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             return loss
 
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            if self.master_weights:
+                from lightning_d9d.optim import MasterWeightAdamW
+
+                return MasterWeightAdamW(self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
             fused = {"fused": True} if device.type == "cuda" else {}
             return torch.optim.AdamW(
                 self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused
@@ -957,7 +966,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     module: L.LightningModule
     if path.startswith("hf_trainer"):
-        module = HFPretraining(lean=path.endswith("_lean"))
+        module = HFPretraining(lean=path.endswith("_lean"), master_weights=path.endswith("_master"))
     else:
         module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
         # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
