@@ -16,6 +16,10 @@ TORCH_PYPI_SPECS ?= torch==2.13.0 $(TORCH_RANGE)
 LITGPT_SPEC := litgpt==0.5.13
 DEMO_ARGS ?=
 PYTEST_ARGS ?=
+# One pytest worker per core, a test file per worker at a time (a file's grouped launch runs once, in one
+# worker; tests/conftest.py keeps the files that share one launch together): the suite is CPU-bound and one
+# worker leaves a third of two cores idle between its launches.
+PYTEST_WORKERS ?= auto
 
 .PHONY: demo test lint venv install-torch clean
 
@@ -67,7 +71,7 @@ lint: venv
 	$(VENV)/bin/mypy
 
 test: lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) lightning_logs checkpoints .pytest_cache .mypy_cache .ruff_cache

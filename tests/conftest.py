@@ -1,9 +1,21 @@
+import importlib.util
 import os
 import sys
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
+
+# Under pytest-xdist (``make test``: a worker per core) each worker's own ops get its share of the cores: two
+# workers with a full-width OpenMP pool each oversubscribe two cores, and OpenMP's waiting threads spin. Set before
+# torch starts its pool; launched scripts inherit it (forked ranks take one thread each anyway).
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(
+        max(1, len(os.sched_getaffinity(0)) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    )
+
 import torch
 
 # Without a GPU the Triton kernels' tests run in Triton's CPU interpreter, which triton.jit picks when triton is
@@ -36,6 +48,36 @@ def no_process_group_left_behind() -> Iterator[None]:
     if os.environ != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+def _shared_launch_scopes() -> dict[str, str]:
+    """Test files whose tests share one session fixture's launch (tests/models/hf/conftest.py runs the parity
+    runs of all of them at once), by the one pytest-xdist scope they share."""
+    path = Path(__file__).parent / "models" / "hf" / "parity_modules.py"
+    spec = importlib.util.spec_from_file_location("hf_parity_modules", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {f"tests/models/hf/{name}.py": "hf_parity_launch" for name in module.PARITY_MODULES}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``make test``'s ``--dist loadfile``: a test file runs in one worker (a module fixture's one launch serves
+    all its cases), and so do the files that share a session fixture's launch. (Not ``--dist loadgroup`` with
+    marks: pytest 9.2's structured node ids drop the group suffix xdist 3.8 writes, pytest-xdist issue 1386.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    shared = _shared_launch_scopes()
+
+    class SharedLaunchScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return shared.get(scope, scope)
+
+    return SharedLaunchScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import random
 import signal
 import socket
 import time
@@ -24,11 +25,35 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# Under pytest-xdist each worker takes its rendezvous ports from its own slice of these, below Linux's ephemeral
+# range (32768-60999): a port the OS hands out for bind(0) or an outgoing connection can be handed to another
+# worker's launch between our check and its TCPStore's bind (seen: EADDRINUSE in a concurrent launch).
+_WORKER_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port that no socket holds now, for a launch's rendezvous: from this pytest-xdist worker's own slice of
+    :data:`_WORKER_PORTS` (so two workers never pick the same one), else one the OS picks."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", 0))
+            return int(sock.getsockname()[1])
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    size = len(_WORKER_PORTS) // count
+    low = _WORKER_PORTS.start + int(worker.removeprefix("gw")) * size
+    start = random.randrange(
+        size
+    )  # a fresh process (a launched script) does not retry its parent's last ports
+    for offset in range(size):
+        port = low + (start + offset) % size
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:  # (without SO_REUSEADDR: a port still in TIME_WAIT is refused too, as a TCPStore might be)
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + size - 1} for pytest-xdist worker {worker}")
 
 
 def set_torchrun_environment(rank: int, world_size: int, port: int, run_id: str) -> None:

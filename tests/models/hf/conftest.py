@@ -6,14 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
-PARITY_MODULES = (
-    "test_hf_pipeline",
-    "test_hf_expert_parallel",
-    "test_hf_trainer",
-    "test_hf_checkpoints",
-    "test_hf_compile",
-)
+from parity_modules import PARITY_MODULES
 
 
 @pytest.fixture(scope="session")
