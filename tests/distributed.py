@@ -42,9 +42,8 @@ def free_port() -> int:
     count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     size = len(_WORKER_PORTS) // count
     low = _WORKER_PORTS.start + int(worker.removeprefix("gw")) * size
-    start = random.randrange(
-        size
-    )  # a fresh process (a launched script) does not retry its parent's last ports
+    # a random start: a fresh process (a launched script) does not walk the ports its parent just used
+    start = random.randrange(size)
     for offset in range(size):
         port = low + (start + offset) % size
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

@@ -41,7 +41,6 @@ class _LoadFileConfig:
 
 
 def test_files_that_share_a_launch_share_a_worker(request: pytest.FixtureRequest) -> None:
-    pytest.importorskip("xdist")
     scheduler = request.config.hook.pytest_xdist_make_scheduler(config=_LoadFileConfig("loadfile"), log=None)
     hf = "tests/models/hf"
     scopes = {
