@@ -955,14 +955,13 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             return loss
 
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
+            hyper: dict[str, Any] = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
             if self.master_weights:
                 from lightning_d9d.optim import MasterWeightAdamW
 
-                return MasterWeightAdamW(self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+                return MasterWeightAdamW(self.parameters(), **hyper)
             fused = {"fused": True} if device.type == "cuda" else {}
-            return torch.optim.AdamW(
-                self.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused
-            )
+            return torch.optim.AdamW(self.parameters(), **hyper, **fused)
 
     module: L.LightningModule
     if path.startswith("hf_trainer"):
