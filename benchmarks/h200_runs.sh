@@ -51,6 +51,8 @@
 #            fa4_tests: its tests only
 #   fa4_train  the 0.6B shape, ours without FSDP on the one rank: cuDNN against FA4 in the same run, each by name
 #            (auto takes FA4 once it is on the path, which fa4_env puts it on for every later part too) (~5 min)
+#   moe_fa4  the MoE shape's best path (no FSDP on the one rank, master weights), ours with cuDNN and with FA4 by
+#            name and the transformers MoE under the adapter with FA4, beside the plain recipe; 5 + 40 steps (~5 min)
 #   fa4_packed  packed rows of the 0.6B shape: FlexAttention against FA4's varlen kernel (~5 min)
 #   built    grouped_gemm and flash-attn 2 built from the carried sources (benchmarks/build_kernels.sh, carry
 #            .fetched; ~3 min), their gpu tests (a skip is a failure here) and their kernel_speed.py rows beside
@@ -148,6 +150,8 @@ for part in "${@:-dense moe}"; do
           [[ $name = fa4_tests ]] || python3 benchmarks/kernel_speed.py --only attention --quick --out "$OUT/fa4/kernels.json" || status=1
           [[ $name = fa4_tests ]] || python3 benchmarks/document_attention_speed.py --out "$OUT/fa4"
         } ;;
+      moe_fa4) fa4_env && bench --model moe --seq-len 4096 --batch-size 4 --steps 40 --path-timeout 300 \
+          --out "$OUT/moe_fa4" --paths "${MOE_FA4_PATHS:-hf_fsdp_compiled,ours_trainer_compiled_nofsdp_master_cudnn,ours_trainer_compiled_nofsdp_master_fa4,hf_trainer_compiled_nofsdp_master_fa4}" ;;
       fa4_train) fa4_env && bench --seq-len 4096 --batch-size 4 --path-timeout 300 --out "$OUT/fa4_train" \
           --paths ours_trainer_compiled_nofsdp_cudnn,ours_trainer_compiled_nofsdp_fa4 ;;
       fa4_packed) fa4_env && python3 benchmarks/packed_throughput.py --out "$OUT/fa4_packed" \

@@ -151,6 +151,13 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp_fa4": "ours_trainer_compiled_nofsdp with the flash_attn4 attention backend",
     # auto takes FA4 where it is installed (since 2026-12-05), so the cuDNN side of the pair is forced by name
     "ours_trainer_compiled_nofsdp_cudnn": "ours_trainer_compiled_nofsdp with the sdpa_cudnn attention backend",
+    # the MoE shape's best path (master weights) with each attention by name: FA4 against cuDNN in one run
+    "ours_trainer_compiled_nofsdp_master_cudnn": "ours_trainer_compiled_nofsdp_master with the sdpa_cudnn"
+    " attention backend",
+    "ours_trainer_compiled_nofsdp_master_fa4": "ours_trainer_compiled_nofsdp_master with the flash_attn4 attention"
+    " backend",
+    "hf_trainer_compiled_nofsdp_master_fa4": "hf_trainer_compiled_nofsdp_master with the flash_attn4 attention"
+    " backend (the adapter routes transformers' attention to ours)",
 }
 #: The attention backend a path forces in its worker (LIGHTNING_D9D_ATTENTION), by the path's suffix.
 ATTENTION_SUFFIXES = {"_fa4": "flash_attn4", "_cudnn": "sdpa_cudnn"}
@@ -190,6 +197,9 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_fa4",
         "ours_trainer_compiled_nofsdp_fa4",
         "ours_trainer_compiled_nofsdp_cudnn",
+        "ours_trainer_compiled_nofsdp_master_cudnn",
+        "ours_trainer_compiled_nofsdp_master_fa4",
+        "hf_trainer_compiled_nofsdp_master_fa4",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
@@ -965,13 +975,13 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     module: L.LightningModule
     if path.startswith("hf_trainer"):
-        module = HFPretraining(lean=path.endswith("_lean"), master_weights=path.endswith("_master"))
+        module = HFPretraining(lean=path.endswith("_lean"), master_weights=_master_weights(path))
     else:
         module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
         # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
         # compares runs that took the same optimizer steps; the schedule costs nothing measurable either way.
         module = module_cls(
-            config, lr=args.lr, warmup_steps=0, max_steps=10**9, master_weights=path.endswith("_master")
+            config, lr=args.lr, warmup_steps=0, max_steps=10**9, master_weights=_master_weights(path)
         )
     trainer.fit(module, DataLoader(FixedBatches(), batch_size=args.batch_size, num_workers=0))
     assert module.model is not None
@@ -1089,6 +1099,11 @@ def flops_per_token(args: argparse.Namespace) -> int:
     config = _config(args)
     with torch.device("meta"):
         return int(_model_class(config)(config).num_flops_per_token(args.seq_len))
+
+
+def _master_weights(path: str) -> bool:
+    """Whether a path trains with MasterWeightAdamW: ``_master``, before an attention suffix if it has one."""
+    return path.endswith("_master") or any(path.endswith(f"_master{suffix}") for suffix in ATTENTION_SUFFIXES)
 
 
 def path_environment(path: str) -> dict[str, str]:

@@ -83,6 +83,18 @@ def test_the_fa4_and_cudnn_paths_force_their_backends_and_the_others_nothing() -
     assert path_environment("ours_trainer_compiled_nofsdp") == {}
 
 
+def test_a_master_weight_path_keeps_its_optimizer_under_an_attention_suffix() -> None:
+    """``_master_fa4`` is master weights *and* FA4: the suffix must not turn the optimizer back to fused AdamW."""
+    from train_throughput import _master_weights, path_environment
+
+    for path in ("ours_trainer_compiled_nofsdp_master_fa4", "hf_trainer_compiled_nofsdp_master_fa4"):
+        assert _master_weights(path) and path_environment(path) == {"LIGHTNING_D9D_ATTENTION": "flash_attn4"}
+    assert _master_weights("ours_trainer_compiled_nofsdp_master_cudnn")
+    assert _master_weights("ours_trainer_compiled_nofsdp_master")
+    for path in ("ours_trainer_compiled_nofsdp_fa4", "ours_trainer_compiled_nofsdp", "hf_fsdp_compiled"):
+        assert not _master_weights(path)
+
+
 def test_the_ratios_are_of_median_steps_not_of_the_window_s_tokens() -> None:
     """One slow step in the baseline's window moves its mean tokens/s, not its median step: the table's ``vs``
     columns are ratios of median steps (issue 25's targets), the mean ratio stays in the JSON beside them."""
