@@ -158,6 +158,10 @@ PATHS: dict[str, str] = {
     " backend",
     "hf_trainer_compiled_nofsdp_master_fa4": "hf_trainer_compiled_nofsdp_master with the flash_attn4 attention"
     " backend (the adapter routes transformers' attention to ours)",
+    # FA4's launch goes through the CuTe DSL's Python runtime (session 32: the GPU waits before its forward
+    # kernel); graphs replay the launches without it
+    "ours_trainer_compiled_nofsdp_cudagraphs_master_fa4": "ours_trainer_compiled_nofsdp_cudagraphs_master with"
+    " the flash_attn4 attention backend",
 }
 #: The attention backend a path forces in its worker (LIGHTNING_D9D_ATTENTION), by the path's suffix.
 ATTENTION_SUFFIXES = {"_fa4": "flash_attn4", "_cudnn": "sdpa_cudnn"}
@@ -200,6 +204,7 @@ DEFAULT_PATHS = [
         "ours_trainer_compiled_nofsdp_master_cudnn",
         "ours_trainer_compiled_nofsdp_master_fa4",
         "hf_trainer_compiled_nofsdp_master_fa4",
+        "ours_trainer_compiled_nofsdp_cudagraphs_master_fa4",
     )
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
