@@ -19,7 +19,9 @@ from ce_grad_candidates import persistent
 
 @pytest.mark.parametrize("programs", [1, 3, 16])
 def test_the_persistent_pass_equals_the_package_s_bit_for_bit(programs: int) -> None:
-    assert interpreting() or torch.cuda.is_available()  # the root conftest turns the interpreter on without a GPU
+    assert (
+        interpreting() or torch.cuda.is_available()
+    )  # the root conftest turns the interpreter on without a GPU
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator().manual_seed(0)
     rows, vocab = 7, 300  # block 256 on the candidate's side: two blocks, the second ragged
