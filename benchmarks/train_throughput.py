@@ -158,8 +158,8 @@ PATHS: dict[str, str] = {
     " backend",
     "hf_trainer_compiled_nofsdp_master_fa4": "hf_trainer_compiled_nofsdp_master with the flash_attn4 attention"
     " backend (the adapter routes transformers' attention to ours)",
-    # FA4's launch goes through the CuTe DSL's Python runtime (session 32: the GPU waits before its forward
-    # kernel); graphs replay the launches without it
+    # FA4 launched from graphs, not through the CuTe DSL's Python runtime: session 32 (H100, MoE shape) 1.004x the
+    # same without graphs, so the GPU's waits before FA4's forward kernel were not the host's launch cost
     "ours_trainer_compiled_nofsdp_cudagraphs_master_fa4": "ours_trainer_compiled_nofsdp_cudagraphs_master with"
     " the flash_attn4 attention backend",
 }
