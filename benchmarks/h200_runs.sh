@@ -10,8 +10,6 @@
 #   kernels  benchmarks/kernel_speed.py (all parts; liger-kernel / cut-cross-entropy beside ours when their wheels are
 #            installed: benchmarks/README.md)
 #   permute  the MoE permutation's gather against a token-major candidate (benchmarks/permute_candidates.py, ~1 min)
-#   ce_grad  the fused loss's softmax-gradient pass against a persistent candidate (benchmarks/ce_grad_candidates.py,
-#            ~1 min)
 #   gpu      the gpu-marked tests
 #   ladder4b, ladder1.7b  the scale ladder (issue 25) at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
 #            bf16 and FP8 rowwise (its supported recipe), ours (no FSDP on the one rank: its best fit) bf16 and
@@ -144,7 +142,6 @@ for part in "${@:-dense moe}"; do
         done ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
       permute) python3 benchmarks/permute_candidates.py 2>&1 | tee "$OUT/permute/permute.jsonl"; test "${PIPESTATUS[0]}" = 0 ;;
-      ce_grad) python3 benchmarks/ce_grad_candidates.py 2>&1 | tee "$OUT/ce_grad/ce_grad.jsonl"; test "${PIPESTATUS[0]}" = 0 ;;
       fa4|fa4_tests) fa4_env && {
           python3 -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_flash_attn4_gpu.py \
             "tests/gpu/test_kernels_gpu.py::test_attention_backends_equal_fp32_attention" \
