@@ -1106,14 +1106,22 @@ def flops_per_token(args: argparse.Namespace) -> int:
         return int(_model_class(config)(config).num_flops_per_token(args.seq_len))
 
 
+def _split_attention(path: str) -> tuple[str, str | None]:
+    """A path without its attention suffix, and the backend that suffix forces (None: no suffix)."""
+    for suffix, backend in ATTENTION_SUFFIXES.items():
+        if path.endswith(suffix):
+            return path.removesuffix(suffix), backend
+    return path, None
+
+
 def _master_weights(path: str) -> bool:
-    """Whether a path trains with MasterWeightAdamW: ``_master``, before an attention suffix if it has one."""
-    return path.endswith("_master") or any(path.endswith(f"_master{suffix}") for suffix in ATTENTION_SUFFIXES)
+    """Whether a path trains with MasterWeightAdamW: ``_master`` last, before an attention suffix if it has one."""
+    return _split_attention(path)[0].endswith("_master")
 
 
 def path_environment(path: str) -> dict[str, str]:
     """The variables a path's worker runs with beyond the caller's: the attention backend its suffix forces."""
-    backend = next((b for suffix, b in ATTENTION_SUFFIXES.items() if path.endswith(suffix)), None)
+    backend = _split_attention(path)[1]
     return {} if backend is None else {"LIGHTNING_D9D_ATTENTION": backend}
 
 
