@@ -3,14 +3,24 @@ labels that never cross a boundary.
 
 Each document of ``n`` tokens gives ``n - 1`` training positions: inputs ``tokens[:-1]``, labels ``tokens[1:]``
 (the next token of the same document), positions ``0 .. n - 2`` (restarting at 0 is the boundary: see
-:mod:`lightning_d9d.modules.documents`). Documents fill the rows in order. One that does not fit the rest of a
-row continues in the next row as a new document (positions restart; ``whole_documents=True`` pads the row
-instead and starts the next one with it). A document longer than a row is cut into row-long pieces, each its
-own document (``long_documents="refuse"`` raises instead, naming it). The last row is padded: pad tokens with
-labels ``ignore_index`` (no loss), positions restarting at 0 (a document of their own, attending nothing else).
+:mod:`lightning_d9d.modules.documents`). Documents fill the rows in order. The last row is padded: pad tokens
+with labels ``ignore_index`` (no loss), positions restarting at 0 (a document of their own, attending nothing
+else).
 
 For supervised fine-tuning give each document its ``prompt_length``: the prompt's tokens are context only,
 their predictions get ``ignore_index`` and contribute nothing to the loss or the gradients.
+
+Where a document goes depends on whether it has a loss mask (a ``prompt_length``):
+
+- without one (pretraining text), a document that does not fit the rest of a row continues in the next row as a
+  new document (positions restart), and one longer than a row is cut into row-long pieces, each its own
+  document;
+- with one, a document stays whole: one that does not fit the rest of a row starts the next row (the row is
+  padded), and one longer than a row is refused, naming it; a piece of it would train an answer without its
+  prompt.
+
+``whole_documents`` (``True``: every document whole, ``False``: every document may continue) and
+``long_documents`` (``"split"`` or ``"refuse"``, for every document) override these defaults.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 LongDocuments = Literal["split", "refuse"]
+_LONG_DOCUMENTS = ("split", "refuse")
 Row = dict[str, torch.Tensor]
 
 
@@ -32,6 +43,11 @@ class Document:
 
     tokens: Sequence[int] | torch.Tensor
     prompt_length: int = 0
+
+    @property
+    def has_loss_mask(self) -> bool:
+        """Whether some of its tokens are context only: the packer keeps such a document whole by default."""
+        return self.prompt_length > 0
 
 
 def _segment(document: Document, index: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,14 +69,17 @@ def pack_documents(
     *,
     pad_id: int = 0,
     ignore_index: int = -100,
-    long_documents: LongDocuments = "split",
-    whole_documents: bool = False,
+    long_documents: LongDocuments | None = None,
+    whole_documents: bool | None = None,
 ) -> Iterator[Row]:
-    """Rows ``{"input_ids", "labels", "position_ids"}`` of ``seq_len`` tokens each (module docstring)."""
+    """Rows ``{"input_ids", "labels", "position_ids"}`` of ``seq_len`` tokens each (module docstring). ``None``
+    for ``long_documents`` or ``whole_documents``: decided per document by whether it has a loss mask."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    if long_documents not in ("split", "refuse"):
-        raise ValueError(f"long_documents={long_documents!r}: choose 'split' or 'refuse'")
+    if long_documents is not None and long_documents not in _LONG_DOCUMENTS:
+        raise ValueError(f"long_documents={long_documents!r}: choose 'split', 'refuse' or None (by document)")
+    if whole_documents not in (None, True, False):
+        raise ValueError(f"whole_documents={whole_documents!r}: choose True, False or None (by document)")
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # the current row's pieces
     filled = 0
 
@@ -82,13 +101,12 @@ def pack_documents(
         inputs, labels = _segment(document, index, ignore_index)
         if inputs.numel() == 0:
             continue  # one token: nothing to predict
-        if inputs.numel() > seq_len and long_documents == "refuse":
-            raise ValueError(
-                f"document {index} has {inputs.numel() + 1} tokens, {inputs.numel()} training positions: more "
-                f"than a row of seq_len={seq_len}. Cut it yourself, raise seq_len, or pack with "
-                "long_documents='split' (row-long pieces, each attending only itself)"
-            )
-        if whole_documents and filled and filled + inputs.numel() > seq_len:
+        masked = document.has_loss_mask  # by default: kept whole, refused when longer than a row
+        long_rule = long_documents or ("refuse" if masked else "split")
+        if inputs.numel() > seq_len and long_rule == "refuse":
+            raise ValueError(_too_long(index, inputs.numel(), seq_len, masked and long_documents is None))
+        keep_whole = masked if whole_documents is None else whole_documents
+        if keep_whole and filled and filled + inputs.numel() > seq_len:
             yield emit()  # it starts the next row whole (a longer-than-row one is cut below anyway)
         start = 0
         while start < inputs.numel():
@@ -99,6 +117,20 @@ def pack_documents(
                 yield emit()
     if filled:
         yield emit()
+
+
+def _too_long(index: int, positions: int, seq_len: int, by_its_mask: bool) -> str:
+    why = (
+        ": it has a loss mask, and a piece of it would train an answer without its prompt. Raise seq_len, shorten "
+        "or drop it, or pack with long_documents='split' to cut it anyway"
+        if by_its_mask
+        else ". Cut it yourself, raise seq_len, or pack with long_documents='split' (row-long pieces, each "
+        "attending only itself)"
+    )
+    return (
+        f"document {index} has {positions + 1} tokens, {positions} training positions: more than a row of "
+        f"seq_len={seq_len}{why}"
+    )
 
 
 class PackedDataset(Dataset[Row]):
@@ -112,8 +144,8 @@ class PackedDataset(Dataset[Row]):
         *,
         pad_id: int = 0,
         ignore_index: int = -100,
-        long_documents: LongDocuments = "split",
-        whole_documents: bool = False,
+        long_documents: LongDocuments | None = None,
+        whole_documents: bool | None = None,
     ) -> None:
         self.rows = list(
             pack_documents(

@@ -68,3 +68,53 @@ def test_the_dataset_batches_into_the_models_inputs() -> None:
     batch = torch.utils.data.default_collate([data[i] for i in range(len(data))])
     assert batch["input_ids"].shape == batch["position_ids"].shape == (3, 4)
     assert document_ids(batch["position_ids"]).tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 1]]
+
+
+def test_a_document_with_a_prompt_stays_whole_by_default() -> None:
+    prompted = [
+        Document([1, 2, 3, 4, 5, 6], prompt_length=3),
+        Document([11, 12, 13, 14, 15, 16], prompt_length=2),
+    ]
+    rows = list(pack_documents(prompted, 8))
+    # the second document does not fit the 3 places left in row 0: it starts row 1 with its prompt
+    assert [row["input_ids"].tolist() for row in rows] == [
+        [1, 2, 3, 4, 5, 0, 0, 0],
+        [11, 12, 13, 14, 15, 0, 0, 0],
+    ]
+    assert [row["labels"].tolist() for row in rows] == [
+        [-100, -100, 4, 5, 6, -100, -100, -100],
+        [-100, 13, 14, 15, 16, -100, -100, -100],
+    ]
+    assert all(row["position_ids"][0] == 0 for row in rows)  # no row starts inside a document
+    # pretraining documents beside them still continue into the next row
+    mixed = list(pack_documents([prompted[0], [20, 21, 22, 23, 24], prompted[1]], 8))
+    assert [row["input_ids"].tolist() for row in mixed] == [
+        [1, 2, 3, 4, 5, 20, 21, 22],
+        [23, 11, 12, 13, 14, 15, 0, 0],
+    ]
+    # asked for, a prompted document continues too
+    cut = list(pack_documents(prompted, 8, whole_documents=False))
+    assert [row["input_ids"].tolist() for row in cut] == [
+        [1, 2, 3, 4, 5, 11, 12, 13],
+        [14, 15, 0, 0, 0, 0, 0, 0],
+    ]
+
+
+def test_a_longer_than_row_document_with_a_prompt_is_refused_by_default_naming_it_and_the_fix() -> None:
+    documents = [[50, 51], Document(list(range(1, 12)), prompt_length=4)]
+    with pytest.raises(
+        ValueError,
+        match=r"document 1 has 11 tokens, 10 training positions: more than a row of seq_len=4: it has a loss mask.*"
+        r"Raise seq_len.*long_documents='split'",
+    ):
+        PackedDataset(documents, 4)
+    # asked for: row-long pieces, from the start of a row
+    rows = list(pack_documents(documents, 4, long_documents="split"))
+    assert [row["position_ids"].tolist() for row in rows] == [
+        [0, 0, 1, 2],
+        [0, 1, 2, 3],
+        [0, 1, 2, 3],
+        [0, 1, 0, 1],
+    ]
+    with pytest.raises(ValueError, match=r"whole_documents='yes': choose True, False or None"):
+        list(pack_documents(documents, 4, whole_documents="yes"))  # type: ignore[arg-type]
