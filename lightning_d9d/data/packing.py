@@ -7,10 +7,12 @@ Each document of ``n`` tokens gives ``n - 1`` training positions: inputs ``token
 with labels ``ignore_index`` (no loss), positions restarting at 0 (a document of their own, attending nothing
 else).
 
-For supervised fine-tuning give each document its ``prompt_length``: the prompt's tokens are context only,
-their predictions get ``ignore_index`` and contribute nothing to the loss or the gradients.
+For supervised fine-tuning give each document its ``prompt_length`` (the first tokens are a prompt) or its
+``loss_mask`` (one boolean per token, ``True`` where the token is learnt: the assistant's turns of a chat, see
+:mod:`lightning_d9d.data.chat`): a token outside them is context only, its label (the prediction of it, at the
+position before it) is ``ignore_index`` and contributes nothing to the loss or the gradients.
 
-Where a document goes depends on whether it has a loss mask (a ``prompt_length``):
+Where a document goes depends on whether it has a loss mask (a ``prompt_length`` or a ``loss_mask``):
 
 - without one (pretraining text), a document that does not fit the rest of a row continues in the next row as a
   new document (positions restart), and one longer than a row is cut into row-long pieces, each its own
@@ -39,27 +41,58 @@ Row = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Document:
-    """One document's token ids; its first ``prompt_length`` tokens are a prompt (not predicted)."""
+    """One document's token ids. Its tokens are learnt (predicted in the loss) except the first
+    ``prompt_length`` (a prompt) and, where ``loss_mask`` is given (one boolean or 0/1 per token), those it marks
+    ``False``."""
 
     tokens: Sequence[int] | torch.Tensor
     prompt_length: int = 0
+    loss_mask: Sequence[bool] | Sequence[int] | torch.Tensor | None = None
 
     @property
     def has_loss_mask(self) -> bool:
-        """Whether some of its tokens are context only: the packer keeps such a document whole by default."""
-        return self.prompt_length > 0
+        """Whether it says which tokens are learnt: the packer keeps such a document whole by default."""
+        return self.prompt_length > 0 or self.loss_mask is not None
+
+
+def _learnt_tokens(document: Document, length: int, index: int) -> torch.Tensor:
+    """``[length]`` booleans: which of the document's tokens the loss learns."""
+    if not 0 <= document.prompt_length <= length:
+        raise ValueError(
+            f"document {index}: prompt_length={document.prompt_length} must lie in 0..{length} (its number of "
+            "tokens)"
+        )
+    learnt = torch.ones(length, dtype=torch.bool)
+    learnt[: document.prompt_length] = False
+    if document.loss_mask is None:
+        return learnt
+    mask = torch.as_tensor(document.loss_mask).flatten()
+    if mask.numel() != length:
+        raise ValueError(
+            f"document {index}: loss_mask has {mask.numel()} values for {length} tokens: give one per token"
+        )
+    if not _holds_booleans(mask):
+        wrong = mask[mask.ne(0) & mask.ne(1)][:4].tolist()
+        raise ValueError(
+            f"document {index}: loss_mask must hold booleans or integers 0/1 (True where a token is learnt), got "
+            f"{mask.dtype}" + (f" values such as {wrong}" if wrong else "")
+        )
+    return learnt & mask.bool()
+
+
+def _holds_booleans(mask: torch.Tensor) -> bool:
+    if mask.dtype == torch.bool or mask.numel() == 0:
+        return True
+    integral = not (mask.is_floating_point() or mask.is_complex())
+    return integral and bool((mask.eq(0) | mask.eq(1)).all())
 
 
 def _segment(document: Document, index: int, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = torch.as_tensor(document.tokens, dtype=torch.long).flatten()
-    if not 0 <= document.prompt_length <= tokens.numel():
-        raise ValueError(
-            f"document {index}: prompt_length={document.prompt_length} must lie in 0..{tokens.numel()} (its "
-            "number of tokens)"
-        )
+    learnt = _learnt_tokens(document, tokens.numel(), index)
     inputs, labels = tokens[:-1], tokens[1:].clone()
-    # label j is token j + 1: a prompt token's prediction is not trained
-    labels[: max(document.prompt_length - 1, 0)] = ignore_index
+    # label j is token j + 1: it is trained when token j + 1 is learnt
+    labels[~learnt[1:]] = ignore_index
     return inputs, labels
 
 

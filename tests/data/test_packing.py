@@ -118,3 +118,35 @@ def test_a_longer_than_row_document_with_a_prompt_is_refused_by_default_naming_i
     ]
     with pytest.raises(ValueError, match=r"whole_documents='yes': choose True, False or None"):
         list(pack_documents(documents, 4, whole_documents="yes"))  # type: ignore[arg-type]
+
+
+def test_a_loss_mask_learns_the_tokens_it_marks_each_predicted_from_the_token_before() -> None:
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8]
+    learnt = [0, 0, 1, 1, 0, 0, 1, 1]  # two answers: tokens 3, 4 and 7, 8
+    (row,) = pack_documents([Document(tokens, loss_mask=learnt)], 8)
+    # label j is token j + 1: a label is trained where the token it predicts is learnt
+    assert row["input_ids"].tolist() == [1, 2, 3, 4, 5, 6, 7, 0]
+    assert row["labels"].tolist() == [-100, 3, 4, -100, -100, 7, 8, -100]
+    # with a prompt_length too, a token is learnt when it is past the prompt and inside the mask
+    (both,) = pack_documents([Document(tokens, prompt_length=4, loss_mask=torch.tensor(learnt).bool())], 8)
+    assert both["labels"].tolist() == [-100, -100, -100, -100, -100, 7, 8, -100]
+
+
+def test_a_document_with_a_loss_mask_stays_whole_and_a_wrong_mask_is_refused_naming_it() -> None:
+    masked = Document(
+        [11, 12, 13, 14], loss_mask=[True] * 4
+    )  # a mask that learns everything still keeps it whole
+    rows = list(pack_documents([[1, 2, 3], masked], 4))
+    assert [row["input_ids"].tolist() for row in rows] == [[1, 2, 0, 0], [11, 12, 13, 0]]
+    with pytest.raises(
+        ValueError, match=r"document 1: loss_mask has 3 values for 4 tokens: give one per token"
+    ):
+        list(pack_documents([[1, 2, 3], Document([11, 12, 13, 14], loss_mask=[1, 1, 1])], 4))
+    with pytest.raises(
+        ValueError, match=r"document 0: loss_mask must hold booleans or integers 0/1.*such as \[2\]"
+    ):
+        list(pack_documents([Document([11, 12, 13], loss_mask=[0, 2, 1])], 4))
+    with pytest.raises(
+        ValueError, match=r"document 0: loss_mask must hold booleans or integers 0/1.*got torch.float"
+    ):
+        list(pack_documents([Document([11, 12, 13], loss_mask=torch.ones(3))], 4))
