@@ -33,6 +33,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_d9d.plans.fp8 import float8_tensor_plan
+from lightning_d9d.plans.lora import lora_tensor_plan
 
 # The sequence dim of ``[B, T, hidden]`` activations, and the heads dim of ``[B, T, heads, head_dim]``.
 SEQUENCE_DIM = 1
@@ -86,24 +87,36 @@ class VocabParallelEmbedding(ParallelStyle):
         return module
 
 
-def vocab_parallel_lookup(weight: torch.Tensor, ids: torch.Tensor, output: Placement) -> torch.Tensor:
+def vocab_parallel_lookup(
+    weight: torch.Tensor, ids: torch.Tensor, output: Placement, padding_idx: int | None = None
+) -> torch.Tensor:
     """The embedding rows of ``ids`` from a vocabulary-sharded (``Shard(0)``) DTensor ``weight``: each rank looks
     up the ids that fall in its rows (zeros for the others), and the partial sums are reduced to ``output``
-    (``Shard(seq)`` under sequence parallelism, ``Replicate()`` for a whole sequence); the local tensor."""
+    (``Shard(seq)`` under sequence parallelism, ``Replicate()`` for a whole sequence); the local tensor.
+
+    ``padding_idx`` (an ``nn.Embedding``'s, a global row): as in ``F.embedding``, that row gets no gradient from
+    the lookup; the rank holding it passes it on as its local row."""
     assert isinstance(weight, DTensor)
     mesh = weight.device_mesh
     local = weight.to_local()
     first = mesh.get_local_rank() * local.shape[0]
     shifted = ids - first
     outside = (shifted < 0) | (shifted >= local.shape[0])
-    rows = F.embedding(shifted.masked_fill(outside, 0), local)
+    rows = F.embedding(
+        shifted.masked_fill(outside, 0), local, padding_idx=_local_row(padding_idx, first, local.shape[0])
+    )
     rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
     partial = DTensor.from_local(rows, mesh, [Partial()], run_check=False)
     return partial.redistribute(mesh, [output]).to_local()
 
 
+def _local_row(row: int | None, first: int, rows: int) -> int | None:
+    """Global ``row`` as a row of the local shard ``[first, first + rows)``, or None where another rank holds it."""
+    return row - first if row is not None and first <= row < first + rows else None
+
+
 def _vocab_parallel_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return vocab_parallel_lookup(self.weight, ids, Shard(SEQUENCE_DIM))
+    return vocab_parallel_lookup(self.weight, ids, Shard(SEQUENCE_DIM), self.padding_idx)
 
 
 def vocab_parallel_embedding() -> ParallelStyle:
@@ -179,7 +192,8 @@ def parallelize_tensor(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
         )
     shared = _shared_parameters(module)
     # float8 linears (converted before tp) cast around their collectives: torchao's styles in place of torch's
-    parallelize_module(module, tp_mesh, float8_tensor_plan(module, plan))
+    # LoRA's adapted layers (adapted before tp) shard their adapters with the base weight
+    parallelize_module(module, tp_mesh, lora_tensor_plan(module, float8_tensor_plan(module, plan)))
     for uses in shared:
         first_module, first_name = uses[0]
         param = getattr(first_module, first_name)

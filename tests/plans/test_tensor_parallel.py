@@ -3,6 +3,7 @@ tied embeddings, sharding-independent init, and the sizes tp must divide (refuse
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,10 @@ def model_body(tp: int, tied: bool) -> dict[str, Any]:
     return result
 
 
-def tie_body() -> dict[str, str | bool]:
-    """Shared parameters stay one Parameter when both styles shard them alike, and are refused otherwise."""
+def embedding_body() -> dict[str, Any]:
+    """The vocabulary-parallel embedding on a tp mesh: shared parameters stay one Parameter when both styles
+    shard them alike, and are refused otherwise; an embedding with a ``padding_idx`` looks up and trains as one
+    process does."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("tp",))
     alike = nn.ModuleDict({"embedding": nn.Embedding(8, 4), "head": nn.Linear(4, 8, bias=False)})
     alike["head"].weight = alike["embedding"].weight  # both split over the 8 rows (Shard(0))
@@ -156,7 +159,46 @@ def tie_body() -> dict[str, str | bool]:
         error = "no error"
     except ValueError as raised:
         error = str(raised)
-    return {"retied": alike["head"].weight is alike["embedding"].weight, "error": error}
+    return {
+        "retied": alike["head"].weight is alike["embedding"].weight,
+        "error": error,
+        **padded_lookup(mesh),
+    }
+
+
+PADDING_IDX = 5  # among the second tp rank's rows (4-7 of 8)
+
+
+def padded_lookup(mesh: Any) -> dict[str, Any]:
+    """``nn.Embedding(8, 4, padding_idx=PADDING_IDX)`` under ``vocab_parallel_embedding`` against one process:
+    this rank's positions of the output, and the gradient (the pad row's: none, as ``F.embedding`` gives)."""
+    torch.manual_seed(0)
+    reference = nn.Embedding(8, 4, padding_idx=PADDING_IDX)
+    with torch.no_grad():  # the pad row not at zero, so that its gradient, not its value, is what is seen
+        reference.weight[PADDING_IDX] = 1.0
+    padded = nn.Embedding(8, 4, padding_idx=PADDING_IDX)
+    padded.load_state_dict(reference.state_dict())
+    parallelize_tensor(padded, mesh, {"": vocab_parallel_embedding()})
+    ids = torch.tensor([[5, 1, 5, 6], [0, 5, 7, 2]])
+    weights = torch.randn(2, 4, 4, generator=torch.Generator().manual_seed(1))
+    expected = reference(ids)
+    (expected * weights).sum().backward()
+    out = padded(ids)  # this rank's half of the sequence
+    positions = slice(mesh.get_local_rank() * 2, (mesh.get_local_rank() + 1) * 2)
+    (out * weights[:, positions]).sum().backward()
+    grad = full(padded.weight.grad)
+    assert reference.weight.grad is not None
+    return {
+        "lookup_error": float((out - expected[:, positions]).abs().max()),
+        "grad_error": float((grad - reference.weight.grad).abs().max()),
+        "pad_grad": float(grad[PADDING_IDX].abs().max()),
+    }
+
+
+@functools.cache
+def embedding_ranks() -> list[dict[str, Any]]:
+    """One launch for the embedding tests."""
+    return run_distributed(embedding_body, 2)
 
 
 def test_loss_parallel_equals_full_cross_entropy() -> None:
@@ -181,11 +223,18 @@ def test_tensor_parallel_qwen3_matches_one_process(world: int, tp: int, tied: bo
 
 
 def test_shared_parameters_are_retied_or_refused() -> None:
-    for rank in run_distributed(tie_body, 2):
+    for rank in embedding_ranks():
         assert rank["retied"]
         assert (
             "a shared parameter (weight of Embedding and weight of Linear) got two layouts" in rank["error"]
         )
+
+
+def test_the_vocabulary_parallel_lookup_gives_the_pad_row_no_gradient() -> None:
+    for rank in embedding_ranks():
+        assert rank["lookup_error"] == 0.0
+        assert rank["pad_grad"] == 0.0
+        assert rank["grad_error"] <= 1e-6
 
 
 @pytest.mark.parametrize(

@@ -266,7 +266,7 @@ class VocabParallelWholeEmbedding(ParallelStyle):
 
 
 def _whole_lookup(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    return vocab_parallel_lookup(self.weight, ids, Replicate())
+    return vocab_parallel_lookup(self.weight, ids, Replicate(), self.padding_idx)
 
 
 # ------------------------------------------------------------------------------------------- structure

@@ -27,7 +27,9 @@ FAMILIES = {
 }
 
 
-def tiny_model(family: str, tied: bool) -> nn.Module:
+def tiny_model(family: str, tied: bool, pad: int | None = None) -> nn.Module:
+    """``pad``: the config's ``pad_token_id``, the embedding's ``padding_idx`` (a row ``transformers`` starts at
+    zero and the lookup gives no gradient)."""
     config_class, model_class = FAMILIES[family]
     config = config_class(
         vocab_size=VOCAB,
@@ -40,6 +42,7 @@ def tiny_model(family: str, tied: bool) -> nn.Module:
         max_position_embeddings=64,
         tie_word_embeddings=tied,
         initializer_range=0.1,  # larger than the default, so that the heads' gradients are far from zero
+        pad_token_id=pad,
     )
     torch.manual_seed(0)
     model = model_class(config)
@@ -66,7 +69,8 @@ def train(model: nn.Module, rows: slice, *, tensor_parallel: bool) -> dict[str, 
     # Adam steps an entry by about lr * g / (|g| + eps), which with the default eps=1e-8 turns a difference in the
     # last bits of a near-zero g into one of up to lr in the parameter; with 1e-4 at most lr * 1e-8 / eps per step
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-4)
-    losses, norms = [], []
+    embedding = model.get_input_embeddings()
+    losses, norms, pad_grads = [], [], []
     for step in range(STEPS):
         ids, labels = batch(step)
         with maybe_loss_parallel(tensor_parallel):
@@ -74,6 +78,8 @@ def train(model: nn.Module, rows: slice, *, tensor_parallel: bool) -> dict[str, 
             loss = local_loss(causal_lm_loss(logits, labels[rows]))
             loss.backward()
         norms.append(math.sqrt(sum(float(full(p.grad).pow(2).sum()) for p in model.parameters())))
+        if embedding.padding_idx is not None:  # the pad row's gradient (the head's too where tied)
+            pad_grads.append(float(full(embedding.weight.grad)[embedding.padding_idx].abs().max()))
         optimizer.step()
         optimizer.zero_grad()
         value = loss.detach().clone()
@@ -84,14 +90,20 @@ def train(model: nn.Module, rows: slice, *, tensor_parallel: bool) -> dict[str, 
     return {
         "losses": losses,
         "norms": norms,
+        "pad_grads": pad_grads,
         "logits_local": tuple(getattr(logits, "_local_tensor", logits).shape),
     }
 
 
 def parallel_body(
-    family: str, tied: bool, tp: int, sequence_parallel: bool | None, recompute: bool | str
+    family: str,
+    tied: bool,
+    tp: int,
+    sequence_parallel: bool | None,
+    recompute: bool | str,
+    pad: int | None = None,
 ) -> dict[str, Any] | None:
-    model = tiny_model(family, tied)
+    model = tiny_model(family, tied, pad)
     dims = ParallelDims(tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
     options = ParallelOptions(activation_checkpointing=recompute)
     parallelize_hf(model, dims, options, sequence_parallel=sequence_parallel)
@@ -120,11 +132,13 @@ def compare(
     tp: int,
     sequence_parallel: bool | None,
     recompute: bool | str = False,
+    pad: int | None = None,
 ) -> dict[str, Any]:
-    ranks = run_distributed(parallel_body, world, family, tied, tp, sequence_parallel, recompute)
+    ranks = run_distributed(parallel_body, world, family, tied, tp, sequence_parallel, recompute, pad)
     got = ranks[0]
-    reference = tiny_model(family, tied)
+    reference = tiny_model(family, tied, pad)
     expected = train(reference, slice(None), tensor_parallel=False)
+    got["expected_pad_grads"] = expected["pad_grads"]
     expected_params = dict(reference.named_parameters())
     got["loss_error"] = max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True))
     got["norm_error"] = max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True))
@@ -132,17 +146,28 @@ def compare(
     got["param_error"] = max(
         float((p - expected_params[n].detach()).abs().max()) for n, p in got["params"].items()
     )
-    start = tiny_model(family, tied).state_dict()
+    start = tiny_model(family, tied, pad).state_dict()
     got["moved"] = max(float((p.detach() - start[n]).abs().max()) for n, p in expected_params.items())
     return got
 
 
+# A pad id in the second tp rank's rows (64-127), which the batches hold (4 times over the steps)
+PAD = 70
+
+
 @pytest.mark.parametrize(
-    ("family", "tied", "world", "tp"),
-    [("qwen3", False, 2, 2), ("qwen3", True, 2, 2), ("llama", False, 2, 2), ("llama", True, 4, 2)],
+    ("family", "tied", "world", "tp", "pad"),
+    [
+        ("qwen3", False, 2, 2, None),
+        ("qwen3", True, 2, 2, None),
+        ("llama", False, 2, 2, PAD),
+        ("llama", True, 4, 2, PAD),
+    ],
 )
-def test_tp_sequence_parallel_matches_one_process(family: str, tied: bool, world: int, tp: int) -> None:
-    got = compare(family, tied, world, tp, sequence_parallel=None)
+def test_tp_sequence_parallel_matches_one_process(
+    family: str, tied: bool, world: int, tp: int, pad: int | None
+) -> None:
+    got = compare(family, tied, world, tp, sequence_parallel=None, pad=pad)
     assert got["tied"] == tied
     assert got["q_proj_local"] == (4 * 16 // world, HIDDEN)  # heads split over tp, then rows over fsdp
     assert got["logits_local"] == (ROWS * tp // world, SEQ, VOCAB // tp)  # loss parallel: vocabulary-sharded
@@ -151,6 +176,14 @@ def test_tp_sequence_parallel_matches_one_process(family: str, tied: bool, world
     assert got["loss_error"] <= 1e-5
     assert got["norm_error"] <= 1e-5
     assert got["param_error"] <= 1e-5
+    if pad is not None:  # the lookup leaves the pad row alone, as transformers' embedding does
+        assert any(bool((batch(step)[0] == pad).any()) for step in range(STEPS))
+        assert (
+            max(abs(a - b) for a, b in zip(got["pad_grads"], got["expected_pad_grads"], strict=True)) <= 1e-6
+        )
+        if not tied:  # no gradient at all: the row stays the zeros transformers starts it at
+            assert max(got["pad_grads"]) == 0.0
+            assert not got["params"]["model.embed_tokens.weight"][pad].any()
 
 
 def test_tp_without_sequence_parallel_matches_one_process() -> None:
