@@ -61,8 +61,9 @@ _ATTEND = "_d9d_context_attention"
 
 def check_hf_context_model(model: nn.Module, cp: int) -> None:
     """Refuse, from the model's config alone (before any collective), what our context-parallel attention cannot
-    run exactly: a model without a causal mask, layers that are not full attention (sliding window, linear),
-    attention dropout, a forward without ``position_ids``."""
+    run exactly: a model without a causal mask, layers that are not full attention (``layer_types`` of sliding
+    window or linear attention, or a ``sliding_window`` that every layer takes where there are no
+    ``layer_types``), attention dropout, a forward without ``position_ids``."""
     name, config = type(model).__name__, getattr(model, "config", None)
     prefix = f"{name}: cp={cp}"
     if config is None:
@@ -72,11 +73,21 @@ def check_hf_context_model(model: nn.Module, cp: int) -> None:
             f"{prefix}: its config ({type(config).__name__}) has is_causal=False; context parallelism "
             "implements causal attention only"
         )
-    other = sorted({t for t in (getattr(config, "layer_types", None) or ()) if t != "full_attention"})
+    layer_types = getattr(config, "layer_types", None)
+    other = sorted({t for t in (layer_types or ()) if t != "full_attention"})
     if other:
         raise NotImplementedError(
             f"{prefix}: its config ({type(config).__name__}) has layer_types {other}; context parallelism "
             "implements full causal attention only (not yet the others); use cp=1"
+        )
+    window = getattr(config, "sliding_window", None)
+    # without layer_types (Mistral, StarCoder2) every layer's attention takes the window
+    if not layer_types and window is not None:
+        raise NotImplementedError(
+            f"{prefix}: its config ({type(config).__name__}) has sliding_window={window} and no layer_types, so "
+            "every layer attends within that window; context parallelism implements full causal attention only: "
+            "set sliding_window=None if the window is at least the sequence length (the attention is then the "
+            "same), or use cp=1"
         )
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
@@ -162,7 +173,10 @@ def context_attention_forward(
     if dropout:
         raise NotImplementedError(f"context-parallel attention has no dropout (got dropout={dropout})")
     if sliding_window is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError("context-parallel attention implements full causal attention only")
+        raise NotImplementedError(
+            f"{type(module).__name__}: context-parallel attention implements full causal attention only (got "
+            f"sliding_window={sliding_window}, softcap={kwargs.get('softcap')}); use cp=1"
+        )
     head_dim = query.shape[-1]
     if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # our kernels scale by 1 / sqrt(head_dim)

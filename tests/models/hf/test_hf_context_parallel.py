@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from distributed import run_distributed
 from test_hf_refusals import tiny
 from test_hf_tensor_parallel import STEPS, VOCAB, full, tiny_model
@@ -179,6 +180,36 @@ def test_cp_matches_one_process(
 def test_what_cp_cannot_run_exactly_is_refused(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(NotImplementedError, match=message):
         check_hf_model(tiny(**overrides), ParallelDims(cp=2))
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class"),
+    [
+        (transformers.MistralConfig, transformers.MistralForCausalLM),
+        (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
+    ],
+)
+def test_a_sliding_window_without_layer_types_is_refused_by_name(
+    config_class: type, model_class: type
+) -> None:
+    """Every layer of these families takes ``config.sliding_window``: refused at setup, naming the model, the
+    field, its value and the fix; a window of None (full attention) passes."""
+    config = config_class(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4096,  # Mistral-7B-v0.1's: longer than any sequence here, still refused
+    )  # fmt: skip
+    model = model_class(config)
+    name, config_name = model_class.__name__, config_class.__name__
+    with pytest.raises(
+        NotImplementedError,
+        match=rf"^{name}: cp=2: its config \({config_name}\) has sliding_window=4096 and no layer_types, so every "
+        r"layer attends within that window; context parallelism implements full causal attention only: set "
+        r"sliding_window=None if the window is at least the sequence length \(the attention is then the same\), "
+        r"or use cp=1$",
+    ):
+        check_hf_model(model, ParallelDims(cp=2))
+    model.config.sliding_window = None
+    check_hf_model(model, ParallelDims(cp=2))
 
 
 @pytest.mark.parametrize("fused", [False, True])
