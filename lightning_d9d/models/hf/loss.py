@@ -16,7 +16,9 @@ otherwise, and the logits path runs):
   last hidden states (sliced by ``logits_to_keep`` at most), and never changes them. This is read from the
   ``forward``'s own syntax tree, so a family that soft-caps (Gemma 2: ``final_logit_softcapping``), scales
   (Granite's ``logits_scaling``, Cohere's ``logit_scale``) or shifts the logits or the hidden states before the
-  head keeps the logits path; a config field known to change the logits (:data:`LOGIT_FIELDS`) refuses too;
+  head keeps the logits path; a config field known to change the logits (:data:`LOGIT_FIELDS`) refuses too.
+  A branch under ``if self.config.<field> is not None:`` whose field the config leaves None is not read: Gemma 3
+  soft-caps its logits there, and its ``final_logit_softcapping`` is None by default;
 - the decoder (``get_decoder()``) is the base model (``base_model``), so that running it is what ``forward``
   runs before the head (a vision-language model's decoder is not: it keeps the logits path);
 - ``inputs`` bind to parameters of the causal LM's ``forward`` that the base model takes too
@@ -33,6 +35,7 @@ Nothing here imports ``transformers``.
 from __future__ import annotations
 
 import ast
+import copy
 import functools
 import inspect
 import textwrap
@@ -70,16 +73,30 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     decoder = _call(model, "get_decoder")
     if not isinstance(base, nn.Module) or base is model or decoder is not base:
         return None
-    config = model.config
-    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    if any(getattr(c, field, None) is not None for c in (config, text_config) for field in LOGIT_FIELDS):
+    if logit_changes(model):
         return None
     prefix = getattr(model, "base_model_prefix", "")
-    model_class: Any = type(model)  # cached per class
-    attribute = _head_attribute(model_class, prefix)
+    model_class: Any = type(model)  # cached per class and the config's disabled fields
+    unset = frozenset(
+        field for field in _guard_fields(model_class) if getattr(model.config, field, None) is None
+    )
+    attribute = _head_attribute(model_class, prefix, unset)
     if attribute is None or getattr(model, attribute, None) is not head:
         return None
     return head
+
+
+def logit_changes(model: nn.Module) -> dict[str, Any]:
+    """The fields of :data:`LOGIT_FIELDS` that ``model``'s config (or its text config) sets: a soft cap or a scale
+    of the logits after the head (field -> value; empty where the logits are the head's)."""
+    config = model.config
+    text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    return {
+        field: getattr(c, field)
+        for c in (config, text_config)
+        for field in LOGIT_FIELDS
+        if getattr(c, field, None) is not None
+    }
 
 
 def decoder_inputs(model: nn.Module, inputs: Sequence[Any] | Mapping[str, Any]) -> dict[str, Any] | None:
@@ -162,18 +179,76 @@ def _signature(module_class: Any) -> inspect.Signature | None:
 
 
 @functools.cache
-def _head_attribute(model_class: Any, base_prefix: str) -> str | None:
-    """The attribute name of the head in ``model_class.forward`` if that forward computes its logits as
-    ``self.<head>(h)`` once, ``h`` being the base model's last hidden states, optionally sliced, and never
-    changes them; else ``None`` (also where the source cannot be read)."""
+def _forward_tree(model_class: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+    """The syntax tree of ``model_class.forward``, or ``None`` where its source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(model_class.forward)))
         tree = ast.parse(source)
     except (OSError, TypeError, SyntaxError):
         return None
     function = tree.body[0] if tree.body else None
-    if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+    return function if isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef) else None
+
+
+@functools.cache
+def _guard_fields(model_class: Any) -> frozenset[str]:
+    """The config fields ``model_class.forward`` branches on by ``if self.config.<field> is (not) None:``."""
+    function = _forward_tree(model_class)
+    if function is None:
+        return frozenset()
+    tests = (_none_test(node.test) for node in ast.walk(function) if isinstance(node, ast.If))
+    return frozenset(test[0] for test in tests if test is not None)
+
+
+def _none_test(test: ast.expr) -> tuple[str, bool] | None:
+    """``(field, True)`` for ``self.config.<field> is None``, ``(field, False)`` for ``... is not None``."""
+    if not (
+        isinstance(test, ast.Compare)
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Is | ast.IsNot)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    ):
         return None
+    left = test.left
+    if (
+        isinstance(left, ast.Attribute)
+        and isinstance(left.value, ast.Attribute)
+        and left.value.attr == "config"
+        and _is_self(left.value.value)
+    ):
+        return left.attr, isinstance(test.ops[0], ast.Is)
+    return None
+
+
+class _UnsetBranches(ast.NodeTransformer):
+    """Drops the branches of ``if self.config.<field> is (not) None:`` that cannot run while ``unset`` fields are
+    None (Gemma 3 soft-caps its logits only under ``if self.config.final_logit_softcapping is not None:``)."""
+
+    def __init__(self, unset: frozenset[str]) -> None:
+        self.unset = unset
+
+    def visit_If(self, node: ast.If) -> Any:
+        test = _none_test(node.test)
+        if test is None or test[0] not in self.unset:
+            return self.generic_visit(node)
+        kept: list[ast.AST] = []
+        for statement in node.body if test[1] else node.orelse:
+            visited = self.visit(statement)
+            kept.extend(visited if isinstance(visited, list) else [visited])
+        return kept
+
+
+@functools.cache
+def _head_attribute(model_class: Any, base_prefix: str, unset: frozenset[str] = frozenset()) -> str | None:
+    """The attribute name of the head in ``model_class.forward`` if that forward computes its logits as
+    ``self.<head>(h)`` once, ``h`` being the base model's last hidden states, optionally sliced, and never
+    changes them; else ``None`` (also where the source cannot be read). ``unset``: config fields that are None,
+    whose ``if self.config.<field> is not None:`` branches cannot run and are not read."""
+    tree = _forward_tree(model_class)
+    if tree is None:
+        return None
+    function = _UnsetBranches(unset).visit(copy.deepcopy(tree)) if unset else tree
     values = _assigned_values(function)
     logits = values.get("logits", [])
     if len(logits) != 1:

@@ -45,7 +45,7 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.expert import offer_experts_to_float8, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
-from lightning_d9d.models.hf.loss import plain_head
+from lightning_d9d.models.hf.loss import logit_changes, plain_head
 from lightning_d9d.models.hf.tensor import (
     HiddenStatesLayout,
     check_tensor_parallel_model,
@@ -103,10 +103,11 @@ def check_hf_pipeline_model(model: nn.Module) -> None:
             f"{name}: pp > 1: the base model's {LAYERS} is {type(layers).__name__}, not a ModuleList; use pp=1"
         )
     if getattr(model, head_name, None) is not None and plain_head(model) is None:
+        fields = ", ".join(f"{field}={value}" for field, value in logit_changes(model).items())
+        why = f"its config sets {fields}" if fields else "a soft cap, a scale, a head with a bias"
         raise NotImplementedError(
-            f"{name}: pp > 1: its logits are not {head_name}(last hidden states) alone (a soft cap, a scale, "
-            "a head with a bias: see lightning_d9d.models.hf.loss.plain_head), which the last stage would skip; "
-            "use pp=1"
+            f"{name}: pp > 1: its logits are not {head_name}(last hidden states) alone ({why}: see "
+            "lightning_d9d.models.hf.loss.plain_head), which the last stage would skip; use pp=1"
         )
     if getattr(model.config, "output_router_logits", False):
         raise NotImplementedError(

@@ -37,6 +37,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "llama_1F1B_accumulate2_clip": {**pp_run("llama", "1F1B"), "accumulate": 2, "clip": 4.0},
     "llama_Interleaved1F1B": {**pp_run("llama", "Interleaved1F1B"), "validate": True},
     "mistral_1F1B_sliding_window": {**pp_run("mistral", "1F1B"), "model": {"sliding_window": 3}},
+    # its forward soft-caps the logits only where final_logit_softcapping is set: None (its default) is a plain head
+    "gemma3_1F1B": {
+        **pp_run("gemma3", "1F1B"),
+        "model": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3},
+    },
     "qwen3_moe_1F1B": {**pp_run("qwen3_moe", "1F1B"), "validate": True},
     # packed rows: every stage of every microbatch gets the positions, transformers builds each stage's mask
     "qwen3_1F1B_packed": {**pp_run("qwen3", "1F1B"), "validate": True, "packed": True},

@@ -21,6 +21,7 @@ from lightning_d9d.models.hf import (
     hf_tensor_plan,
     parallelize_hf,
 )
+from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
 from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions
@@ -173,6 +174,27 @@ def test_pp_with_logits_the_last_stage_would_not_compute_is_refused() -> None:
     with pytest.raises(
         NotImplementedError,
         match=r"^Qwen3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) alone",
+    ):
+        hf_pipeline_for(model)
+
+
+def test_gemma3_under_pp_is_refused_only_where_its_config_caps_the_logits() -> None:
+    """Gemma 3's forward soft-caps its logits under ``if self.config.final_logit_softcapping is not None``: with
+    its default None the head is plain (a stage computes the whole logits), with a cap it is refused by name."""
+    config = transformers.Gemma3TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    assert config.final_logit_softcapping is None  # the default
+    model = transformers.Gemma3ForCausalLM(config)
+    assert hf_pipeline_for(model) is not None
+    assert plain_head(model) is model.lm_head
+    model.config.final_logit_softcapping = 30.0
+    assert plain_head(model) is None
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Gemma3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) alone \(its config "
+        r"sets final_logit_softcapping=30\.0: .*\), which the last stage would skip; use pp=1$",
     ):
         hf_pipeline_for(model)
 

@@ -24,6 +24,10 @@ VOCAB, HIDDEN, SEQ, ROWS, STEPS = 128, 64, 8, 4, 6
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        transformers.Gemma3ForCausalLM,
+    ),  # the fused loss's plain-head case
 }
 
 

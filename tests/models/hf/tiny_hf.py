@@ -28,6 +28,8 @@ FAMILIES = {
     ),  # routers only (test_hf_routing.py)
     # its router is an nn.Linear (mlp.router.gate), which FP8 must leave alone (test_hf_fp8.py)
     "afmoe": (transformers.AfmoeConfig, transformers.AfmoeForCausalLM),
+    # scaled embeddings, sliding and full layers, a logit soft cap that its config leaves None by default
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
