@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_d9d.fabric import D9DFabricStrategy
     from lightning_d9d.mesh import ParallelDims
-    from lightning_d9d.plans import ParallelOptions
+    from lightning_d9d.plans import LoRA, ParallelOptions
     from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
 __version__ = "0.1.0"
@@ -28,6 +28,7 @@ __all__ = [
     "D9DFabricStrategy",
     "D9DPrecision",
     "D9DStrategy",
+    "LoRA",
     "ParallelDims",
     "ParallelOptions",
     "__version__",
@@ -42,6 +43,7 @@ _PUBLIC = {
     "model_loss": "lightning_d9d.strategies",
     "ParallelDims": "lightning_d9d.mesh",
     "ParallelOptions": "lightning_d9d.plans",
+    "LoRA": "lightning_d9d.plans",
 }
 
 

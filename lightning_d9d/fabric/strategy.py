@@ -44,6 +44,7 @@ from lightning_d9d.plans import (
 )
 from lightning_d9d.plans.async_tp import enable_async_tp
 from lightning_d9d.plans.fp8 import Fp8Filter
+from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -69,7 +70,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
     loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
     ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
-    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``async_tp``, ``process_group_backend``,
+    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``async_tp``, ``lora``, ``process_group_backend``,
     ``timeout``. ``pp > 1`` is refused (module docstring).
 
     Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
@@ -99,6 +100,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         fp8_filter: Fp8Filter | None = None,
         fp8_experts: bool | None = False,
         async_tp: bool = False,
+        lora: LoRA | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -113,6 +115,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         self._options = checked_parallel_options(
             self._requested_dims,
             owner="D9DFabricStrategy",
+            lora=lora,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
             context_attention=context_attention,
@@ -178,6 +181,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     def _parallelize(self, module: nn.Module, _mesh: DeviceMesh) -> nn.Module:
         prepare.refuse_fsdp1(module)
         if not getattr(module, "_d9d_parallelized", False):
+            prepare.adapt(module, self._options)
             prepare.broadcast_plain_tensors(module, self.root_device, self.world_size)
             prepare.parallelize_root(module, self.parallel_dims, self.parallel_options())
             prepare.materialize(module, self.root_device, self.broadcast)

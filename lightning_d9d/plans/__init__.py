@@ -9,6 +9,7 @@ from lightning_d9d.plans.default import parallelize_default, repeated_blocks
 from lightning_d9d.plans.degrees import DATA_PARALLEL, IMPLEMENTED, require_degrees
 from lightning_d9d.plans.expert import check_expert_split, parallelize_expert
 from lightning_d9d.plans.fsdp import parallelize_fsdp
+from lightning_d9d.plans.lora import LoRA, apply_lora
 from lightning_d9d.plans.options import ParallelOptions
 from lightning_d9d.plans.replicate import parallelize_replicate
 from lightning_d9d.plans.routing import route_on_sequence_shards, sum_gradients_over_tp
@@ -33,11 +34,13 @@ __all__ = [
     "DATA_PARALLEL",
     "IMPLEMENTED",
     "ContextSplitAware",
+    "LoRA",
     "ParallelOptions",
     "Parallelizable",
     "SeededInit",
     "apply_activation_checkpointing",
     "apply_compile",
+    "apply_lora",
     "check_expert_split",
     "check_sequence_length",
     "check_tensor_parallel_sizes",

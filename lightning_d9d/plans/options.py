@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_d9d.plans.lora import LoRA
+
 
 @dataclass(frozen=True)
 class ParallelOptions:
@@ -48,6 +50,8 @@ class ParallelOptions:
         async_tp: torch's micro-pipelined tensor parallelism (Inductor's pass over the compiled blocks,
             :mod:`lightning_d9d.plans.async_tp`). The strategy switches it on for the tp group once the mesh
             exists, before the blocks compile; no plan reads it.
+        lora: low-rank adapters on the layers it names, every other parameter frozen
+            (:class:`~lightning_d9d.plans.lora.LoRA`); applied before every other plan. ``None``: off.
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -60,6 +64,7 @@ class ParallelOptions:
     fp8_filter: Callable[[nn.Module, str], bool] | None = None
     fp8_experts: bool | None = False
     async_tp: bool = False
+    lora: LoRA | None = None
 
     def reshards(self, shard_ranks: int) -> bool:
         """Whether an FSDP unit whose parameters are sharded over ``shard_ranks`` ranks frees its gathered

@@ -191,9 +191,15 @@ def parallelize_tensor(module: nn.Module, tp_mesh: DeviceMesh, plan: Mapping[str
             f"parallelize_tensor needs the 1-D tp mesh, got {tp_mesh.ndim}-D {tp_mesh.mesh_dim_names}"
         )
     shared = _shared_parameters(module)
+    frozen = {name for name, param in module.named_parameters() if not param.requires_grad}
     # float8 linears (converted before tp) cast around their collectives: torchao's styles in place of torch's
     # LoRA's adapted layers (adapted before tp) shard their adapters with the base weight
     parallelize_module(module, tp_mesh, lora_tensor_plan(module, float8_tensor_plan(module, plan)))
+    # torch's SequenceParallel registers its replicated Parameters without their requires_grad: frozen ones
+    # (LoRA's base, a user's frozen norms) would train
+    for name, param in module.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
     for uses in shared:
         first_module, first_name = uses[0]
         param = getattr(first_module, first_name)

@@ -57,6 +57,7 @@ from lightning_d9d.plans import (
 from lightning_d9d.plans.async_tp import enable_async_tp
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
 from lightning_d9d.plans.fp8 import Fp8Filter
+from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
@@ -147,6 +148,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
             Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
             default. Not yet measured on GPUs (issue 28's two-GPU runs).
+        lora: low-rank adapters (:class:`~lightning_d9d.LoRA`: rank, alpha, dropout, the layers by name pattern,
+            the frozen weights' dtype) on the model's linear layers, every other parameter frozen; applied before
+            every other plan, so the adapters are sharded with their layers on every degree. Return only the
+            trainable parameters from ``configure_optimizers`` (``docs/finetune.md``). Refused with ``fp8``.
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -186,6 +191,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         fp8_filter: Fp8Filter | None = None,
         fp8_experts: bool | None = False,
         async_tp: bool = False,
+        lora: LoRA | None = None,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         check_checkpoint_format(save_distributed_checkpoint, pp=pp)
@@ -212,6 +218,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._options = checked_parallel_options(
             self._requested_dims,
             owner="D9DStrategy",
+            lora=lora,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
             context_attention=context_attention,
@@ -329,6 +336,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         prepare.refuse_fsdp1(model)
         if not getattr(model, "_d9d_parallelized", False):
             self._check_pipeline_model(built_only=False)  # on every rank alike, before the first collective
+            prepare.adapt(model, self._options)
             prepare.broadcast_plain_tensors(model, self.root_device, self.world_size)
             runner = None
             if self.parallel_dims.pp_enabled:

@@ -14,6 +14,7 @@ from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
 from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
+from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.options import ParallelOptions
 
 
@@ -30,6 +31,7 @@ def checked_parallel_options(
     fp8_filter: Fp8Filter | None,
     fp8_experts: bool | None,
     async_tp: bool,
+    lora: LoRA | None = None,
 ) -> ParallelOptions:
     """The options as given, each refused here when it cannot apply to the requested degrees (``dims``, not
     yet resolved against the world). ``mp_policy`` stays unset: it comes from the precision plugin, which the
@@ -37,6 +39,7 @@ def checked_parallel_options(
     checkpointing_kind(activation_checkpointing)
     check_checkpointing_layout(activation_checkpointing, pp=dims.pp, ep=dims.ep)
     compile_mode(compile)
+    check_lora(lora, fp8=fp8, owner=owner)
     return ParallelOptions(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
@@ -47,7 +50,21 @@ def checked_parallel_options(
         fp8_filter=fp8_filter,
         fp8_experts=check_fp8_experts(fp8, fp8_experts, owner=owner),
         async_tp=check_async_tp(async_tp, tp=dims.tp, compile=compile, owner=owner),
+        lora=lora,
     )
+
+
+def check_lora(lora: LoRA | None, *, fp8: str | None, owner: str) -> None:
+    """A ``LoRA`` config, and the options it cannot be combined with yet."""
+    if lora is None:
+        return
+    if not isinstance(lora, LoRA):
+        raise TypeError(f"{owner}(lora=...) takes a lightning_d9d.LoRA, got {type(lora).__name__}")
+    if fp8 is not None:
+        raise ValueError(
+            f"{owner}(lora=..., fp8={fp8!r}): float8 training converts the very linear layers LoRA adapts, "
+            "and the two are not combined; use fp8=None with lora, or train without lora"
+        )
 
 
 def check_options_on_device(

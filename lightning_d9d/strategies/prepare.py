@@ -1,8 +1,9 @@
 """A user's module made parallel on the mesh: what the Trainer's and Fabric's strategies do alike before training.
 
-The order matters and is the same under both: refuse FSDP1 wrappers, give every rank rank 0's eagerly initialised
-tensors, apply the plans (the module's own ``parallelize``, a ``transformers`` model's, or FSDP per repeated
-block), then give meta tensors their memory and initialise them from one seed.
+The order matters and is the same under both: refuse FSDP1 wrappers, add low-rank adapters where asked (``adapt``),
+give every rank rank 0's eagerly initialised tensors, apply the plans (the module's own ``parallelize``, a
+``transformers`` model's, or FSDP per repeated block), then give meta tensors their memory and initialise them
+from one seed.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import hf_plan_for
 from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
+from lightning_d9d.plans.lora import adapted_layers, apply_lora, init_adapters_
 from lightning_d9d.strategies.materialize import initialise_transformers_model, to_empty_except_metrics
 
 
@@ -42,6 +44,13 @@ def already_parallel(module: nn.Module) -> bool:
     return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
         isinstance(p, DTensor) for p in module.parameters()
     )
+
+
+def adapt(module: nn.Module, options: ParallelOptions) -> None:
+    """The plans that change what a module *is* before any other plan runs: LoRA's adapters (``options.lora``),
+    once (a module adapted by an earlier fit keeps its adapters)."""
+    if options.lora is not None and not adapted_layers(module) and not already_parallel(module):
+        apply_lora(module, options.lora, seed=torch.initial_seed())
 
 
 def broadcast_plain_tensors(module: nn.Module, device: torch.device, world_size: int) -> None:
@@ -111,6 +120,10 @@ def materialize(module: nn.Module, device: torch.device, agreed_seed: Callable[[
     rank 0's value of its argument, on every rank)."""
     if not has_meta_tensors(module):
         return
+    # adapters built on meta: their layers' initialisers know nothing of them (B must start at zero)
+    meta_adapters = {
+        name: layer for name, layer in adapted_layers(module).items() if layer.lora_A.weight.is_meta
+    }
     to_empty_except_metrics(module, device)  # metrics keep their states (see there)
     seed = agreed_seed(torch.initial_seed())
     uninitialised: set[str] = set()
@@ -133,6 +146,7 @@ def materialize(module: nn.Module, device: torch.device, agreed_seed: Callable[[
             initialise(child)
 
     initialise(module)
+    init_adapters_(meta_adapters, seed)
     if uninitialised:
         rank_zero_warn(
             f"meta-device modules without init_weights() or reset_parameters() are left uninitialised: "

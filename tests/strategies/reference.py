@@ -18,6 +18,7 @@ from lightning_d9d.data import PackedDataset
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import routers_in, update_expert_bias
+from lightning_d9d.plans.lora import LoRA, apply_lora
 
 
 class PaddedCorpus(Dataset):
@@ -170,6 +171,8 @@ def reference_run(config: dict) -> dict:
         module.model = moe  # type: ignore[assignment]
     else:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
+    if config.get("lora"):  # adapters initialised from the run's seed, as the strategy's are
+        apply_lora(module, LoRA(**config["lora"]), seed=seed)
     use_optimizer(module, config)
     precision = config.get("precision", "32-true")
     if precision == "bf16-true":

@@ -38,7 +38,8 @@ from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining
 from reference import exclude_experts, train_corpus, uncounted_loss, use_optimizer, val_corpus
 
-from lightning_d9d import D9DStrategy
+from lightning_d9d import D9DStrategy, LoRA
+from lightning_d9d.callbacks import preemption as preemption_callback
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.callbacks.preemption import Preemption
 from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
@@ -287,7 +288,7 @@ def main(config: dict) -> None:
             for n in (every if isinstance(every, list) else [every])
         ]
     trainer = L.Trainer(
-        strategy=D9DStrategy(**dims),
+        strategy=D9DStrategy(**dims, lora=LoRA(**config["lora"]) if "lora" in config else None),
         accelerator=config.get("accelerator", "cpu"),
         devices=config["devices"],
         num_nodes=config.get("num_nodes", 1),
@@ -410,6 +411,13 @@ def run_all(configs: list[dict]) -> None:
 
 def stretches(configs: list[dict]) -> list[list[dict]]:
     """The stretches of ``fork_ranks``: consecutive configs with the same ``devices``; a config with
+    # which parameters train, and which hold optimizer state (LoRA: the adapters alone)
+    result["trainable"] = sorted(plain_name(n) for n, p in module.named_parameters() if p.requires_grad)
+    names = {id(p): plain_name(n) for n, p in module.named_parameters()}
+    optimizer = trainer.optimizers[0]
+    result["optimizer_state"] = sorted(
+        names.get(id(p), f"?{tuple(p.shape)}") for p in optimizer.state if optimizer.state[p]
+    )
     ``"new_ranks": True`` starts a stretch of its own (new processes, e.g. to resume from a checkpoint that the
     previous stretch's ranks wrote)."""
     grouped: list[list[dict]] = []
