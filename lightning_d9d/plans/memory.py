@@ -179,6 +179,7 @@ class MemoryPlan:
     optimizer: int | None
     activations: int | None
     device_memory: int | None = None  # what the device has, when known
+    frozen: int = 0  # of ``parameters``, the bytes that do not train (no gradient, no optimizer state)
 
     @property
     def total(self) -> int:
@@ -198,7 +199,12 @@ class MemoryPlan:
         return "\n".join(
             [
                 heading,
-                f"  parameters   {gib(self.parameters)}",
+                f"  parameters   {gib(self.parameters)}"
+                + (
+                    f" ({gib(self.parameters - self.frozen)} trained, {gib(self.frozen)} frozen)"
+                    if self.frozen
+                    else ""
+                ),
                 f"  gradients    {gib(self.gradients)}",
                 f"  optimizer    {gib(self.optimizer)}",
                 f"  activations  {gib(self.activations)} (estimate)",
@@ -232,4 +238,5 @@ def plan_memory(
         optimizer=optimizer,
         activations=activation,
         device_memory=device_memory,
+        frozen=int(parameter_bytes - trainable_bytes),
     )

@@ -133,6 +133,17 @@ def test_frozen_parameters_have_no_gradient_or_state() -> None:
     trained, frozen = nn.Parameter(torch.zeros(10)), nn.Parameter(torch.zeros(30), requires_grad=False)
     plan = plan_memory([trained, frozen], optimizer_states=2, config=None, activations=None)
     assert (plan.parameters, plan.gradients, plan.optimizer, plan.activations) == (160, 40, 80, None)
+    assert plan.frozen == 120
+
+
+def test_the_plan_shows_trained_and_frozen_parameters_apart() -> None:
+    """LoRA's frozen base, or modules a user froze: the parameters line splits them from the trained ones."""
+    trained = nn.Parameter(torch.zeros(2**20))
+    frozen = nn.Parameter(torch.zeros(3 * 2**20), requires_grad=False)
+    both = plan_memory([trained, frozen], optimizer_states=2, config=None, activations=None).describe("plan:")
+    assert "parameters   16.00 MiB (4.00 MiB trained, 12.00 MiB frozen)" in both
+    alone = plan_memory([trained], optimizer_states=2, config=None, activations=None).describe("plan:")
+    assert "parameters   4.00 MiB\n" in alone and "frozen" not in alone
 
 
 def test_activation_estimate_answers_to_its_options() -> None:
