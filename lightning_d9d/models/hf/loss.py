@@ -89,7 +89,7 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
 def logit_changes(model: nn.Module) -> dict[str, Any]:
     """The fields of :data:`LOGIT_FIELDS` that ``model``'s config (or its text config) sets: a soft cap or a scale
     of the logits after the head (field -> value; empty where the logits are the head's)."""
-    config = model.config
+    config: Any = model.config
     text_config = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     return {
         field: getattr(c, field)
