@@ -10,6 +10,8 @@ the model runs on the local tokens unchanged, except for three things :func:`par
   :func:`context_attention_forward` with this rank's rotated ``q``/``k``/``v`` (``[B, heads, T / cp, head_dim]``);
   it runs the path :func:`~lightning_d9d.modules.context_attention.context_attention` chose (all-gather K/V with
   the load-balanced global causal mask, or torch's ring kernels on CUDA), each attention module holding it.
+  Attention sinks (``s_aux``: GPT-OSS's ``sinks``) run on the all-gather path as one more key
+  (:func:`_attention_with_sinks`).
 - the causal mask: our name has no mask function in ``transformers``' mask interface, so the model builds no
   (local, wrong) causal mask and hands the attention ``None``; the attention applies the global causal mask itself.
 - positions: a forward pre-hook on the base model (the decoder) gives it ``position_ids`` of this rank's chunks by
@@ -35,6 +37,7 @@ Nothing here imports ``transformers``: the interface is taken from the already l
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 import sys
 from typing import Any
@@ -57,6 +60,8 @@ from lightning_d9d.modules.documents import document_causal_mask, document_ids
 CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
 #: The attribute each attention module of a cp-parallelized model holds its context-parallel attention in.
 _ATTEND = "_d9d_context_attention"
+
+log = logging.getLogger("lightning_d9d.models.hf")
 
 
 def check_hf_context_model(model: nn.Module, cp: int) -> None:
@@ -111,14 +116,15 @@ def parallelize_hf_context(
             f"parallelize_hf_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
         )
     check_hf_context_model(model, cp_mesh.size())
-    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attend = context_attention(split, cp_mesh, attention)
     attentions = [module for module in model.modules() if _is_attention(module)]
     if not attentions:
         raise ValueError(
             f"parallelize_hf_context: found no attention module in {type(model).__name__} (a module with a "
             "config and is_causal, as transformers' attention classes have); use cp=1"
         )
+    attention = _path_for_sinks(model, attentions, cp_mesh.size(), attention)
+    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+    attend = context_attention(split, cp_mesh, attention)
     for module in attentions:
         setattr(module, _ATTEND, attend)
     register_context_attention()
@@ -138,6 +144,23 @@ def parallelize_hf_context(
     )
     base.register_forward_pre_hook(hook, with_kwargs=True)
     return split
+
+
+def _path_for_sinks(model: nn.Module, attentions: list[nn.Module], cp: int, attention: str) -> str:
+    """The attention path for ``model``: attention sinks (GPT-OSS's ``sinks``, one softmax logit per head, handed
+    to the attention as ``s_aux``) run on the all-gather path only (:func:`_attention_with_sinks`): ``"auto"``
+    takes it, ``"torch_ring"`` is refused by name (torch's ring kernels have no sink)."""
+    with_sinks = [module for module in attentions if isinstance(getattr(module, "sinks", None), torch.Tensor)]
+    if not with_sinks or attention == "all_gather":
+        return attention
+    owner = type(with_sinks[0]).__name__
+    if attention == "torch_ring":
+        raise NotImplementedError(
+            f"{type(model).__name__}: cp={cp}: its attention ({owner}) has sinks (a softmax logit per head), "
+            "which torch's ring kernels do not take; use context_attention='all_gather' (or 'auto')"
+        )
+    log.info("context-parallel attention: all_gather for %s's attention sinks, cp=%d", owner, cp)
+    return "all_gather"
 
 
 def register_context_attention() -> None:
@@ -172,12 +195,19 @@ def context_attention_forward(
         )
     if dropout:
         raise NotImplementedError(f"context-parallel attention has no dropout (got dropout={dropout})")
+    sinks = kwargs.get("s_aux")
     if sliding_window is not None or kwargs.get("softcap") is not None:
         raise NotImplementedError(
             f"{type(module).__name__}: context-parallel attention implements full causal attention only (got "
             f"sliding_window={sliding_window}, softcap={kwargs.get('softcap')}); use cp=1"
         )
     head_dim = query.shape[-1]
+    if sinks is not None:
+        if not isinstance(attend, AllGatherAttention):  # parallelize_hf_context chose all_gather for them
+            raise NotImplementedError(f"attention sinks under {attend!r}: use context_attention='all_gather'")
+        scale = head_dim**-0.5 if scaling is None else scaling
+        out = _attention_with_sinks(attend, query, key, value, attention_mask, sinks, scale)
+        return out.transpose(1, 2).contiguous(), None
     if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # our kernels scale by 1 / sqrt(head_dim)
     if attention_mask is None:
@@ -195,8 +225,45 @@ def context_attention_forward(
 def _masked_attention(
     attend: AllGatherAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
 ) -> torch.Tensor:
-    """All-gather attention with the global causal mask and ``keys``: the key padding mask (``[B, 1, 1, T]``) or
-    the packed documents' mask of this rank's queries (``[B, 1, T / cp, T]``), both from :class:`_GlobalPositions`.
+    """All-gather attention with the global causal mask and ``keys`` (:func:`_mask_with_keys`)."""
+    mask = _mask_with_keys(attend, q, keys)
+    k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
+    gqa = q.shape[1] != k.shape[1]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+
+
+def _attention_with_sinks(
+    attend: AllGatherAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor | None,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """All-gather attention whose softmax per head also holds a sink logit (``sinks``, ``[heads]``) that no value
+    goes with, as ``transformers`` computes it (the logits and the sink softmaxed together, the sink's share
+    dropped). That is attention over one key more, whose logit is the sink and whose value is zero: ``q`` gets
+    the sink as an extra feature, every key a 0 there and the extra key a 1, so one SDPA call (and its backward)
+    computes it exactly, the sinks' gradient included. The causal mask, or ``keys`` (:func:`_mask_with_keys`),
+    masks the real keys; every query sees the sink."""
+    batch, heads, local_len, _ = q.shape
+    k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
+    mask = attend.causal_mask(local_len, q.device) if keys is None else _mask_with_keys(attend, q, keys)
+    sink_logits = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, local_len, 1)
+    q_sink = torch.cat((q * scale, sink_logits), dim=-1)
+    k_sink = F.pad(k_all, (0, 1))  # a 0 in the sink's feature
+    sink_key = F.pad(k_sink.new_zeros((*k_sink.shape[:2], 1, k_sink.shape[-1] - 1)), (0, 1), value=1.0)
+    k_sink = torch.cat((k_sink, sink_key), dim=2)
+    v_sink = F.pad(v_all, (0, 0, 0, 1))  # the sink's value: zeros
+    mask = F.pad(mask, (0, 1), value=True)
+    gqa = heads != k.shape[1]
+    return F.scaled_dot_product_attention(q_sink, k_sink, v_sink, attn_mask=mask, scale=1.0, enable_gqa=gqa)
+
+
+def _mask_with_keys(attend: AllGatherAttention, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The global causal mask and ``keys``: the key padding mask (``[B, 1, 1, T]``) or the packed documents' mask
+    of this rank's queries (``[B, 1, T / cp, T]``), both from :class:`_GlobalPositions`; ``[B, 1, T / cp, T]``.
     A query always sees itself: a padded one would otherwise see nothing (its output reaches no counted label)."""
     local_len = q.shape[2]
     seq_len = local_len * attend.split.cp
@@ -210,13 +277,10 @@ def _masked_attention(
             f"context-parallel attention takes a 2-D padding attention_mask ([batch, sequence]), not a prepared "
             f"{keys.dim()}-D mask {tuple(keys.shape)}"
         )
-    k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
     causal = attend.causal_mask(local_len, q.device)  # [T / cp, T]
     query_positions = attend.split.local_positions(local_len, device=q.device)
     itself = query_positions[:, None] == torch.arange(seq_len, device=q.device)[None, :]
-    mask = causal & (keys.to(torch.bool) | itself)  # [B, 1, T / cp, T]
-    gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+    return causal & (keys.to(torch.bool) | itself)  # [B, 1, T / cp, T]
 
 
 class _GlobalPositions:

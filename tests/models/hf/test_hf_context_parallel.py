@@ -24,7 +24,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import check_hf_model, parallelize_hf
-from lightning_d9d.models.hf.context import CONTEXT_ATTENTION_NAME
+from lightning_d9d.models.hf.context import CONTEXT_ATTENTION_NAME, _path_for_sinks
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
@@ -144,6 +144,7 @@ def compare(family: str, cp: int, tp: int, with_mask: bool, recompute: bool | st
         ("qwen3", 2, 1, False, "selective"),  # recompute replays the all-gather attention
         ("llama", 2, 1, True, False),
         ("llama", 2, 2, True, True),  # composes with tp + sequence parallelism
+        ("gpt_oss", 2, 1, True, False),  # attention sinks: a softmax logit per head
     ],
 )
 def test_cp_matches_one_process(
@@ -210,6 +211,23 @@ def test_a_sliding_window_without_layer_types_is_refused_by_name(
         check_hf_model(model, ParallelDims(cp=2))
     model.config.sliding_window = None
     check_hf_model(model, ParallelDims(cp=2))
+
+
+def test_attention_sinks_take_the_all_gather_path_and_torch_ring_is_refused_by_name() -> None:
+    """torch's ring kernels have no sink: ``"auto"`` takes the all-gather path for a model with sinks, and
+    ``"torch_ring"`` asked for by name is refused, naming the model and its attention."""
+    model = tiny_model("gpt_oss", tied=False)
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert _path_for_sinks(model, attentions, 2, "auto") == "all_gather"
+    assert _path_for_sinks(model, attentions, 2, "all_gather") == "all_gather"
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^GptOssForCausalLM: cp=2: its attention \(GptOssAttention\) has sinks \(a softmax logit per "
+        r"head\), which torch's ring kernels do not take; use context_attention='all_gather' \(or 'auto'\)$",
+    ):
+        _path_for_sinks(model, attentions, 2, "torch_ring")
+    plain = tiny_model("llama", tied=False)
+    assert _path_for_sinks(plain, [layer.self_attn for layer in plain.model.layers], 2, "auto") == "auto"
 
 
 @pytest.mark.parametrize("fused", [False, True])

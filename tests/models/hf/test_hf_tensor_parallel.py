@@ -24,10 +24,18 @@ VOCAB, HIDDEN, SEQ, ROWS, STEPS = 128, 64, 8, 4, 6
 FAMILIES = {
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-    "gemma3": (
-        transformers.Gemma3TextConfig,
-        transformers.Gemma3ForCausalLM,
-    ),  # the fused loss's plain-head case
+    # a soft cap its config leaves None: the fused loss's plain head (test_hf_fused_loss.py)
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    # attention sinks (test_hf_context_parallel.py)
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+}
+FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    # full attention only (cp refuses sliding layers), 4 experts
+    "gpt_oss": {
+        "layer_types": ["full_attention", "full_attention"],
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+    },
 }
 
 
@@ -47,6 +55,7 @@ def tiny_model(family: str, tied: bool, pad: int | None = None) -> nn.Module:
         tie_word_embeddings=tied,
         initializer_range=0.1,  # larger than the default, so that the heads' gradients are far from zero
         pad_token_id=pad,
+        **FAMILY_FIELDS.get(family, {}),
     )
     torch.manual_seed(0)
     model = model_class(config)
