@@ -177,7 +177,13 @@ def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) 
     }
     for region in sorted(regions):
         for inner_name, inner in modules[region].named_modules(prefix=region):
-            if inner_name in split or not any(True for _ in inner.parameters(recurse=False)):
+            # a planned layer's own children (LoRA's adapters) are its style's to shard
+            inside_planned = inner_name.rpartition(".")[0] in split
+            if (
+                inner_name in split
+                or inside_planned
+                or not any(True for _ in inner.parameters(recurse=False))
+            ):
                 continue
             raise NotImplementedError(
                 f"{type(model).__name__}: tp={tp}: {inner_name} ({type(inner).__name__}) sits among split "

@@ -38,6 +38,7 @@ from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe.choose import ENV_VAR as DISPATCH_ENV_VAR
 from lightning_d9d.pipeline import PipelineRunner, StageLayout, carve_stages, check_pipeline_config
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel, split_batch
+from lightning_d9d.plans.lora import LoRA, apply_lora
 from lightning_d9d.strategies import step_loss
 from lightning_d9d.strategies.grad_norm import group_parameters_by_mesh, total_grad_norm
 
@@ -77,13 +78,14 @@ class Layout:
     schedule: str = "1F1B"  # under pp
     microbatches: int = 2
     micro_steps: int = 1  # forward + backward per optimizer step, each on its part of the rank's rows
+    lora: LoRA | None = None  # adapters on the layers it names, applied before every other plan
 
     def one_rank(self) -> Layout:
         """The one-rank run this layout is held to: the same model and FP8 recipe, no parallelism. Under FP8 it
         takes each data rank's rows as a micro-step of its own: float8's dynamic scales are taken over the rows
         a matmul sees, so one process multiplying the whole batch at once trains another (equally good) model."""
         data_ranks = self.dims.get("dp_shard", 1) * self.dims.get("dp_replicate", 1)
-        return Layout(self.family, fp8=self.fp8, micro_steps=data_ranks if self.fp8 else 1)
+        return Layout(self.family, fp8=self.fp8, micro_steps=data_ranks if self.fp8 else 1, lora=self.lora)
 
 
 # The two-GPU tests' models: 4 layers of hidden 512 (MLP 1536; 8 query and 4 key-value heads of 64; Qwen3-MoE: 8
@@ -129,7 +131,7 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     if layout.dispatch is not None:
         os.environ[DISPATCH_ENV_VAR] = layout.dispatch  # read when parallelize_hf builds the dispatchers
-    model = tiny_causal_lm(layout.family, layers=shape.layers, **shape.overrides(layout.family)).to(device)
+    model = start_model(layout, shape).to(device)
     dims = ParallelDims(**layout.dims).resolve(dist.get_world_size()).build_mesh(device.type)
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     options = ParallelOptions(
@@ -275,9 +277,17 @@ def assert_applied(layout: Layout, ranks: list[dict[str, Any]], reference: list[
         assert all(layers == reference[0]["layers"] for layers in held)
 
 
+def start_model(layout: Layout, shape: Shape) -> nn.Module:
+    """The seeded model every run of ``layout`` starts from, before any plan (with its adapters, seeded alike)."""
+    model = tiny_causal_lm(layout.family, layers=shape.layers, **shape.overrides(layout.family))
+    if layout.lora is not None:
+        apply_lora(model, layout.lora, seed=0)
+    return model
+
+
 def start_parameters(layout: Layout, shape: Shape) -> dict[str, torch.Tensor]:
     """The parameters every run starts from (the seeded model, before any plan)."""
-    model = tiny_causal_lm(layout.family, layers=shape.layers, **shape.overrides(layout.family))
+    model = start_model(layout, shape)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
 

@@ -1,0 +1,54 @@
+"""LoRA on a ``transformers`` model under the adapter's plans, on two and four gloo ranks, against the one-rank run
+of the same adapted model (fp32): dp_shard=2, tp=2 (adapters split with their layers), cp=2, pp=2 (1F1B), ep=2 on
+Qwen3-MoE (attention adapted, experts split over ep) and tp=2 x dp_shard=2. The worker and the band are the layout
+runs' (``layout_runs.train_layout``, ``test_hf_layout_runs.FP32_BAND``); the frozen weights must come out bit for
+bit as they went in, and only the adapters move.
+"""
+
+from __future__ import annotations
+
+import pytest
+from distributed import run_distributed
+from layout_runs import Layout, differences, start_parameters, train_layout
+from test_hf_layout_runs import CPU, FP32_BAND
+
+from lightning_d9d.plans.lora import LoRA
+
+LORA = LoRA(rank=4, alpha=8.0)
+ATTENTION = LoRA(rank=4, alpha=8.0, targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+LAYOUTS = {
+    "dp_shard2": Layout("qwen3", 2, {"dp_shard": 2}, lora=LORA),
+    "tp2": Layout("qwen3", 2, {"tp": 2}, lora=LORA),
+    "cp2": Layout("qwen3", 2, {"cp": 2}, context_attention="all_gather", lora=LORA),
+    "pp2": Layout("qwen3", 2, {"pp": 2}, lora=LORA),
+    "ep2_moe": Layout("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}, lora=ATTENTION),
+    "tp2_dp_shard2": Layout("qwen3", 4, {"tp": 2, "dp_shard": 2}, lora=LORA),
+}
+_one_rank: dict[str, dict] = {}
+
+
+def one_rank_run(layout: Layout) -> dict:
+    if repr(layout) not in _one_rank:
+        (_one_rank[repr(layout)],) = run_distributed(train_layout, 1, layout, CPU, "fp32", timeout=120)
+    return _one_rank[repr(layout)]
+
+
+def _adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_lora_on_a_transformers_model_trains_as_one_rank(name: str) -> None:
+    layout = LAYOUTS[name]
+    got = run_distributed(train_layout, layout.world, layout, CPU, "fp32", timeout=120)[0]
+    expected = one_rank_run(layout.one_rank())
+    start = start_parameters(layout, CPU)
+    errors = differences(got, expected, start)
+    assert errors["steps"] == CPU.steps and errors["learnt"] > 1e-3
+    for key, band in FP32_BAND.items():
+        assert errors[key] <= band, (key, errors)
+    adapters = [n for n in start if _adapter(n)]
+    assert adapters and all(got["params"][n].abs().max() > 0 for n in adapters if ".lora_B." in n)
+    for n, value in start.items():
+        if not _adapter(n):
+            assert got["params"][n].equal(value), f"frozen {n} changed"
