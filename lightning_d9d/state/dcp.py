@@ -23,6 +23,7 @@ from .errors import CheckpointError, CorruptShardError, MissingShardError, forma
 from .mapper import ModelStateMapper
 from .stream import MappedReader, ReadKeys, ReadPlan
 from .training import DCP_METADATA_NAME, MODEL_SECTION, check_chunks, dcp_failure_reason, read_dcp_metadata
+from .untrusted import RestrictedLoadPlanner
 
 
 def _metadata_reader(directory: Path, metadata: Any) -> Any:
@@ -117,10 +118,13 @@ class DCPReader(MappedReader):
     def _order(self, mapper: ModelStateMapper) -> ReadPlan:
         order = {key: position for position, key in enumerate(self._entries)}
         plan = ReadPlan.in_order(mapper, position=order.__getitem__, nbytes=self._nbytes, files=self._files)
-        read = {key for group in plan.groups for key in group.inputs}
-        names = {self._entries[key][0]: self.prefix + key for key in read}
-        check_chunks(self.directory, self._storage.read_metadata(), names)
+        self._check({key for group in plan.groups for key in group.inputs})  # before the first tensor is read
         return plan
+
+    def _check(self, keys: Iterable[str]) -> None:
+        """``.metadata``'s chunks of ``keys`` tile their tensors and lie within the files (``check_chunks``)."""
+        names = {self._entries[key][0]: self.prefix + key for key in keys}
+        check_chunks(self.directory, self._storage.read_metadata(), names)
 
     def _file_of(self, key: str) -> str:
         return self.directory.name or str(self.directory)
@@ -137,17 +141,21 @@ class DCPReader(MappedReader):
         missing = [key for key in keys if key not in self._entries]
         if missing:
             raise CheckpointError(f"{self.name} has no keys {format_keys(missing)}")
+        self._check(keys)  # what is allocated next is what .metadata declares: only once it holds up
         buffers = {}
         for key in keys:
             flat, entry = self._entries[key]
-            buffers[flat] = torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+            # zeros, not empty: were a part never read, it would hold no bytes of this process's memory
+            buffers[flat] = torch.zeros(tuple(entry.size), dtype=entry.properties.dtype)
         try:
             with warnings.catch_warnings():
                 # dcp.load announces that it runs without a process group, which is the point here.
                 warnings.filterwarnings(
                     "ignore", message=".*assuming the intent is to load in a single process"
                 )
-                dcp.load(buffers, storage_reader=self._storage, no_dist=True)
+                # tensors only, but a planner that would unpickle nothing else either
+                planner = RestrictedLoadPlanner(self.directory)
+                dcp.load(buffers, storage_reader=self._storage, planner=planner, no_dist=True)
         except (Exception, CheckpointException) as error:  # DCP wraps the ranks' failures in a BaseException
             reason = dcp_failure_reason(error)
             files = sorted({name for key in keys for name in self._files_of(self._entries[key][0])})

@@ -109,13 +109,16 @@ def read_manifest(directory: Path) -> dict[str, FileEntry]:
             f"{path} is damaged ({type(error).__name__}: {error}); choose another checkpoint", path=str(path)
         ) from error
     for name in entries:
-        if Path(name).name != name or name in (
-            "",
-            ".",
-            "..",
-        ):  # names only: never a path out of the directory
+        if not is_file_name(name):
             raise CorruptIndexError(f"{path} lists {name!r}, which is not a file name", path=str(path))
     return entries
+
+
+def is_file_name(name: object) -> bool:
+    """Whether ``name`` is a plain file name, so that ``directory / name`` stays in the directory: not absolute,
+    no separator, not ``..``. A checkpoint's own lists of its files (this manifest, DCP's ``.metadata``) must
+    name their files so, or they could make a load read files outside the checkpoint they vouch for."""
+    return isinstance(name, str) and name not in ("", ".", "..") and Path(name).name == name
 
 
 def check_sizes(directory: Path, entries: Mapping[str, FileEntry]) -> None:

@@ -15,16 +15,18 @@ file written is ``manifest.json`` (``manifest.py``): every other file with its s
 Loading checks every file before it touches the model, and the ranks agree on the outcome (one rank's damaged
 view fails every rank, with that rank's reason): the manifest (sizes, then checksums, each rank a share of the
 files), ``meta.pt`` (``weights_only`` unless the caller says otherwise), ``.metadata`` (through an allow-list,
-never a plain unpickle), every chunk it lists must lie within an existing ``.distcp`` file, and every non-tensor
-entry must unpickle as a plain value (``untrusted.py``). A folder of
-checkpoints resolves to the newest complete one (``selection.py``).
+never a plain unpickle, its files named by plain file names), every tensor's chunks tiling it exactly and
+each stored within an existing ``.distcp`` file in no fewer bytes than it holds (:func:`check_chunks`), and
+every non-tensor entry must unpickle as a plain value (``untrusted.py``). A folder of checkpoints resolves to
+the newest complete one (``selection.py``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +36,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -276,30 +283,116 @@ def read_dcp_metadata(path: Path) -> Metadata:
 
 
 def check_chunks(path: Path, metadata: Metadata, names: Mapping[str, str] | None = None) -> None:
-    """Every chunk ``.metadata`` lists lies within an existing file, so a missing or truncated ``.distcp`` file
-    fails here, naming file and entry, before any tensor is read.
+    """What ``.metadata`` says of each entry agrees with itself and with the files, before any tensor is allocated
+    or read: every tensor's chunks tile it exactly (inside it, no gap, no overlap: DCP plans no read for a part no
+    chunk covers, which then keeps whatever memory held), every chunk and non-tensor entry is stored, in no fewer
+    bytes than the chunk holds (a declared size cannot outgrow the files), within an existing file, so a missing
+    or truncated ``.distcp`` file fails here, naming file and entry. (The fields' types and the files' names were
+    checked when ``.metadata`` was read: ``untrusted.read_metadata``.)
 
     ``names``: check only these entries (DCP's flat key → the name errors give it); default: all, by flat key.
     """
-    sizes: dict[str, int] = {}
-    for index, info in metadata.storage_data.items():
-        name = index.fqn if names is None else names.get(index.fqn)
-        if name is None:
+    index_file = path / DCP_METADATA_NAME
+    file_sizes: dict[str, int] = {}
+    entries = metadata.state_dict_metadata
+    # only the named entries are visited: a reader checks each group it reads, and a checkpoint has thousands
+    named = {flat: flat for flat in entries} if names is None else names
+    for flat, name in named.items():
+        entry = entries.get(flat)
+        if entry is None:
             continue
-        file = path / info.relative_path
-        if info.relative_path not in sizes:
-            sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
-        size = sizes[info.relative_path]
-        if size < 0:
-            raise MissingShardError(
-                f"{path / DCP_METADATA_NAME} stores {name!r} in {file}, which does not exist", path=str(file)
+        if not isinstance(entry, TensorStorageMetadata):  # a non-tensor entry: one pickle
+            _check_stored(path, name, metadata.storage_data.get(MetadataIndex(flat)), "it", file_sizes)
+            continue
+        problem = _tiling_problem(entry.size, entry.chunks)
+        if problem is not None:
+            raise CorruptIndexError(
+                f"{index_file} declares {name!r} of size {tuple(entry.size)}, but {problem}: the file is damaged "
+                "or crafted; choose another checkpoint",
+                path=str(index_file),
             )
-        if size < info.offset + info.length:
-            raise CorruptShardError(
-                f"{file} is truncated: it has {size} bytes, but {name!r} is stored up to byte "
-                f"{info.offset + info.length}",
-                path=str(file),
-            )
+        for chunk in entry.chunks:
+            where = f"the chunk at {tuple(chunk.offsets)}"
+            info = metadata.storage_data.get(MetadataIndex(flat, chunk.offsets))
+            _check_stored(path, name, info, where, file_sizes)
+            held = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+            if held > info.length:
+                raise CorruptIndexError(
+                    f"{index_file} declares {name!r} of size {tuple(entry.size)}: {where} holds {held} bytes, "
+                    f"but its storage entry stores it in {info.length}: the file is damaged or crafted; "
+                    "choose another checkpoint",
+                    path=str(index_file),
+                )
+
+
+def _check_stored(path: Path, name: str, info: Any, what: str, file_sizes: dict[str, int]) -> None:
+    """``what`` (a chunk of the entry ``name``, or the entry itself) has storage that lies within an existing file
+    of the checkpoint; ``file_sizes`` caches the files' sizes."""
+    if info is None:
+        raise CorruptIndexError(
+            f"{path / DCP_METADATA_NAME} lists no storage for {what} of {name!r}: the file is damaged or crafted; "
+            "choose another checkpoint",
+            path=str(path / DCP_METADATA_NAME),
+        )
+    file = path / info.relative_path
+    if info.relative_path not in file_sizes:
+        file_sizes[info.relative_path] = file.stat().st_size if file.is_file() else -1
+    size = file_sizes[info.relative_path]
+    if size < 0:
+        raise MissingShardError(
+            f"{path / DCP_METADATA_NAME} stores {name!r} in {file}, which does not exist", path=str(file)
+        )
+    if size < info.offset + info.length:
+        raise CorruptShardError(
+            f"{file} is truncated: it has {size} bytes, but {name!r} is stored up to byte "
+            f"{info.offset + info.length}",
+            path=str(file),
+        )
+
+
+def _tiling_problem(size: Sequence[int], chunks: Sequence[ChunkStorageMetadata]) -> str | None:
+    """Why ``chunks`` do not tile a tensor of ``size`` exactly, or None if they do."""
+    for chunk in chunks:  # an empty chunk (an empty shard's) holds nothing, wherever it is
+        if math.prod(chunk.sizes) > 0 and any(
+            offset + extent > bound
+            for offset, extent, bound in zip(chunk.offsets, chunk.sizes, size, strict=True)
+        ):
+            return f"the chunk at {tuple(chunk.offsets)} of size {tuple(chunk.sizes)} lies outside it"
+    held, elements = sum(math.prod(chunk.sizes) for chunk in chunks), math.prod(size)
+    if held != elements:
+        return f"its chunks hold {held} of its {elements} elements"
+    # inside it and as many elements as it has: a gap would need an overlap, so overlaps are what is left
+    overlap = _first_overlap(chunks)
+    if overlap is not None:
+        first, second = overlap
+        return f"the chunks at {tuple(first.offsets)} and {tuple(second.offsets)} overlap"
+    return None
+
+
+def _first_overlap(
+    chunks: Sequence[ChunkStorageMetadata],
+) -> tuple[ChunkStorageMetadata, ChunkStorageMetadata] | None:
+    """Two chunks sharing an element, if any. A sweep along the dimension the chunks split most: only the chunks
+    still open there are compared, a handful for the tilings DCP writes (a row of tp shards, say)."""
+    boxes = [chunk for chunk in chunks if math.prod(chunk.sizes) > 0]
+    if len(boxes) < 2:
+        return None
+    dimensions = range(len(boxes[0].sizes))
+    axis = max(dimensions, key=lambda d: len({box.offsets[d] for box in boxes}))
+    boxes.sort(key=lambda box: box.offsets[axis])
+    still_open: list[ChunkStorageMetadata] = []
+    for box in boxes:
+        start = box.offsets[axis]
+        still_open = [other for other in still_open if other.offsets[axis] + other.sizes[axis] > start]
+        for other in still_open:
+            if all(
+                other.offsets[d] < box.offsets[d] + box.sizes[d]
+                and box.offsets[d] < other.offsets[d] + other.sizes[d]
+                for d in dimensions
+            ):
+                return other, box
+        still_open.append(box)
+    return None
 
 
 def dcp_failure_reason(error: BaseException) -> str:

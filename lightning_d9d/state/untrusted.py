@@ -5,7 +5,9 @@ code through either:
 
 - ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``. :class:`RestrictedFileSystemReader`
   unpickles it with an allow-list (DCP's metadata classes, ``torch.Size``, dtypes, paths) and refuses anything
-  else, naming the file and the object.
+  else, naming the file and the object. What it built is then checked field by field: the classes are DCP's,
+  but a pickle fills their fields with anything, and DCP's reader opens ``directory / relative_path`` as given
+  (an absolute path, or ``..``, reads outside the checkpoint the manifest vouches for).
 - ``DefaultLoadPlanner.load_bytes`` reads every non-tensor entry (the optimizer's ``param_groups`` fields: lr,
   betas, ...) with ``torch.load(weights_only=False)``. :class:`RestrictedLoadPlanner` reads them with
   ``weights_only=True`` (plain types: numbers, strings, None, tuples, lists, dicts, tensors) and refuses
@@ -20,15 +22,24 @@ import inspect
 import io
 import pickle
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import ReadItem
 
 from .errors import CorruptIndexError
+from .manifest import is_file_name
 from .selection import DCP_METADATA_NAME
 
 # (module, name) pairs a .metadata may name besides the classes of torch.distributed.checkpoint.metadata
@@ -73,7 +84,68 @@ def read_metadata(path: Path) -> Metadata:
         raise CorruptIndexError(
             f"{path} holds a {type(metadata).__name__}, not DCP's Metadata", path=str(path)
         )
+    _check_fields(metadata, path)
     return metadata
+
+
+def _is_extent(value: object, dimensions: int | None = None) -> bool:
+    """A ``torch.Size`` of non-negative numbers (of ``dimensions`` of them, if given)."""
+    return (
+        isinstance(value, torch.Size)
+        and all(number >= 0 for number in value)
+        and (dimensions is None or len(value) == dimensions)
+    )
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_fields(metadata: Metadata, path: Path) -> None:
+    """What the rest of a load takes for granted of ``.metadata``: entries of DCP's two kinds, tensors with a dtype,
+    sizes and chunks of their dimensions, and storage inside the checkpoint (plain file names, as its manifest
+    has, and offsets and lengths that are byte counts). Whether the chunks tile their tensors, and the files hold
+    them, is the loader's check (``training.check_chunks``), which knows which entries it reads."""
+
+    def refuse(what: str) -> NoReturn:
+        raise CorruptIndexError(
+            f"{path} {what}: the file is damaged or crafted; choose another checkpoint", path=str(path)
+        )
+
+    entries, storage = metadata.state_dict_metadata, metadata.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        refuse("lacks the table of entries or of their storage")
+    if not isinstance(metadata.planner_data, dict | None):
+        refuse(f"holds planner data of type {type(metadata.planner_data).__name__}")
+    for name, entry in entries.items():
+        if isinstance(entry, BytesStorageMetadata):
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            refuse(f"declares {name!r} as a {type(entry).__name__}")
+        properties = entry.properties
+        if not (isinstance(properties, TensorProperties) and isinstance(properties.dtype, torch.dtype)):
+            refuse(f"declares {name!r} without a dtype")
+        if not _is_extent(entry.size):
+            refuse(f"declares {name!r} of size {entry.size!r}")
+        rank = len(entry.size)
+        if not isinstance(entry.chunks, list) or not all(
+            isinstance(chunk, ChunkStorageMetadata)
+            and _is_extent(chunk.offsets, rank)
+            and _is_extent(chunk.sizes, rank)
+            for chunk in entry.chunks
+        ):
+            refuse(f"declares chunks of {name!r} that are not offsets and sizes in its {rank} dimensions")
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex):
+            refuse(f"indexes its storage by a {type(index).__name__}")
+        relative_path = getattr(info, "relative_path", None)
+        if not is_file_name(relative_path):
+            refuse(
+                f"stores {index.fqn!r} in {relative_path!r}, which is not a file name: a checkpoint's files "
+                "are in its own directory"
+            )
+        if not (_is_count(getattr(info, "offset", None)) and _is_count(getattr(info, "length", None))):
+            refuse(f"stores {index.fqn!r} at an offset or length that is not a byte count")
 
 
 class RestrictedFileSystemReader(FileSystemReader):

@@ -8,20 +8,25 @@ import io
 import logging
 import os
 import pickle
+import re
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from distributed import run_distributed
 from test_training_checkpoint import assert_unchanged, lightning_checkpoint, snapshot, trained
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
-from lightning_d9d.state import manifest, selection
+from lightning_d9d.state import DCPReader, Identity, manifest, selection
+from lightning_d9d.state import dcp as dcp_reader
 from lightning_d9d.state.errors import CorruptIndexError, CorruptShardError, MissingShardError
 from lightning_d9d.state.training import DCP_METADATA_NAME, load, save
+from lightning_d9d.state.untrusted import read_metadata
 
 
 @pytest.fixture(autouse=True)
@@ -98,18 +103,220 @@ class Payload:
     mark = Path()
 
 
+def rewrite_metadata(checkpoint: Path, edit: Callable[[Metadata], None], *changed: Path) -> None:
+    """Apply ``edit`` to the checkpoint's ``.metadata`` and make the manifest agree with it and with the files
+    ``changed``, as a crafted checkpoint would (CRC-32 is no defence against forgery)."""
+    metadata = read_metadata(checkpoint / DCP_METADATA_NAME)
+    edit(metadata)
+    write_metadata_pickle(checkpoint, pickle.dumps(metadata), *changed)
+
+
+def write_metadata_pickle(checkpoint: Path, content: bytes, *changed: Path) -> None:
+    (checkpoint / DCP_METADATA_NAME).write_bytes(content)
+    entries = manifest.read_manifest(checkpoint)
+    for file in (checkpoint / DCP_METADATA_NAME, *changed):
+        if file.is_file():
+            entries[file.name] = manifest.checksum(file)
+        else:
+            entries.pop(file.name)
+    manifest.write_manifest(checkpoint, entries)
+
+
 def test_a_crafted_dcp_metadata_is_refused_without_running_it(tmp_path: Path) -> None:
     checkpoint = saved(tmp_path / "ckpt")
     Payload.mark = tmp_path / "was_run"
-    (checkpoint / DCP_METADATA_NAME).write_bytes(pickle.dumps(Payload()))
-    entries = manifest.read_manifest(
-        checkpoint
-    )  # the manifest agreeing: a crafted checkpoint, not a damaged one
-    entries[DCP_METADATA_NAME] = manifest.checksum(checkpoint / DCP_METADATA_NAME)
-    manifest.write_manifest(checkpoint, entries)
+    write_metadata_pickle(checkpoint, pickle.dumps(Payload()))
     message = failed_load(checkpoint, CorruptIndexError, "refusing to unpickle")
     assert "posix.mkdir" in message and str(checkpoint / DCP_METADATA_NAME) in message
     assert not Payload.mark.exists()
+
+
+def calling(module: str, name: str, *args: object) -> bytes:
+    """A pickle that calls ``module.name(*args)`` when loaded, naming the callable exactly as given: a plain
+    unpickler resolves a dotted ``name`` attribute by attribute."""
+    call = pickle.dumps(args, protocol=2)[2:-1]  # the arguments' tuple, without its protocol and stop opcodes
+    return b"\x80\x04c" + f"{module}\n{name}\n".encode() + call + b"R."
+
+
+CALLABLES = {  # what each would do if the allow-list let it through
+    "torch.save": lambda mark: calling("torch", "save", {"x": 1}, str(mark)),  # writes any file
+    "torch.load": lambda mark: calling("torch", "load", str(mark.parent / "ckpt" / "meta.pt")),  # loads any
+    "builtins.eval": lambda mark: calling("builtins", "eval", f"__import__('os').mkdir({str(mark)!r})"),
+    # attributes of DCP's metadata module that are not its classes: a function, and one reached through its
+    # `os` import
+    "torch.distributed.checkpoint.metadata.field": lambda mark: calling(dcp_metadata.__name__, "field"),
+    "torch.distributed.checkpoint.metadata.os.mkdir": lambda mark: calling(
+        dcp_metadata.__name__, "os.mkdir", str(mark)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLABLES))
+def test_a_dcp_metadata_naming_a_callable_is_refused_on_both_paths(tmp_path: Path, name: str) -> None:
+    """Only DCP's metadata classes, ``torch.Size``, dtypes and paths pass; in the ``torch`` namespace only
+    dtypes (``torch.save`` and ``torch.load`` are its names too)."""
+    checkpoint = saved(tmp_path / "ckpt")
+    mark = tmp_path / "was_run"
+    write_metadata_pickle(checkpoint, CALLABLES[name](mark))
+    message = failed_load(checkpoint, CorruptIndexError, "refusing to unpickle")
+    assert f"names {name}," in message and str(checkpoint / DCP_METADATA_NAME) in message
+    with pytest.raises(CorruptIndexError, match=f"names {re.escape(name)},"):
+        DCPReader(checkpoint)  # the reader of `convert dcp-to-hf`
+    assert not mark.exists()
+
+
+# ---------------------------------------------------------------- .metadata's chunks against its tensors
+KEY, NAME = "state_dict.0.weight", "0.weight"  # a [16, 8] weight: its flat key, and its name in the reader
+
+
+def retile(checkpoint: Path, boxes: list[tuple[tuple[int, int], tuple[int, int]]]) -> Path:
+    """Store ``KEY`` as the chunks ``boxes`` (offsets, sizes), each one's bytes written honestly (its slice of the
+    saved weight; zeros where it leaves the weight), with ``.metadata`` and the manifest agreeing."""
+    weight = trained(seed=0)[0][0].weight.detach()
+    metadata = read_metadata(checkpoint / DCP_METADATA_NAME)
+    (index,) = [index for index in metadata.storage_data if index.fqn == KEY]
+    info = metadata.storage_data.pop(index)
+    shard = checkpoint / info.relative_path
+    chunks = []
+    for position, (offsets, sizes) in enumerate(boxes):
+        block = weight[offsets[0] : offsets[0] + sizes[0], offsets[1] : offsets[1] + sizes[1]].clone()
+        if block.shape != sizes:
+            block = torch.zeros(sizes)
+        buffer = io.BytesIO()
+        torch.save(block, buffer)
+        with open(shard, "ab") as file:
+            offset = file.tell()
+            file.write(buffer.getvalue())
+        chunks.append(ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)))
+        stored = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
+        metadata.storage_data[MetadataIndex(KEY, torch.Size(offsets), position)] = stored
+    metadata.state_dict_metadata[KEY].chunks = chunks
+    write_metadata_pickle(checkpoint, pickle.dumps(metadata), shard)
+    return checkpoint
+
+
+def exported(checkpoint: Path) -> dict[str, torch.Tensor]:
+    """The model tensors as ``convert dcp-to-hf`` reads them (``DCPReader``, streamed group by group)."""
+    reader = DCPReader(checkpoint)
+    return {
+        key: value
+        for result in reader.stream(Identity(reader.keys()))
+        for key, value in result.outputs.items()
+    }
+
+
+def test_a_tensor_in_chunks_of_any_tiling_loads_on_both_paths(tmp_path: Path) -> None:
+    """Bricks, not a grid: the rows split at 5 left of column 3 and at 9 right of it."""
+    checkpoint = retile(
+        saved(tmp_path / "ckpt"), [((0, 0), (5, 3)), ((5, 0), (11, 3)), ((0, 3), (9, 5)), ((9, 3), (7, 5))]
+    )
+    weight = trained(seed=0)[0][0].weight
+    assert torch.equal(exported(checkpoint)[NAME], weight)
+    module, optimizer = trained(seed=1)
+    load(checkpoint, module, {0: optimizer}, strict=True, weights_only=True)
+    assert torch.equal(module[0].weight, weight)
+
+
+def refused_on_both_paths(checkpoint: Path, error: type[Exception], match: str) -> str:
+    """The resume refuses the checkpoint with model and optimizer untouched, and the export refuses it before
+    reading a tensor; both messages name the tensor and ``.metadata``. Returns the resume's message."""
+    message = failed_load(checkpoint, error, match)
+    assert repr(KEY) in message and str(checkpoint / DCP_METADATA_NAME) in message, message
+    with pytest.raises(error, match=match) as caught:
+        exported(checkpoint)
+    assert repr(NAME) in str(caught.value) and str(checkpoint / DCP_METADATA_NAME) in str(caught.value)
+    return message
+
+
+@pytest.mark.parametrize(
+    ("boxes", "reason"),
+    [
+        ([], "its chunks hold 0 of its 128 elements"),  # read as whatever memory held
+        ([((0, 0), (15, 8))], "its chunks hold 120 of its 128 elements"),  # a row never read
+        # 128 elements, but row 7 twice and row 15 never
+        ([((0, 0), (8, 8)), ((7, 0), (8, 8))], r"the chunks at \(0, 0\) and \(7, 0\) overlap"),
+        # row 9 twice, row 15 never: the overlap is with a chunk opened before the latest one
+        (
+            [((0, 0), (10, 4)), ((0, 4), (16, 4)), ((9, 0), (6, 4))],
+            r"the chunks at \(0, 0\) and \(9, 0\) overlap",
+        ),
+        ([((1, 0), (16, 8))], r"the chunk at \(1, 0\) of size \(16, 8\) lies outside it"),
+    ],
+    ids=["no_chunks", "a_gap", "an_overlap_with_the_right_count", "an_overlap_past_an_open_chunk", "outside"],
+)
+def test_chunks_that_do_not_tile_their_tensor_are_refused(
+    tmp_path: Path, boxes: list[tuple[tuple[int, int], tuple[int, int]]], reason: str
+) -> None:
+    checkpoint = retile(saved(tmp_path / "ckpt"), boxes)
+    refused_on_both_paths(checkpoint, CorruptIndexError, reason)
+
+
+def test_a_part_no_chunk_covers_would_export_as_zeros_not_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second line behind the chunk checks (bypassed here): the reader allocates zeros, so a part DCP never
+    reads holds none of the process's memory (``torch.empty`` made to return memory holding 7s, as reused
+    memory holds what was there before)."""
+    checkpoint = retile(saved(tmp_path / "ckpt"), [((0, 0), (8, 8))])  # rows 8 to 15 never read
+    monkeypatch.setattr(dcp_reader, "check_chunks", lambda *args: None)
+    empty = torch.empty
+
+    def used_memory(*args: Any, **kwargs: Any) -> torch.Tensor:
+        tensor = empty(*args, **kwargs)
+        return tensor.fill_(7.0) if tensor.is_floating_point() else tensor
+
+    monkeypatch.setattr(torch, "empty", used_memory)
+    weight = exported(checkpoint)[NAME]
+    assert torch.equal(weight[:8], trained(seed=0)[0][0].weight[:8])
+    assert torch.equal(weight[8:], torch.zeros(8, 8))
+
+
+def test_a_chunk_beyond_its_stored_bytes_is_refused_before_anything_is_allocated(tmp_path: Path) -> None:
+    """One chunk claiming a declared size far beyond what the files hold: the export would allocate it, and
+    write it out, had the chunk's bytes not been compared with its storage first."""
+    checkpoint = saved(tmp_path / "ckpt")
+
+    def huge(metadata: Metadata) -> None:
+        entry = metadata.state_dict_metadata[KEY]
+        entry.size = torch.Size([2**14, 8])
+        (index,) = [index for index in metadata.storage_data if index.fqn == KEY]
+        entry.chunks = [ChunkStorageMetadata(index.offset, entry.size)]
+
+    rewrite_metadata(checkpoint, huge)
+    refused_on_both_paths(checkpoint, CorruptIndexError, r"the chunk at \(0, 0\) holds 524288 bytes, but")
+
+
+def test_a_chunk_stored_in_fewer_bytes_than_it_holds_is_refused(tmp_path: Path) -> None:
+    checkpoint = saved(tmp_path / "ckpt")
+
+    def short(metadata: Metadata) -> None:
+        (index,) = [index for index in metadata.storage_data if index.fqn == KEY]
+        metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], length=16)
+
+    rewrite_metadata(checkpoint, short)
+    refused_on_both_paths(checkpoint, CorruptIndexError, "holds 512 bytes, but .* stores it in 16")
+
+
+@pytest.mark.parametrize("where", ["absolute", "parent"])
+def test_metadata_naming_files_outside_the_checkpoint_is_refused(tmp_path: Path, where: str) -> None:
+    """Every ``.distcp`` file moved out, ``.metadata`` pointing at it, the manifest agreeing (it lists only the
+    files inside): the manifest would vouch for none of the bytes loaded."""
+    checkpoint = saved(tmp_path / "ckpt")
+    (shard,) = checkpoint.glob("*.distcp")
+    outside = tmp_path / "outside" / shard.name
+    outside.parent.mkdir()
+    shard.rename(outside)
+    relative = str(outside) if where == "absolute" else f"../outside/{shard.name}"
+
+    def point_outside(metadata: Metadata) -> None:
+        for index, info in metadata.storage_data.items():
+            metadata.storage_data[index] = dataclasses.replace(info, relative_path=relative)
+
+    rewrite_metadata(checkpoint, point_outside, shard)
+    message = failed_load(checkpoint, CorruptIndexError, "not a file name")
+    assert repr(relative) in message and str(checkpoint / DCP_METADATA_NAME) in message
+    with pytest.raises(CorruptIndexError, match="not a file name"):
+        DCPReader(checkpoint)
 
 
 # ------------------------------------------------------------------------- ranks agree on what one of them saw
@@ -334,8 +541,6 @@ def craft_bytes_entry(checkpoint: Path, payload: object) -> str:
     and make ``.metadata`` and the manifest agree, as a crafted checkpoint would. Returns the entry's name."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    from lightning_d9d.state.untrusted import read_metadata
-
     metadata = read_metadata(checkpoint / DCP_METADATA_NAME)
     name = next(
         key
@@ -351,11 +556,7 @@ def craft_bytes_entry(checkpoint: Path, payload: object) -> str:
     with open(shard, "ab") as file:
         file.write(buffer.getvalue())
     metadata.storage_data[index] = dataclasses.replace(info, offset=offset, length=len(buffer.getvalue()))
-    (checkpoint / DCP_METADATA_NAME).write_bytes(pickle.dumps(metadata))
-    entries = manifest.read_manifest(checkpoint)
-    for file_name in (DCP_METADATA_NAME, shard.name):
-        entries[file_name] = manifest.checksum(checkpoint / file_name)
-    manifest.write_manifest(checkpoint, entries)
+    write_metadata_pickle(checkpoint, pickle.dumps(metadata), shard)
     return name
 
 
