@@ -9,8 +9,9 @@ their state keys; ``LoadHFWeights`` and ``ExportHF`` record the model's Hugging 
 ``"hf_config"``, which ``python -m lightning_d9d.convert dcp-to-hf`` reads.
 
 Saving is atomic and agreed across ranks (``AtomicDirectory``): the directory appears complete or not at all,
-and replaces only a training checkpoint (or a checkpoint file Lightning overwrites), never other data. The last
-file written is ``manifest.json`` (``manifest.py``): every other file with its size and CRC-32.
+and replaces only a training checkpoint, an empty directory or a checkpoint file Lightning wrote (see
+:func:`is_lightning_checkpoint_file`), never other data. The last file written is ``manifest.json``
+(``manifest.py``): every other file with its size and CRC-32.
 
 Loading checks every file before it touches the model, and the ranks agree on the outcome (one rank's damaged
 view fails every rank, with that rank's reason): the manifest (sizes, then checksums, each rank a share of the
@@ -26,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickletools
+import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -68,6 +71,7 @@ META_NAME, DCP_METADATA_NAME = selection.META_NAME, selection.DCP_METADATA_NAME
 MODEL_SECTION = "state_dict"
 CALLBACKS_SECTION = "callbacks"
 HF_CONFIG_KEY = "hf_config"  # in a callback's state: the model's Hugging Face config (a dict)
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"  # in every checkpoint dict Lightning's Trainer writes
 OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, cpu_offload=True)
 
 
@@ -79,10 +83,34 @@ def is_training_checkpoint(path: Path) -> bool:
     return path.is_dir() and (path / META_NAME).is_file() and (path / DCP_METADATA_NAME).is_file()
 
 
+def is_lightning_checkpoint_file(path: Path) -> bool:
+    """Whether the file ``path`` is a checkpoint Lightning wrote: a ``torch.save`` archive (a zip whose one
+    folder holds ``data.pkl``, stored uncompressed as torch writes it) whose pickle holds the key every Trainer
+    checkpoint has. The pickle's opcodes are parsed, never run (``pickletools``), so a crafted file runs nothing
+    here. The suffix ``.ckpt`` alone would not do (any file may be named so), nor would any ``torch.save`` file (a
+    user's tensors are data too)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [
+                info
+                for info in archive.infolist()
+                if info.filename.count("/") == 1 and info.filename.endswith("/data.pkl")
+            ]
+            if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
+                return False
+            with archive.open(pickles[0]) as stream:
+                return any(argument == LIGHTNING_VERSION_KEY for _, argument, _ in pickletools.genops(stream))
+    # not a zip, one zipfile cannot read (encrypted: RuntimeError), or a pickle cut short
+    except (OSError, EOFError, ValueError, RuntimeError, zipfile.BadZipFile):
+        return False
+
+
 def _replaceable(path: Path) -> bool:
-    """What a save may replace: a training checkpoint, an empty directory, or a checkpoint file (Lightning
-    overwrites ``last.ckpt`` in place when the strategy saved files before)."""
-    return path.is_file() or is_training_checkpoint(path) or (path.is_dir() and not any(path.iterdir()))
+    """What a save may replace: a training checkpoint, an empty directory, or a checkpoint file Lightning wrote
+    (``last.ckpt`` of a run that saved files: another strategy's, or ``save_distributed_checkpoint=False``)."""
+    if path.is_dir():
+        return is_training_checkpoint(path) or not any(path.iterdir())
+    return path.is_file() and is_lightning_checkpoint_file(path)
 
 
 def recorded_hf_config(meta: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -192,7 +220,10 @@ def _open(
     directory = AtomicDirectory(
         path,
         is_ours=_replaceable,
-        kind=f"a training checkpoint (a directory with {META_NAME} and {DCP_METADATA_NAME})",
+        kind=(
+            f"a training checkpoint (a directory with {META_NAME} and {DCP_METADATA_NAME}), an empty directory or "
+            "a checkpoint file Lightning wrote"
+        ),
         distributed=dist.is_available() and dist.is_initialized(),
     )
     return directory, sections, meta

@@ -7,7 +7,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -132,11 +132,19 @@ def test_save_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path: 
     assert entries(tmp_path) == ["home"]  # and no temporary directory left beside it
 
 
+def lightning_checkpoint_file(path: Path, **extra: Any) -> None:
+    """A checkpoint file as Lightning writes one (``torch.save`` of the Trainer's checkpoint dict), as
+    ``save_distributed_checkpoint=False`` or another strategy leaves ``last.ckpt``."""
+    torch.save(
+        {"epoch": 0, "global_step": 2, "pytorch-lightning_version": "2.6.0", "state_dict": {}, **extra}, path
+    )
+
+
 def test_save_replaces_a_checkpoint_of_ours_and_a_checkpoint_file(tmp_path: Path) -> None:
     first, first_optimizer = trained(seed=0)
     second, second_optimizer = trained(seed=1)
     target = tmp_path / "last.ckpt"
-    target.write_bytes(b"a checkpoint file Lightning saved before")
+    lightning_checkpoint_file(target)
     save(target, lightning_checkpoint(first, first_optimizer))
     assert target.is_dir()
     save(target, lightning_checkpoint(second, second_optimizer))
@@ -144,6 +152,52 @@ def test_save_replaces_a_checkpoint_of_ours_and_a_checkpoint_file(tmp_path: Path
     load(target, module, {0: optimizer}, strict=True, weights_only=True)
     assert torch.equal(module[2].weight, second[2].weight)
     assert entries(tmp_path) == ["last.ckpt"]
+
+
+class Mark:
+    """What a pickle would run if the file were unpickled: here it only leaves a mark."""
+
+    path = Path()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.mkdir, (str(Mark.path),))
+
+
+def test_recognising_a_checkpoint_file_runs_nothing_in_it(tmp_path: Path) -> None:
+    Mark.path = tmp_path / "was_run"
+    target = tmp_path / "last.ckpt"
+    lightning_checkpoint_file(target, payload=Mark())
+    module, optimizer = trained(seed=0)
+    save(target, lightning_checkpoint(module, optimizer))
+    assert target.is_dir() and not Mark.path.exists()
+
+
+def _torch_file(path: Path) -> None:
+    torch.save({"embeddings": torch.ones(3)}, path)  # a torch file, but not a checkpoint Lightning wrote
+
+
+@pytest.mark.parametrize(
+    ("name", "write"),
+    [
+        ("data.bin", lambda path: path.write_bytes(b"a corpus")),
+        ("last.ckpt", lambda path: path.write_bytes(b"not a zip, whatever its name")),
+        ("embeddings.pt", _torch_file),
+        ("last.ckpt", _torch_file),
+    ],
+    ids=["data", "named_ckpt", "torch_file", "torch_file_named_ckpt"],
+)
+def test_save_refuses_to_replace_a_file_that_is_not_a_checkpoint_file(
+    tmp_path: Path, name: str, write: Callable[[Path], Any]
+) -> None:
+    target = tmp_path / name
+    write(target)
+    content = target.read_bytes()
+    module, optimizer = trained(seed=0)
+    with pytest.raises(CheckpointFileError, match="refusing to replace") as caught:
+        save(target, lightning_checkpoint(module, optimizer))
+    assert str(target) in str(caught.value) and "Move it away or choose another path" in str(caught.value)
+    assert target.read_bytes() == content
+    assert entries(tmp_path) == [name]  # and no temporary directory left beside it
 
 
 # -------------------------------------------------------------------- D2: crashed saves, durability
