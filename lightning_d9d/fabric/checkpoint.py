@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from lightning_d9d.compat import Stateful
 from lightning_d9d.state import training as training_checkpoint
+from lightning_d9d.state.rng import RNG_KEY
 from lightning_d9d.strategies.hf_record import with_hf_config
 
 FABRIC_NAMES = "fabric_names"  # in meta.pt: {"model": name, "optimizers": [names]}
@@ -77,26 +78,19 @@ def load_into(
     """Load the checkpoint at ``path`` into ``state``'s model and optimizers (in place) and return ``(values,
     remainder)``: the new values of ``state``'s other entries (objects with ``load_state_dict`` are loaded in
     place and not among them) and what the checkpoint holds beyond them. ``strict``: every entry of ``state``
-    must be in the checkpoint, and the model's keys must match."""
+    must be in the checkpoint, and the model's keys must match. The names are checked with the files, before
+    the model is touched."""
     split = split_state(state, action="load")
     optimizers = dict(enumerate(split.optimizers.values()))
-    meta = training_checkpoint.load(path, split.model, optimizers, strict=strict, weights_only=weights_only)
-    names = meta.pop(FABRIC_NAMES, None)
-    # read from the file: used only if it is the list of names this module writes
-    saved = names.get("optimizers") if isinstance(names, dict) else None
-    saved_optimizers = [str(n) for n in saved] if isinstance(saved, list) else None
-    if saved_optimizers is not None and saved_optimizers[: len(optimizers)] != list(split.optimizers):
-        raise KeyError(
-            f"{path} holds the optimizers {saved_optimizers} in this order, the state passed to fabric.load "
-            f"names {list(split.optimizers)}: pass the optimizers under the names (and in the order) they were "
-            "saved with"
-        )
-    missing = [name for name in split.rest if name not in meta]
-    if strict and missing:
-        raise KeyError(
-            f"{path} holds no entry {missing[0]!r} of the state passed to fabric.load (it holds "
-            f"{sorted(meta)}); pass strict=False to load the rest"
-        )
+    meta = training_checkpoint.load(
+        path,
+        split.model,
+        optimizers,
+        strict=strict,
+        weights_only=weights_only,
+        check=lambda meta: _check_names(path, meta, split, strict=strict),
+    )
+    meta.pop(FABRIC_NAMES, None)
     values: dict[str, Any] = {}
     for name, obj in split.rest.items():
         if name not in meta:
@@ -106,3 +100,25 @@ def load_into(
         else:
             values[name] = meta.pop(name)
     return values, meta
+
+
+def _check_names(path: Path, meta: Mapping[str, Any], split: SplitState, *, strict: bool) -> None:
+    """The optimizers are passed under the names, and in the order, they were saved with; with ``strict``, every
+    other entry of the state is in the checkpoint."""
+    names = meta.get(FABRIC_NAMES)
+    # read from the file: used only if it is the list of names this module writes
+    saved = names.get("optimizers") if isinstance(names, dict) else None
+    saved_optimizers = [str(n) for n in saved] if isinstance(saved, list) else None
+    if saved_optimizers is not None and saved_optimizers[: len(split.optimizers)] != list(split.optimizers):
+        raise KeyError(
+            f"{path} holds the optimizers {saved_optimizers} in this order, the state passed to fabric.load "
+            f"names {list(split.optimizers)}: pass the optimizers under the names (and in the order) they were "
+            "saved with"
+        )
+    held = set(meta) - {FABRIC_NAMES, RNG_KEY}
+    missing = [name for name in split.rest if name not in held]
+    if strict and missing:
+        raise KeyError(
+            f"{path} holds no entry {missing[0]!r} of the state passed to fabric.load (it holds "
+            f"{sorted(held)}); pass strict=False to load the rest"
+        )

@@ -452,9 +452,14 @@ def _check_sections(path: Path, metadata: Metadata, optimizers: int) -> None:
         )
 
 
-def _checked(path: Path, optimizers: int, weights_only: bool | None) -> dict[str, Any]:
-    """This rank's checks of the checkpoint at ``path`` (its share of the checksums); ``meta.pt`` once every
-    file checked out."""
+MetaCheck = Callable[[dict[str, Any]], None]  # a caller's own check of meta.pt's content: raises to refuse it
+
+
+def _checked(
+    path: Path, optimizers: int, weights_only: bool | None, check: MetaCheck | None = None
+) -> dict[str, Any]:
+    """This rank's checks of the checkpoint at ``path`` (its share of the checksums), then ``check(meta)``;
+    ``meta.pt`` once every file checked out."""
     if not path.is_dir():
         previous = interrupted_replacement(path)
         if previous is not None:
@@ -470,6 +475,8 @@ def _checked(path: Path, optimizers: int, weights_only: bool | None) -> dict[str
     _check_sections(path, metadata, optimizers)
     check_chunks(path, metadata)
     untrusted.check_plain_entries(path, metadata)
+    if check is not None:
+        check(meta)
     return meta
 
 
@@ -480,19 +487,21 @@ def load(
     *,
     strict: bool,
     weights_only: bool | None,
+    check: MetaCheck | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer state in place (any mesh: DCP reshards) and return the rest (``meta.pt``).
 
     Every file is checked first, and every rank of the default process group (if any) agrees on the outcome: a
     damaged checkpoint raises an error naming the file on every rank, with the model and the optimizers
-    untouched. ``path`` may also be a folder of checkpoints: the newest complete one is loaded (see
-    :func:`~lightning_d9d.state.selection.newest_complete`).
+    untouched. ``check(meta)``: the caller's own checks of ``meta.pt``'s content, run with these (before the
+    model is touched; what it raises, every rank raises). ``path`` may also be a folder of checkpoints: the
+    newest complete one is loaded (see :func:`~lightning_d9d.state.selection.newest_complete`).
     """
     distributed = dist.is_available() and dist.is_initialized()
     named = Path(path).absolute()
     path = selection.resolve(named, distributed=distributed)
     try:
-        meta = agree(lambda: _checked(path, len(optimizers), weights_only), distributed=distributed)
+        meta = agree(lambda: _checked(path, len(optimizers), weights_only, check), distributed=distributed)
     except CheckpointError as error:
         # a checkpoint named directly (ckpt_path="last" too): say which other one is complete
         hint = selection.other_complete_hint(path) if path == named else None

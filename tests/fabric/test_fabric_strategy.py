@@ -127,22 +127,41 @@ def test_a_fabric_state_round_trips_through_the_training_checkpoint(tmp_path: Pa
         torch.testing.assert_close(entry["exp_avg"], saved_state[index]["exp_avg"], rtol=0, atol=0)
 
 
-def test_a_load_refuses_other_names_and_missing_entries(tmp_path: Path) -> None:
+def _parameters_and_moments(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    state = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    for index, entry in optimizer.state_dict()["state"].items():
+        state[f"exp_avg.{index}"] = entry["exp_avg"].clone()
+    return state
+
+
+def test_a_refused_load_leaves_the_model_and_optimizer_untouched(tmp_path: Path) -> None:
+    """Other optimizer names, or (strict) an entry the checkpoint lacks: refused before anything is loaded, so
+    the model keeps its own weights, not the checkpoint's."""
     model, optimizer = _trained(0)
     path = tmp_path / "ckpt"
     training_checkpoint.save(path, fabric_checkpoint.to_checkpoint({"model": model, "opt": optimizer}))
+    other, other_optimizer = _trained(1)
+    before = _parameters_and_moments(other, other_optimizer)
     with pytest.raises(KeyError, match=r"\['opt'\].*names \['optimizer'\]"):
         fabric_checkpoint.load_into(
-            path, {"model": model, "optimizer": optimizer}, strict=True, weights_only=None
+            path, {"model": other, "optimizer": other_optimizer}, strict=True, weights_only=None
         )
     with pytest.raises(KeyError, match=r"no entry 'step'.*strict=False"):
         fabric_checkpoint.load_into(
-            path, {"model": model, "opt": optimizer, "step": 0}, strict=True, weights_only=None
+            path, {"model": other, "opt": other_optimizer, "step": 0}, strict=True, weights_only=None
+        )
+    after = _parameters_and_moments(other, other_optimizer)
+    for name, value in before.items():
+        torch.testing.assert_close(
+            after[name], value, rtol=0, atol=0, msg=f"{name} changed by a refused load"
         )
     values, _ = fabric_checkpoint.load_into(
-        path, {"model": model, "opt": optimizer, "step": 0}, strict=False, weights_only=None
+        path, {"model": other, "opt": other_optimizer, "step": 0}, strict=False, weights_only=None
     )
     assert values == {}
+    torch.testing.assert_close(
+        other.state_dict(), model.state_dict(), rtol=0, atol=0
+    )  # what the refusals kept out
 
 
 def test_a_state_needs_exactly_one_model() -> None:
