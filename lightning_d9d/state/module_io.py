@@ -143,6 +143,7 @@ def save_from_module(
     extra_files: Mapping[str, bytes | str] | None = None,
     partial: bool = False,
     leave: Collection[str] = (),
+    single_file: str | None = None,
 ) -> Path:
     """Stream ``module.state_dict()`` through ``mapper`` (module → disk) into a checkpoint at ``directory``.
 
@@ -155,6 +156,7 @@ def save_from_module(
     ranks must hold all of them. If a rank fails midway the others wait in the next collective until the process
     group times out; the destination is then left as it was. ``extra_files`` (name → content, e.g.
     ``config.json``) are committed with the weights. ``leave``: module keys the format does not cover, not written.
+    ``single_file``: every tensor in one file of that name, no index (``ShardedWriter``'s).
     """
     live, aliases = module_tensors(module)
     state = {key: value.detach() for key, value in live.items() if key not in leave}
@@ -180,6 +182,7 @@ def save_from_module(
         metadata=metadata,
         extra_files=extra_files,
         distributed=len(held) > 1,  # commits collectively: every rank returns once the checkpoint is in place
+        single_file=single_file,
     )
     with torch.no_grad(), writer:
         for group, mine in zip(groups, writes, strict=True):

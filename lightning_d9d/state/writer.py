@@ -27,7 +27,7 @@ from pathlib import Path
 from types import TracebackType
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .atomic import AtomicDirectory, fsync
@@ -67,12 +67,12 @@ def parse_size(size: int | str) -> int:
         ) from None
 
 
-def _looks_like_checkpoint(path: Path) -> bool:
+def _looks_like_checkpoint(path: Path, single_file: str = SINGLE_FILE_NAME) -> bool:
     """Only a checkpoint (or nothing) may be replaced: never a directory of other things passed by mistake."""
     if not path.is_dir():
         return False
     names = {entry.name for entry in path.iterdir()}
-    return not names or INDEX_NAME in names or SINGLE_FILE_NAME in names
+    return not names or INDEX_NAME in names or SINGLE_FILE_NAME in names or single_file in names
 
 
 def _as_bytes(content: bytes | str) -> bytes:
@@ -136,6 +136,7 @@ class ShardedWriter:
         metadata: Mapping[str, str] | None = None,
         distributed: bool = False,
         extra_files: Mapping[str, bytes | str] | None = None,
+        single_file: str | None = None,
     ) -> None:
         if max_shard_bytes <= 0:
             raise ValueError(f"max_shard_bytes ({max_shard_bytes}) must be positive")
@@ -146,10 +147,17 @@ class ShardedWriter:
         for name in self.extra_files:
             _check_extra_name(name)
         self.distributed = distributed
+        # every tensor in one file of this name, no index (peft's adapter_model.safetensors): small checkpoints
+        self.single_file = single_file
+        if single_file is not None:
+            if single_file != Path(single_file).name or not single_file.endswith(".safetensors"):
+                raise ValueError(f"single_file {single_file!r} must be a plain file name ending in .safetensors")
+            self.max_shard_bytes = 2**62  # one buffer, written once
+        own_file = single_file or SINGLE_FILE_NAME
         self._atomic = AtomicDirectory(
             self.directory,
-            is_ours=_looks_like_checkpoint,
-            kind=f"a safetensors checkpoint (no {INDEX_NAME} or {SINGLE_FILE_NAME})",
+            is_ours=lambda path: _looks_like_checkpoint(path, own_file),
+            kind=f"a safetensors checkpoint (no {INDEX_NAME} or {own_file})",
             distributed=distributed,
         )
         self.rank = self._atomic.rank
@@ -250,7 +258,9 @@ class ShardedWriter:
 
     def _finish(self, temp: Path, shards: list[_Shard]) -> None:
         """Rank 0: give the shards their final names and write the index and the extra files."""
-        if not shards:  # an empty checkpoint is still a valid checkpoint: one empty file
+        if self.single_file is not None:
+            self._join(temp, shards, self.single_file)
+        elif not shards:  # an empty checkpoint is still a valid checkpoint: one empty file
             save_file({}, str(temp / SINGLE_FILE_NAME), metadata=self.metadata)
             fsync(temp / SINGLE_FILE_NAME)
         elif len(shards) == 1:
@@ -270,6 +280,15 @@ class ShardedWriter:
         for name, content in self.extra_files.items():
             (temp / name).write_bytes(content)
             fsync(temp / name)
+
+    def _join(self, temp: Path, shards: list[_Shard], name: str) -> None:
+        """Rank 0: every shard's tensors (parts several ranks wrote) in the one file ``name``."""
+        tensors: dict[str, Tensor] = {}
+        for shard in shards:
+            tensors.update(load_file(str(temp / shard.temp_name)))
+            (temp / shard.temp_name).unlink()
+        save_file(tensors, str(temp / name), metadata=self.metadata)
+        fsync(temp / name)
 
     def abort(self) -> None:
         """Forget everything written so far; the destination is left as it was."""
