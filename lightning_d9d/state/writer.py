@@ -151,7 +151,9 @@ class ShardedWriter:
         self.single_file = single_file
         if single_file is not None:
             if single_file != Path(single_file).name or not single_file.endswith(".safetensors"):
-                raise ValueError(f"single_file {single_file!r} must be a plain file name ending in .safetensors")
+                raise ValueError(
+                    f"single_file {single_file!r} must be a plain file name ending in .safetensors"
+                )
             self.max_shard_bytes = 2**62  # one buffer, written once
         own_file = single_file or SINGLE_FILE_NAME
         self._atomic = AtomicDirectory(
