@@ -22,7 +22,7 @@ from .registry import (
     read_hf_config,
     register_hf_format,
 )
-from .transformers import transformers_model_format
+from .transformers import declared_class, transformers_model_format
 
 __all__ = [
     "CONFIG_NAME",
@@ -32,6 +32,7 @@ __all__ = [
     "HFFormat",
     "HasHFConfig",
     "check_same_model",
+    "declared_class",
     "dtype_name",
     "hf_config_json",
     "hf_dict",

@@ -19,6 +19,8 @@ Nothing here imports ``transformers``: a model is recognised by its classes' mod
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 from typing import Any
 
 import torch
@@ -65,12 +67,33 @@ def is_transformers_module(module: object) -> bool:
     )
 
 
+def _made_by_torch_at_runtime(cls: type) -> bool:
+    """Whether ``cls`` is a class torch made while wrapping a module (not one defined in its source)."""
+    if cls.__module__.split(".")[0] != "torch" or len(cls.__bases__) < 2:
+        return False
+    try:
+        defined = functools.reduce(getattr, cls.__qualname__.split("."), sys.modules[cls.__module__])
+    except (AttributeError, KeyError):
+        return True
+    return defined is not cls
+
+
+def declared_class(module: nn.Module) -> type:
+    """The class ``module`` was built as, whatever torch wrapped it in since: ``fully_shard`` swaps a module's
+    class for ``FSDP<Name>``, ``replicate`` for ``DDP<Name>``, each made at runtime with the wrapper and the
+    module's class as bases. Its name is what checkpoints record and exports write in ``architectures``."""
+    cls = type(module)
+    while _made_by_torch_at_runtime(cls):
+        cls = cls.__bases__[-1]  # the class it replaced comes last
+    return cls
+
+
 def transformers_hf_config(module: nn.Module) -> dict[str, Any]:
     """The ``config.json`` of a ``transformers`` model, naming its class among ``architectures`` as
     ``save_pretrained`` does."""
     config: Any = getattr(module, "config")  # noqa: B009  (a transformers config, untyped here)
     content = dict(config.to_dict())
-    content["architectures"] = [type(module).__name__]
+    content["architectures"] = [declared_class(module).__name__]
     return content
 
 
@@ -85,7 +108,7 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
     if family is None:
         return HFFormat(
             model_type=str(config.get("model_type")),
-            architectures=(type(module).__name__,),
+            architectures=(declared_class(module).__name__,),
             mapping=lambda _config, _layout: Identity(keys),
             signature=_signature,
             tied=lambda _config: dict(aliases),
@@ -99,7 +122,7 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
 
     return HFFormat(
         model_type=family.model_type,
-        architectures=(*family.architectures, type(module).__name__),
+        architectures=(*family.architectures, declared_class(module).__name__),
         mapping=read_into_module,
         signature=family.signature,
         hf_shapes=family.hf_shapes,
@@ -139,7 +162,9 @@ def transformers_model_format(config: HFConfig) -> HFFormat:
 def whole_model_tensors(module: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
     """:func:`~lightning_d9d.state.module_io.module_tensors` of the whole model ``module`` is (or was: a pipeline
     rank's model holds its stages only), built from its config on ``meta``: every key, and its ties."""
-    model_class = next(cls for cls in type(module).__mro__ if cls.__module__.startswith("transformers."))
+    model_class = next(
+        cls for cls in declared_class(module).__mro__ if cls.__module__.startswith("transformers.")
+    )
     config = copy.deepcopy(getattr(module, "config"))  # noqa: B009  (untyped here)
     with torch.device("meta"):
         whole = model_class(config)

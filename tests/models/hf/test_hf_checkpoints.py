@@ -1,19 +1,25 @@
 """``transformers``' own files in and out of a run on a transformers model: a multi-shard ``save_pretrained``
 checkpoint streamed by ``LoadHFWeights`` into ``tp=2 × dp_shard=2`` (and into pipeline stages), trained, written by
-``ExportHF`` as several shards, and read back by ``from_pretrained``: the original's logits when nothing trained
-(fp32, 1e-5), the one-process run's parameters when it trained. Dense (Qwen3, Llama) and Qwen3-MoE, whose
-per-expert files become its fused in-memory experts and back."""
+``ExportHF`` as several shards, and read back by ``AutoModelForCausalLM.from_pretrained`` as the class the run
+trained (``architectures`` names it, not the class FSDP made): the original's logits when nothing trained (fp32,
+1e-5), the one-process run's parameters when it trained. Dense (Qwen3, Llama) and Qwen3-MoE, whose per-expert
+files become its fused in-memory experts and back. A training checkpoint of the FSDP run converts with ``dcp-to-hf``
+without ``--config`` to the same files."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import transformers
 from hf_parity_run import BATCHES
+from safetensors.torch import load_file
 from tiny_hf import FAMILIES, batch, reference_run, tiny_causal_lm
 
+from lightning_d9d.convert import main as convert_main
 from lightning_d9d.state.errors import ConfigMismatchError
 from lightning_d9d.state.hf import load_hf
 from lightning_d9d.state.reader import INDEX_NAME
@@ -33,7 +39,14 @@ def saved_pretrained(family: str, directory: Path) -> torch.nn.Module:
 
 RUNS: dict[str, dict[str, Any]] = {
     # nothing trains (lr 0): what comes out is what went in
-    "qwen3_tp2_dp2_roundtrip": {"family": "qwen3", "devices": 4, "dims": {"tp": 2, "dp_shard": 2}, "lr": 0.0},
+    # and a training checkpoint of the last step, which dcp-to-hf converts to the same files
+    "qwen3_tp2_dp2_roundtrip": {
+        "family": "qwen3",
+        "devices": 4,
+        "dims": {"tp": 2, "dp_shard": 2},
+        "lr": 0.0,
+        "save_every": BATCHES,
+    },
     # (Llama's files go through the same adapter path: its round trip is the pipelined run below, which keeps
     # the suite inside CI's time; a 4-process Llama round trip beside Qwen3's added ~25 s)
     "qwen3_moe_ep2_roundtrip": {"family": "qwen3_moe", "devices": 2, "dims": {"ep": 2}, "lr": 0.0},
@@ -49,6 +62,10 @@ RUNS: dict[str, dict[str, Any]] = {
 ORIGINALS: dict[str, torch.nn.Module] = {}
 
 
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    return {key: value for file in directory.glob("*.safetensors") for key, value in load_file(file).items()}
+
+
 def prepare_runs(out: Path) -> dict[str, dict[str, Any]]:
     """The runs with their directories: each loads its own save_pretrained files (written here) and exports."""
     runs = {}
@@ -60,6 +77,8 @@ def prepare_runs(out: Path) -> dict[str, dict[str, Any]]:
             "load_hf": str(out / f"{name}_pretrained"),
             "export_hf": str(out / name),
         }
+        if "save_every" in run:
+            runs[name]["ckpt_dir"] = str(out / f"{name}_ckpt")
     return runs
 
 
@@ -70,7 +89,18 @@ def test_hf_files_round_trip_through_a_parallel_run(parity_results: dict[str, An
     exported = Path(got["export_dir"]) / "final"
     assert len(list(exported.glob("*.safetensors"))) > 1 and (exported / INDEX_NAME).is_file()
     assert all(torch.equal(got["start"][n], p.detach()) for n, p in original.named_parameters())  # loaded
-    back = FAMILIES[run["family"]][1].from_pretrained(exported)
+    model_class = FAMILIES[run["family"]][1]
+    assert json.loads((exported / "config.json").read_text())["architectures"] == [model_class.__name__]
+    back = transformers.AutoModelForCausalLM.from_pretrained(exported)
+    assert type(back) is model_class
+    if "save_every" in run:  # the config recorded in the checkpoint names the class: no --config needed
+        converted = Path(got["export_dir"]).with_name(f"{name}_converted")
+        checkpoint = Path(got["export_dir"]).with_name(f"{name}_ckpt") / f"step={BATCHES}.ckpt"
+        assert convert_main(["dcp-to-hf", str(checkpoint), str(converted)]) == 0
+        assert json.loads((converted / "config.json").read_text())["architectures"] == [model_class.__name__]
+        written, reference = _tensors(converted), _tensors(exported)
+        assert written.keys() == reference.keys()
+        assert all(torch.equal(written[key], value) for key, value in reference.items())
     ids = batch(0)[0]
     if run.get("lr") == 0.0:
         expected = original(input_ids=ids).logits
