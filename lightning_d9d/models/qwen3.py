@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM, CausalLMStage
+from lightning_d9d.models.flops import AttentionShape, FlopParams, training_flops_per_token
 from lightning_d9d.modules import (
     Attention,
     RMSNorm,
@@ -656,14 +657,12 @@ class Qwen3ForCausalLM(CausalLM):
 
     # ------------------------------------------------------------------------------------------- flops
     def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward) for sequences of ``seq_len`` tokens.
-
-        ``6 * N + 12 * L * H * head_dim * T``, where ``N`` is the parameter count without the input
-        embedding (a lookup, not a matmul) but with the LM head (counted even when tied): 2 FLOPs per
-        multiply-add, times 3 for forward + backward. The second term is attention's two ``T x T`` matmuls
-        (``QK^T`` and ``AV``: 2 matmuls * 2 FLOPs * 3) for ``L`` layers of ``H`` query heads, without the
-        causal-mask halving, as in the PaLM / torchtitan MFU convention.
+        """Training FLOPs per token (forward + backward) for sequences of ``seq_len`` tokens, every weight
+        trained: ``6 * N + 12 * L * H * head_dim * T`` (:mod:`lightning_d9d.models.flops`), where ``N`` is the
+        parameter count without the input embedding (a lookup, not a matmul) but with the LM head (counted even
+        when tied), from the config, so any pipeline stage gives the whole model's count.
         """
         c = self.config
         n = c.num_params(include_embedding=False)
-        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+        attention = AttentionShape(c.num_hidden_layers, c.num_attention_heads, c.head_dim)
+        return training_flops_per_token(FlopParams(trained=n), attention, seq_len)

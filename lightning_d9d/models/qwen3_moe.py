@@ -54,6 +54,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.causal_lm import CausalLM
+from lightning_d9d.models.flops import AttentionShape, FlopParams, training_flops_per_token
 from lightning_d9d.models.qwen3 import (
     TINY_SHAPE,
     DecoderStage,
@@ -371,10 +372,11 @@ class Qwen3MoeForCausalLM(CausalLM):
 
     # ------------------------------------------------------------------------------------------- flops
     def num_flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token (forward + backward): ``6 * N_active + 12 * L * H * head_dim * T``, with
-        ``N_active`` the parameters a token runs through (its ``num_experts_per_tok`` experts, the whole router,
-        no input embedding, the head even when tied) and attention's two ``T x T`` matmuls as in Qwen3's count
-        (no causal halving: the PaLM / torchtitan convention)."""
+        """Training FLOPs per token (forward + backward), every weight trained: ``6 * N_active + 12 * L * H *
+        head_dim * T`` (:mod:`lightning_d9d.models.flops`), with ``N_active`` the parameters a token runs through
+        (its ``num_experts_per_tok`` experts, the whole router, no input embedding, the head even when tied), from
+        the config."""
         c = self.config
         n = c.num_params(include_embedding=False, active=True)
-        return 6 * n + 12 * c.num_hidden_layers * c.num_attention_heads * c.head_dim * seq_len
+        attention = AttentionShape(c.num_hidden_layers, c.num_attention_heads, c.head_dim)
+        return training_flops_per_token(FlopParams(trained=n), attention, seq_len)
