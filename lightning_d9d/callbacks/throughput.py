@@ -2,21 +2,35 @@
 
 Nothing is read back from the device between window boundaries: on CUDA a window's span is measured with two
 ``torch.cuda.Event(enable_timing=True)`` (the end one is waited for once, when the window closes), on CPU with
-``time.perf_counter``. Token counts come from the batches' shapes (host-side), never from their values.
+``time.perf_counter``. The tokens read come from the batches' shapes (host-side); the tokens learnt (labels that
+are not ``ignore_index``) are counted on the device and read back with the window's end, summed over the
+data-parallel ranks by one all-reduce per window.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from time import perf_counter
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
+
+from lightning_d9d.models.flops import (
+    AttentionShape,
+    FlopParams,
+    flop_params,
+    routed_experts,
+    training_flops_per_token,
+)
+from lightning_d9d.modules.hf_init import is_transformers_model
 
 # Dense bf16 tensor-core peaks (no 2:4 sparsity) in FLOP/s, per GPU, from NVIDIA's data sheets. The first key
 # found in the lower-cased device name wins, so the more specific names come first.
@@ -32,6 +46,12 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 
 TokenCounter = Callable[[Any], tuple[int, int]]
 """``batch -> (tokens, sequence length)`` of one rank's batch, from shapes only."""
+
+LearntCounter = Callable[[Any, int], "torch.Tensor | int | None"]
+"""``(batch, ignore_index) -> tokens learnt`` of one rank's batch (a device tensor is not read back until the window
+closes); None where the batch holds no labels."""
+
+DEFAULT_IGNORE_INDEX = -100  # torch's cross-entropy default, and causal_lm_loss's
 
 
 def peak_flops_of(device: torch.device) -> float | None:
@@ -57,6 +77,47 @@ def count_input_tokens(batch: Any) -> tuple[int, int]:
     return tensor.numel(), int(tensor.shape[-1])
 
 
+def count_learnt_tokens(batch: Any, ignore_index: int = DEFAULT_IGNORE_INDEX) -> torch.Tensor | None:
+    """Tokens a batch learns from: its labels that are not ``ignore_index`` (padding, prompts and document
+    boundaries are), counted on the batch's device without a host synchronisation. The labels are
+    ``batch["labels"]`` for a mapping, or the second of an ``(input_ids, labels)`` pair of equal shapes; None where
+    the batch holds none."""
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+    elif (
+        isinstance(batch, Sequence)
+        and len(batch) >= 2
+        and all(isinstance(t, torch.Tensor) for t in batch[:2])
+    ):
+        labels = batch[1] if batch[1].shape == batch[0].shape else None
+    else:
+        labels = None
+    return (labels != ignore_index).sum() if isinstance(labels, torch.Tensor) else None
+
+
+def loss_ignore_index(pl_module: nn.Module) -> int | None:
+    """The label the LightningModule's loss skips: an ``ignore_index`` of the module itself, of one of its public
+    attributes (``self.loss_fn = CausalLMLoss(ignore_index=...)``, the ``hparams``) or of a child module
+    (``nn.CrossEntropyLoss``); None where none has one. Raises ``ValueError`` naming them where they disagree."""
+    holders: dict[str, Any] = {"self": pl_module}
+    holders.update((name, value) for name, value in vars(pl_module).items() if not name.startswith("_"))
+    holders.update(pl_module.named_children())
+    found = {name: _int_attribute(value, "ignore_index") for name, value in holders.items()}
+    found = {name: value for name, value in found.items() if value is not None}
+    if len(set(found.values())) > 1:
+        listed = ", ".join(f"{name}.ignore_index={value}" for name, value in found.items())
+        raise ValueError(
+            f"Throughput: {type(pl_module).__name__} skips different labels ({listed}); pass "
+            "Throughput(ignore_index=...) to say which labels are not learnt"
+        )
+    return next(iter(found.values()), None)
+
+
+def _int_attribute(value: Any, name: str) -> int | None:
+    found = getattr(value, name, None)
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
+
+
 def _first_tensor(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
@@ -68,19 +129,25 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def find_flops_model(pl_module: pl.LightningModule, module_attr: str | None = None) -> nn.Module | None:
-    """The module with ``num_flops_per_token(seq_len)``: ``module_attr`` (``""`` for the LightningModule), else
-    the LightningModule itself or its only direct child that has one; None when there is none."""
+    """The model whose FLOPs are counted: one with ``num_flops_per_token(seq_len)`` or a ``transformers`` model.
+    ``module_attr`` names it (``""`` for the LightningModule), else it is the LightningModule itself or its only
+    direct child that is one; None when there is none."""
     if module_attr is not None:
         module = pl_module.get_submodule(module_attr)
-        if not callable(getattr(module, "num_flops_per_token", None)):
+        if not _counts_flops(module):
             raise AttributeError(
-                f"{type(module).__name__} ({module_attr!r}) has no num_flops_per_token(seq_len)"
+                f"{type(module).__name__} ({module_attr!r}) has no num_flops_per_token(seq_len) and is not a "
+                "transformers model; pass Throughput(flops_per_token=lambda seq_len: ...)"
             )
         return module
-    if callable(getattr(pl_module, "num_flops_per_token", None)):
+    if _counts_flops(pl_module):
         return pl_module
-    found = [child for child in pl_module.children() if callable(getattr(child, "num_flops_per_token", None))]
+    found = [child for child in pl_module.children() if _counts_flops(child)]
     return found[0] if len(found) == 1 else None
+
+
+def _counts_flops(module: nn.Module) -> bool:
+    return callable(getattr(module, "num_flops_per_token", None)) or is_transformers_model(module)
 
 
 @dataclass
@@ -111,14 +178,27 @@ class Throughput(Callback):
 
     Metrics (``prefix`` + name), each the mean over the window's optimizer steps:
 
-    - ``tokens_per_sec``: tokens of all data-parallel ranks per second. A step's tokens are one rank's batch
+    - ``tokens_per_sec``: tokens read by all data-parallel ranks per second. A step's tokens are one rank's batch
       tokens (every position of ``input_ids``, padding included; see ``count_tokens``) times the accumulated
       batches times the data-parallel degree: ``parallel_dims.dp`` under the d9d strategy (pipeline, tensor and
       context peers share a batch), else the world size. ``tokens_per_sec_per_device`` divides by the world size.
+    - ``learnt_tokens_per_sec``: tokens learnt from by all data-parallel ranks per second: labels that are not
+      ``ignore_index`` (padding, prompts and document boundaries are not learnt; see ``count_learnt``),
+      each rank's own count summed over the data-parallel ranks; ``learnt_tokens_per_sec_per_device`` divides
+      by the world size. ``ignore_index`` is the one given, else the loss's own where the module has one
+      (:func:`loss_ignore_index`), else -100. Not logged for batches without labels (an info line says so).
     - ``tflops`` and ``tflops_per_device``: model FLOPs, ``flops_per_token(seq_len) * tokens_per_sec / 1e12``
-      (per device: also divided by the world size). ``flops_per_token`` is the model's
-      ``num_flops_per_token(seq_len)`` (Qwen3: ``6 N + 12 L H d T``, forward + backward, without recomputation),
-      found on the LightningModule or its only child that has it, or given.
+      (per device: also divided by the world size), the tokens read, since every position is computed.
+      ``flops_per_token`` is ``6 * N_trained + 4 * N_frozen + 12 * L * H * head_dim * T``
+      (:mod:`lightning_d9d.models.flops`): ``N`` the parameters a token multiplies through (no input embedding,
+      the head even when tied, the active share of routed experts); a trained weight costs 6 FLOPs per
+      parameter (forward, input gradient, weight gradient), a frozen one (LoRA's base, a user's frozen modules)
+      4 (no weight gradient); the second term is attention's ``T x T`` matmuls. It is the model's
+      ``num_flops_per_token(seq_len)`` where the model has one and trains every weight (our models count ``N``
+      from their config); else, for a ``transformers`` model or one with frozen weights, ``N`` counted from
+      its parameters (summed over pipeline stages) and ``L, H, head_dim`` read from its config. The model is
+      the LightningModule or its only child that has either, or ``module_attr``; or give ``flops_per_token``.
+      Where none can be counted, an info line says why.
     - ``mfu``: model FLOPs utilisation in [0, 1], ``flops per second per device / peak``, only when a peak is
       known: ``peak_flops`` (FLOP/s of one device), else the dense bf16 tensor-core peak of the GPU's name from
       :data:`PEAK_BF16_FLOPS` (H100 / H200 SXM: 989.4 TFLOP/s), whatever the training precision. None on CPU.
@@ -131,8 +211,8 @@ class Throughput(Callback):
     which validation ran or a checkpoint was saved is dropped. The values are rank 0's timing (every rank runs
     the same steps). On CUDA a window's span is measured by two CUDA events, recorded into the current stream as
     its first and last steps end; only when the window closes does the host wait for the last one: one
-    synchronisation per window, none on the steps in between. Rank 0's loggers get the values at the step the
-    window closes, whatever ``log_every_n_steps``.
+    synchronisation per window, none on the steps in between (the learnt tokens are summed on the device until
+    then). Rank 0's loggers get the values at the step the window closes, whatever ``log_every_n_steps``.
     """
 
     def __init__(
@@ -143,6 +223,8 @@ class Throughput(Callback):
         flops_per_token: Callable[[int], float] | None = None,
         module_attr: str | None = None,
         count_tokens: TokenCounter = count_input_tokens,
+        count_learnt: LearntCounter = count_learnt_tokens,
+        ignore_index: int | None = None,
         prefix: str = "perf/",
         prog_bar: bool = True,
     ) -> None:
@@ -155,9 +237,12 @@ class Throughput(Callback):
         self.flops_per_token = flops_per_token
         self.module_attr = module_attr
         self.count_tokens = count_tokens
+        self.count_learnt = count_learnt
+        self.ignore_index = ignore_index
         self.prefix = prefix
         self.prog_bar = prog_bar
         self.metrics: dict[str, float] = {}  # the last window's values
+        self._explained: set[str] = set()  # the info lines already given
         self._reset()
 
     def _reset(self) -> None:
@@ -165,6 +250,8 @@ class Throughput(Callback):
         self._steps = 0  # optimizer steps in the window
         self._window_tokens = 0
         self._step_tokens = 0  # tokens of the optimizer step in progress (accumulated batches)
+        self._window_learnt: torch.Tensor | int | None = 0  # None once a batch has no labels
+        self._step_learnt: torch.Tensor | int | None = 0
         self._seq_len = 0
         self._last_step = -1
         self._dirty = False
@@ -176,11 +263,9 @@ class Throughput(Callback):
         self._last_step = trainer.global_step
         self._dp = _data_parallel_degree(trainer)
         self._world = trainer.world_size
-        if self.flops_per_token is None:
-            model = find_flops_model(pl_module, self.module_attr)
-            self._flops_fn: Callable[[int], float] | None = model.num_flops_per_token if model else None  # type: ignore[assignment]
-        else:
-            self._flops_fn = self.flops_per_token
+        found = self.ignore_index if self.ignore_index is not None else loss_ignore_index(pl_module)
+        self._ignore = DEFAULT_IGNORE_INDEX if found is None else found
+        self._flops_fn = self._find_flops(trainer, pl_module)
         self._peak = self.peak_flops if self.peak_flops is not None else peak_flops_of(pl_module.device)
 
     @override
@@ -189,6 +274,14 @@ class Throughput(Callback):
     ) -> None:
         tokens, self._seq_len = self.count_tokens(batch)
         self._step_tokens += tokens
+        if self._step_learnt is None:
+            return  # the batches hold no labels (said once)
+        learnt = self.count_learnt(batch, self._ignore)
+        if learnt is None:
+            self._explain_no_labels(batch)
+            self._step_learnt = self._window_learnt = None
+        else:
+            self._step_learnt = self._step_learnt + learnt  # queued on the device: no host wait
 
     @override
     def on_train_batch_end(
@@ -198,17 +291,23 @@ class Throughput(Callback):
             return  # an accumulation micro-step: the optimizer step is not over yet
         self._last_step = trainer.global_step
         step_tokens, self._step_tokens = self._step_tokens * self._dp, 0
+        step_learnt, self._step_learnt = self._step_learnt, (0 if self._step_learnt is not None else None)
         now = _Clock.now(pl_module.device)
         if self._start is None or self._dirty:
             self._start, self._steps, self._window_tokens, self._dirty = now, 0, 0, False
+            self._window_learnt = 0 if step_learnt is not None else None
             return
         self._steps += 1
         self._window_tokens += step_tokens
+        if self._window_learnt is not None and step_learnt is not None:
+            self._window_learnt = self._window_learnt + step_learnt
         if self._steps < self.window:
             return
         seconds = self._start.seconds_until(now)
-        self.metrics = self._compute(seconds, self._steps, self._window_tokens, pl_module.device)
+        learnt = self._summed_over_data_ranks(trainer, pl_module.device, self._window_learnt)
+        self.metrics = self._compute(seconds, self._steps, self._window_tokens, learnt, pl_module.device)
         self._start, self._steps, self._window_tokens = now, 0, 0
+        self._window_learnt = 0 if self._window_learnt is not None else None
         self._log(trainer, pl_module)
 
     @override
@@ -222,13 +321,64 @@ class Throughput(Callback):
         self._dirty = True
 
     # ------------------------------------------------------------------------------------ the numbers
-    def _compute(self, seconds: float, steps: int, tokens: int, device: torch.device) -> dict[str, float]:
+    def _find_flops(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule
+    ) -> Callable[[int], float] | None:
+        """``flops_per_token`` as the class docstring says; None, with an info line saying why, where it cannot
+        be counted. Under pipeline parallelism every rank all-reduces the parameter counts of its stages once."""
+        if self.flops_per_token is not None:
+            return self.flops_per_token
+        model = find_flops_model(pl_module, self.module_attr)
+        if model is None:
+            self._explain(
+                f"Throughput: no TFLOP/s or MFU: {type(pl_module).__name__} holds no model with "
+                "num_flops_per_token(seq_len) and no transformers model (or several); pass module_attr='...' or "
+                "flops_per_token=lambda seq_len: ..."
+            )
+            return None
+        config = getattr(model, "config", None)
+        params = _summed_over_pipeline(trainer, pl_module.device, flop_params(model, routed_experts(config)))
+        attention = AttentionShape.of(config) if config is not None else None
+        own: Callable[[int], float] | None = getattr(model, "num_flops_per_token", None)
+        if own is not None and (params.frozen == 0 or attention is None):
+            if params.frozen:
+                self._explain(
+                    f"Throughput: {type(model).__name__}.num_flops_per_token counts its frozen weights as trained "
+                    "(its config gives no num_hidden_layers / num_attention_heads to count them apart)"
+                )
+            return own
+        if attention is None:
+            self._explain(
+                f"Throughput: no TFLOP/s or MFU: {type(model).__name__}'s config has no num_hidden_layers / "
+                "num_attention_heads to count attention's FLOPs from; pass flops_per_token=lambda seq_len: ..."
+            )
+            return None
+        return partial(training_flops_per_token, params, attention)
+
+    def _summed_over_data_ranks(
+        self, trainer: pl.Trainer, device: torch.device, count: torch.Tensor | int | None
+    ) -> int | None:
+        """The window's learnt tokens of every data-parallel rank (one all-reduce; every rank closes the window
+        at the same step)."""
+        if count is None:
+            return None
+        total = torch.as_tensor(count, dtype=torch.int64, device=device).clone()
+        if self._dp > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, group=_data_parallel_group(trainer))
+        return int(total.item())
+
+    def _compute(
+        self, seconds: float, steps: int, tokens: int, learnt: int | None, device: torch.device
+    ) -> dict[str, float]:
         tokens_per_sec = tokens / seconds
         values = {
             "tokens_per_sec": tokens_per_sec,
             "tokens_per_sec_per_device": tokens_per_sec / self._world,
             "step_time": seconds / steps,
         }
+        if learnt is not None:
+            values["learnt_tokens_per_sec"] = learnt / seconds
+            values["learnt_tokens_per_sec_per_device"] = learnt / seconds / self._world
         if self._flops_fn is not None:
             flops = float(self._flops_fn(self._seq_len)) * tokens_per_sec
             values["tflops"] = flops / 1e12
@@ -250,9 +400,39 @@ class Throughput(Callback):
                     name, torch.tensor(value), prog_bar=True, logger=False, on_step=True, batch_size=1
                 )
 
+    def _explain_no_labels(self, batch: Any) -> None:
+        self._explain(
+            f"Throughput: no learnt_tokens_per_sec: the batch ({type(batch).__name__}) holds no labels (a "
+            "'labels' key, or the second of an (input_ids, labels) pair); pass "
+            "count_learnt=lambda batch, ignore_index: ..."
+        )
+
+    def _explain(self, line: str) -> None:
+        if line not in self._explained:
+            self._explained.add(line)
+            rank_zero_info(line)
+
 
 def _data_parallel_degree(trainer: pl.Trainer) -> int:
     """``parallel_dims.dp`` of the d9d strategy (ranks that load different batches); the world size else."""
     dims = getattr(trainer.strategy, "parallel_dims", None)
     dp = getattr(dims, "dp", None)
     return int(dp) if isinstance(dp, int) else trainer.world_size
+
+
+def _data_parallel_group(trainer: pl.Trainer) -> dist.ProcessGroup | None:
+    """The ranks :func:`_data_parallel_degree` counts: the d9d strategy's ``dp`` view, else the world (None)."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is None or getattr(dims, "mesh", None) is None:
+        return None
+    return dims.mesh_for("dp").get_group()
+
+
+def _summed_over_pipeline(trainer: pl.Trainer, device: torch.device, params: FlopParams) -> FlopParams:
+    """``params`` of every pipeline stage: a pipeline rank's model holds only its own stages' layers."""
+    dims = getattr(trainer.strategy, "parallel_dims", None)
+    if dims is None or getattr(dims, "pp", 1) == 1 or not dist.is_initialized():
+        return params
+    counts = torch.tensor([params.trained, params.frozen], dtype=torch.int64, device=device)
+    dist.all_reduce(counts, group=dims.mesh_for("pp").get_group())
+    return FlopParams(trained=int(counts[0]), frozen=int(counts[1]))

@@ -30,8 +30,9 @@ RUNS = {
         "model": {"tie_word_embeddings": False},
         "fit": True,
     },
-    # tp peers hold the same tokens: the metric must sync over the 2 data-parallel ranks, not the 4
-    "dp2tp2": {"dims": {"dp_shard": 2, "tp": 2}, "dp": 2, "model": {}, "fit": False},
+    # tp peers hold the same tokens: the metric (and throughput's tokens learnt) must sum over the 2
+    # data-parallel ranks, not the 4
+    "dp2tp2": {"dims": {"dp_shard": 2, "tp": 2}, "dp": 2, "model": {}, "fit": True},
 }
 
 
@@ -109,3 +110,12 @@ def test_throughput_counts_the_tokens_of_every_data_parallel_rank(runs: dict[str
     assert values["perf/tokens_per_sec_per_device"] == pytest.approx(values["perf/tokens_per_sec"] / 2)
     assert values["perf/tflops"] == pytest.approx(per_token * values["perf/tokens_per_sec"] / 1e12)
     assert "perf/mfu" not in values  # CPU: no peak
+
+
+@pytest.mark.parametrize("name", ["pp2", "dp2tp2"])
+def test_throughput_sums_the_tokens_learnt_over_data_parallel_ranks(runs: dict[str, dict], name: str) -> None:
+    """Every training label is learnt here, so the tokens learnt are the global batch's: each data-parallel rank's
+    count summed once (rank 0's alone would be half of it under dp=2, a sum over the tp peers too twice it)."""
+    values = runs[name]["throughput"][1]
+    learnt = values["perf/learnt_tokens_per_sec"] * values["perf/step_time"]
+    assert learnt == pytest.approx(GLOBAL_BATCH * SEQ_LEN)
