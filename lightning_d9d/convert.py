@@ -40,6 +40,7 @@ from lightning_d9d.state.errors import MissingShardError, format_keys
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
+    code_fields,
     hf_config_json,
     hf_format,
     hf_formats,
@@ -264,10 +265,19 @@ def _format_of_checkpoint(
     keeps its class's names and layout: Qwen3-MoE's fused experts, any family without a format of ours). The
     shapes decide where the names agree: our experts' ``gate_up_proj`` is transformers' transposed."""
     dtype = DTYPES[args.dtype] if args.dtype else None
-    failures: list[CheckpointError] = []
-    for build in (hf_format, transformers_model_format):
+    unknown: list[CheckpointError] = []  # no such format
+    failures: list[CheckpointError] = []  # a format that does not fit the checkpoint
+    builds: tuple[Callable[[dict[str, Any]], HFFormat], ...] = (
+        hf_format,
+        lambda config: transformers_model_format(config, config_path),
+    )
+    for build in builds:
         try:
             fmt = build(config)
+        except CheckpointError as failure:
+            unknown.append(failure)
+            continue
+        try:
             mapper = writing_mapper(fmt, config, dtype, args.layout)
             prefix = args.prefix
             if prefix is None:
@@ -278,7 +288,8 @@ def _format_of_checkpoint(
             return fmt, mapper, prefix
         except CheckpointError as failure:
             failures.append(failure)
-    raise failures[0]
+    # why the format that fits best does not fit, else why the last lookup (the transformers class) failed
+    raise failures[0] if failures else unknown[-1]
 
 
 def dcp_to_hf(args: argparse.Namespace) -> None:
@@ -300,6 +311,11 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
                 "pass --config with the model's config.json or its Hugging Face directory"
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
+    left_out = code_fields(config)
+    if left_out:
+        print(
+            f"dcp-to-hf: left out of config.json, as fields that make transformers fetch or import code: {left_out}"
+        )
     dtype = DTYPES[args.dtype] if args.dtype else None
     fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint), config_path)
     _check_model_type(fmt, args.model, config_path)

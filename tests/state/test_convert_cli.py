@@ -4,20 +4,26 @@
 from __future__ import annotations
 
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import transformers  # noqa: F401 (a test dependency: a broken install must fail, not skip)
+import transformers
 from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, make_hf_checkpoint
 from state_helpers import read_checkpoint
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+from tiny_hf import tiny_causal_lm
+
 from lightning_d9d.convert import build_parser, main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models.hf import add_selection_bias
 from lightning_d9d.state import INDEX_NAME, manifest
 from lightning_d9d.state.training import read_dcp_metadata, save
+from lightning_d9d.strategies.hf_record import with_hf_config
 
 
 def test_help_lists_the_commands_and_says_why_there_is_no_hf_to_dcp() -> None:
@@ -258,14 +264,6 @@ def test_dcp_to_hf_converts_a_transformers_model_s_checkpoint(family: str, tmp_p
     """A transformers model trained under the strategy keeps its class's names and layout (Llama: no format of
     ours; Qwen3-MoE: fused experts, not our stacked ones): its training checkpoint records the class's config and
     converts without --config into files from_pretrained loads, the selection bias our adapter added left out."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
-    from tiny_hf import tiny_causal_lm
-
-    from lightning_d9d.models.hf import add_selection_bias
-    from lightning_d9d.strategies.hf_record import with_hf_config
-
     model = tiny_causal_lm(family)
     if family == "qwen3_moe":
         add_selection_bias(model)
@@ -289,3 +287,73 @@ def test_the_class_a_config_names_must_be_a_transformers_model() -> None:
     for name in ("AutoTokenizer", "Trainer", "no_such_class"):
         with pytest.raises(CheckpointError, match="name no transformers model class"):
             transformers_model_format({"model_type": "llama", "architectures": [name]})
+
+
+# ------------------------------------------------------------------------------- untrusted configs and paths
+def _transformers_checkpoint(directory: Path, **recorded: Any) -> torch.nn.Module:
+    """A tiny transformers Llama's training checkpoint, its recorded config changed by ``recorded`` (as a
+    crafted ``meta.pt`` would hold it); returns the model."""
+    model = tiny_causal_lm("llama")
+    holder = torch.nn.Module()
+    holder.model = model
+    checkpoint = with_hf_config({}, holder)
+    checkpoint["hf_config"].update(recorded)
+    _write_training_checkpoint(directory, model, meta=checkpoint)
+    return model
+
+
+# Fields with which transformers fetches or imports code: a Hub kernel for attention (downloaded and imported by
+# the kernels package), remote modelling code, a quantizer.
+CODE_FIELDS: dict[str, Any] = {
+    "attn_implementation": "kernels-community/flash-attn2@0123456789abcdef0123456789abcdef01234567",
+    "_attn_implementation_internal": "org/attention@main",
+    "experts_implementation": "org/experts",
+    "auto_map": {"AutoModelForCausalLM": "org/repo--modeling.CausalLM"},
+    "quantization_config": {"quant_method": "mxfp4"},
+}
+
+
+def test_a_recorded_config_fetches_no_code_and_is_exported_without_those_fields(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from transformers.integrations import hub_kernels
+
+    fetched: list[tuple[Any, ...]] = []
+
+    def get_kernel(*args: Any, **kwargs: Any) -> None:
+        fetched.append(args)
+        raise AssertionError(f"a Hub kernel was fetched: {args}")
+
+    monkeypatch.setattr(hub_kernels, "get_kernel", get_kernel)
+    model = _transformers_checkpoint(tmp_path / "ckpt", **CODE_FIELDS)
+    out = tmp_path / "out"
+    code = main(["dcp-to-hf", str(tmp_path / "ckpt"), str(out)])
+    assert fetched == [] and code == 0
+    assert "left out of config.json" in capsys.readouterr().out
+    written = config_json(out)
+    assert not set(CODE_FIELDS) & set(written)
+    assert written["architectures"] == ["LlamaForCausalLM"]
+    ids = batch(int(model.config.vocab_size))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    torch.testing.assert_close(hf_logits(loaded, ids), hf_logits(model, ids), rtol=1e-5, atol=1e-5)
+
+
+def test_a_config_transformers_cannot_build_is_a_clean_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _transformers_checkpoint(tmp_path / "ckpt", hidden_act="no_such_activation", num_attention_heads=0)
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert error.startswith("error: transformers cannot build LlamaForCausalLM from the config recorded in")
+    assert "Traceback" not in error and not (tmp_path / "out").exists()
+
+
+def test_save_hf_writes_no_code_fields_into_config_json(tmp_path: Path) -> None:
+    from lightning_d9d.state.hf import save_hf
+
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    config = {**ours.config.to_hf_dict(), **CODE_FIELDS, "text_config": {"attn_implementation": "org/repo"}}
+    save_hf(ours, tmp_path / "export", config)
+    written = config_json(tmp_path / "export")
+    assert not set(CODE_FIELDS) & set(written) and written["text_config"] == {}
+    assert written["hidden_size"] == SMALL["hidden_size"]

@@ -23,6 +23,7 @@ from .registry import (
     register_hf_format,
 )
 from .transformers import declared_class, transformers_model_format
+from .untrusted import code_fields, without_code_fields
 
 __all__ = [
     "CONFIG_NAME",
@@ -32,6 +33,7 @@ __all__ = [
     "HFFormat",
     "HasHFConfig",
     "check_same_model",
+    "code_fields",
     "declared_class",
     "dtype_name",
     "hf_config_json",
@@ -54,5 +56,6 @@ __all__ = [
     "register_hf_format",
     "save_hf",
     "transformers_model_format",
+    "without_code_fields",
     "writing_mapper",
 ]

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import CheckpointError, CheckpointFileError, ConfigMismatchError
 from ..mapper import ModelStateMapper
+from .untrusted import without_code_fields
 
 CONFIG_NAME = "config.json"
 
@@ -157,8 +158,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def hf_config_json(config: HFConfig, *, dtype: torch.dtype | None = None) -> str:
     """The text of a ``config.json``; ``dtype`` (that of the weights written beside it) under both names
-    transformers has used (``torch_dtype`` up to 4.55, ``dtype`` since)."""
-    content = dict(config)
+    transformers has used (``torch_dtype`` up to 4.55, ``dtype`` since). Without the fields that make
+    ``transformers`` fetch or import code (:func:`~.untrusted.without_code_fields`): the config may come from a
+    handed checkpoint, and every later ``from_pretrained`` of the export would act on them."""
+    content = without_code_fields(config)
     if dtype is not None:
         content["torch_dtype"] = content["dtype"] = dtype_name(dtype)
     return json.dumps(content, indent=2, sort_keys=False, default=str) + "\n"

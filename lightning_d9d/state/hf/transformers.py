@@ -31,6 +31,7 @@ from ..errors import CheckpointError
 from ..mapper import Identity, ModelStateMapper
 from ..module_io import module_tensors
 from .registry import HFConfig, HFFormat, hf_format
+from .untrusted import without_code_fields
 
 # The config fields that shape a decoder's weights or forward, where a family has them (the signature of a
 # family without a format of ours).
@@ -133,10 +134,10 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
     )
 
 
-def transformers_model_format(config: HFConfig) -> HFFormat:
+def transformers_model_format(config: HFConfig, config_path: str = "the config") -> HFFormat:
     """The format of the ``transformers`` class ``config`` names (its ``architectures``), built on ``meta`` from
     the config alone: for a training checkpoint of a ``transformers`` model, converted offline. Imports
-    ``transformers``, which only such a conversion needs."""
+    ``transformers``, which only such a conversion needs. ``config_path`` names the config in errors."""
     architectures = list(config.get("architectures") or [])
     try:
         import transformers
@@ -152,10 +153,25 @@ def transformers_model_format(config: HFConfig) -> HFFormat:
             f"the config's architectures ({architectures}) name no transformers model class, and its model_type "
             f"{config.get('model_type')!r} has no format of ours: pass --config with the model's config.json"
         )
-    fields = {key: value for key, value in config.items() if key not in ("architectures", "model_type")}
-    hf_config = transformers.AutoConfig.for_model(str(config["model_type"]), **fields)
-    with torch.device("meta"):
-        module = model_class(hf_config)
+    # The config is read from a file: no field that makes transformers fetch or import code reaches it, the
+    # attention is its own eager one, and the dtype (which it would look up in torch by name) is the export's.
+    fields = {
+        key: value
+        for key, value in without_code_fields(config).items()
+        if key not in ("architectures", "model_type", "dtype", "torch_dtype")
+    }
+    try:
+        hf_config = transformers.AutoConfig.for_model(
+            str(config["model_type"]), attn_implementation="eager", **fields
+        )
+        with torch.device("meta"):
+            module = model_class(hf_config)
+    # whatever transformers raises on a field it cannot use (KeyError, ZeroDivisionError, its own validation
+    # errors, ...) is an error of the config's
+    except Exception as error:
+        raise CheckpointError(
+            f"transformers cannot build {model_class.__name__} from {config_path}: {type(error).__name__}: {error}"
+        ) from error
     return transformers_format(module, config)
 
 
