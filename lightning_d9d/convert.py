@@ -40,6 +40,7 @@ from lightning_d9d.state.errors import MissingShardError, format_keys
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
+    check_layer_count,
     code_fields,
     hf_config_json,
     hf_format,
@@ -292,6 +293,25 @@ def _format_of_checkpoint(
     raise failures[0] if failures else unknown[-1]
 
 
+def _refuse_layers_beyond_config(
+    beyond: Collection[str], built: Collection[str], checkpoint: str, config_path: str
+) -> None:
+    """Keys the class does not build are left out only where they are state our code added (a router's selection
+    bias): a key the class builds at another layer number is a layer the config does not have."""
+
+    def numbered(key: str) -> str:
+        return ".".join("#" if part.isdigit() else part for part in key.split("."))
+
+    patterns = {numbered(key) for key in built}
+    layers = [key for key in beyond if numbered(key) in patterns]
+    if layers:
+        raise KeyCoverageError(
+            f"{checkpoint} holds {len(layers)} tensors of layers the config does not have ({config_path} has "
+            f"fewer layers; a config of another model?): {format_keys(layers)}",
+            unexpected_source=layers,
+        )
+
+
 def dcp_to_hf(args: argparse.Namespace) -> None:
     checkpoint = Path(args.checkpoint)
     if args.verify:
@@ -311,6 +331,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
                 "pass --config with the model's config.json or its Hugging Face directory"
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
+    check_layer_count(config, reader.all_keys(), config_path=config_path, source=f"checkpoint {checkpoint}")
     left_out = code_fields(config)
     if left_out:
         print(
@@ -324,6 +345,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
     ignore = aliases & reader.keys()  # a tied head is saved under both names; read it once
     if fmt.from_transformers:  # keys the class does not build (a router's selection bias): not HF state
         beyond = sorted(reader.keys() - mapper.input_keys() - aliases)
+        _refuse_layers_beyond_config(beyond, mapper.input_keys(), str(checkpoint), config_path)
         if beyond:
             print(
                 f"dcp-to-hf: left out {len(beyond)} tensors transformers' class has no field for: {beyond[:3]}"
@@ -348,6 +370,7 @@ def hf_to_hf(args: argparse.Namespace) -> None:
     _check_model_type(fmt, args.model, config_path)
     reader = CheckpointReader(source)
     keys = reader.keys()
+    check_layer_count(config, keys, config_path=config_path, source=str(source))
     layout_in = fmt.layout_of(keys)
     if fmt.hf_shapes is not None:
         info = reader.tensor_info()

@@ -16,7 +16,7 @@ from hf_helpers import SMALL, batch, config_json, hf_logits, load_transformers, 
 from state_helpers import read_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
-from tiny_hf import tiny_causal_lm
+from tiny_hf import tiny_causal_lm, tiny_config
 
 from lightning_d9d.convert import build_parser, main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
@@ -158,7 +158,10 @@ def test_dcp_to_hf_errors_name_the_checkpoint_and_the_key(
     (tmp_path / "deeper.json").write_text(json.dumps({**ours.config.to_hf_dict(), "num_hidden_layers": 3}))
     assert main(["dcp-to-hf", ckpt, out, "--config", str(tmp_path / "deeper.json")]) == 1
     error = capsys.readouterr().err
-    assert "under prefix 'model.'" in error and "'model.layers.2.input_layernorm.weight'" in error
+    assert (
+        "num_hidden_layers (3) is more than the 2 layers" in error and str(tmp_path / "deeper.json") in error
+    )
+    assert "('model.model.layers.0' to 'model.model.layers.1')" in error
 
     # a prefix that holds nothing
     assert main(["dcp-to-hf", ckpt, out, "--config", str(tmp_path / "wider.json"), "--prefix", "net."]) == 1
@@ -302,6 +305,12 @@ def _transformers_checkpoint(directory: Path, **recorded: Any) -> torch.nn.Modul
     return model
 
 
+def _llama_config_file(path: Path, **overrides: Any) -> Path:
+    content = {**tiny_config("llama", **overrides).to_dict(), "architectures": ["LlamaForCausalLM"]}
+    path.write_text(json.dumps(content))
+    return path
+
+
 # Fields with which transformers fetches or imports code: a Hub kernel for attention (downloaded and imported by
 # the kernels package), remote modelling code, a quantizer.
 CODE_FIELDS: dict[str, Any] = {
@@ -357,3 +366,60 @@ def test_save_hf_writes_no_code_fields_into_config_json(tmp_path: Path) -> None:
     written = config_json(tmp_path / "export")
     assert not set(CODE_FIELDS) & set(written) and written["text_config"] == {}
     assert written["hidden_size"] == SMALL["hidden_size"]
+
+
+def test_the_transformers_fallback_checks_shapes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A family without a format of ours (Llama) is checked against its class built on meta: a config of
+    another width is refused naming the key and both shapes, before anything is written."""
+    _transformers_checkpoint(tmp_path / "ckpt")  # hidden size 64
+    narrow = _llama_config_file(tmp_path / "narrow.json", hidden_size=32, head_dim=8)
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--config", str(narrow)]) == 1
+    error = capsys.readouterr().err
+    assert "'lm_head.weight'" in error and "'model.lm_head.weight'" in error
+    assert "shape (128, 64), the config implies (128, 32)" in error and str(narrow) in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_transformers_fallback_refuses_layers_the_config_does_not_have(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _transformers_checkpoint(tmp_path / "ckpt")  # 2 layers
+    shallow = _llama_config_file(tmp_path / "shallow.json", layers=1)
+    assert main(["dcp-to-hf", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--config", str(shallow)]) == 1
+    error = capsys.readouterr().err
+    assert "tensors of layers the config does not have" in error and str(shallow) in error
+    assert "'model.layers.1.input_layernorm.weight'" in error
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_layer_count_beyond_the_checkpoint_is_refused_before_anything_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import lightning_d9d.convert as convert
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("built from a layer count the checkpoint does not hold")
+
+    monkeypatch.setattr(transformers.AutoConfig, "for_model", never)  # the transformers fallback
+    monkeypatch.setattr(convert, "writing_mapper", never)  # our formats' per-layer mappers
+    _transformers_checkpoint(tmp_path / "llama", num_hidden_layers=4000)
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(SMALL))
+    recorded = {"hf_config": {**ours.config.to_hf_dict(), "num_hidden_layers": 4000}}
+    _write_training_checkpoint(tmp_path / "qwen3", ours, meta=recorded)
+    for checkpoint in ("llama", "qwen3"):
+        assert main(["dcp-to-hf", str(tmp_path / checkpoint), str(tmp_path / "out")]) == 1
+        error = capsys.readouterr().err
+        assert "num_hidden_layers (4000) is more than the 2 layers" in error, error
+        assert "'model.model.layers.0' to 'model.model.layers.1'" in error
+    # a handed Hugging Face directory: its config.json against its own files
+    make_hf_checkpoint(tmp_path / "hf")
+    config = config_json(tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 4000}))
+    assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "num_hidden_layers (4000) is more than the 2 layers" in error
+    assert str(tmp_path / "hf" / "config.json") in error
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
+    assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 1
+    assert "num_hidden_layers must be a non-negative integer, not '2'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

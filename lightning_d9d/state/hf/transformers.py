@@ -107,11 +107,14 @@ def transformers_format(module: nn.Module, config: HFConfig) -> HFFormat:
     except CheckpointError:
         family = None
     if family is None:
+        shapes = {key: tuple(tensor.shape) for key, tensor in tensors.items()}
         return HFFormat(
             model_type=str(config.get("model_type")),
             architectures=(declared_class(module).__name__,),
             mapping=lambda _config, _layout: Identity(keys),
             signature=_signature,
+            # the files hold the module's keys: their shapes are the module's, as built from the config
+            hf_shapes=lambda _config, _layout: dict(shapes),
             tied=lambda _config: dict(aliases),
             from_transformers=True,
         )
