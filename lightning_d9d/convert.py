@@ -293,6 +293,15 @@ def _format_of_checkpoint(
     raise failures[0] if failures else unknown[-1]
 
 
+def _refuse_output_at(output: Path, directory: Path, command: str, why: str, *, inside: bool = True) -> None:
+    """``output`` may not be ``directory`` (nor, with ``inside``, in it); paths resolved, so that links and
+    ``..`` do not hide it."""
+    resolved, target = directory.resolve(), output.resolve()
+    if target == resolved or (inside and resolved in target.parents):
+        where = "is inside" if inside else "is"
+        raise CheckpointError(f"{command}: the output {output} {where} {resolved}, {why}: write elsewhere")
+
+
 def _refuse_layers_beyond_config(
     beyond: Collection[str], built: Collection[str], checkpoint: str, config_path: str
 ) -> None:
@@ -314,6 +323,17 @@ def _refuse_layers_beyond_config(
 
 def dcp_to_hf(args: argparse.Namespace) -> None:
     checkpoint = Path(args.checkpoint)
+    output = Path(args.output).absolute()
+    # the directory a config is read from: replacing it would lose what the export does not carry
+    if args.config is not None:
+        given = Path(args.config)
+        why = (
+            "the directory --config is read from (it would be replaced, with files the export does not carry)"
+        )
+        if given.is_dir():
+            _refuse_output_at(output, given, "dcp-to-hf", why)
+        else:
+            _refuse_output_at(output, given.parent, "dcp-to-hf", why, inside=False)
     if args.verify:
         verify_checkpoint(checkpoint)
     reader = DCPReader(checkpoint, section=MODEL_SECTION)
@@ -352,7 +372,6 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
             )
         ignore |= set(beyond)
     plan = reader.plan(mapper, ignore=ignore)
-    output = Path(args.output).absolute()
     written = dtype if dtype is not None else next(iter(reader.dtypes().values()), None)
     extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=written)}
     writer = ShardedWriter(output, max_shard_bytes=args.max_shard_size, extra_files=extra)
@@ -364,6 +383,8 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
 
 def hf_to_hf(args: argparse.Namespace) -> None:
     source = Path(args.source)
+    output = Path(args.output).absolute()
+    _refuse_output_at(output, source, "hf-to-hf", "the source (it would be replaced)")
     config = read_hf_config(source)
     config_path = str(source / CONFIG_NAME)
     fmt = hf_format(config)
@@ -383,9 +404,6 @@ def hf_to_hf(args: argparse.Namespace) -> None:
         [reading_mapper(fmt, config, keys, layout_in), writing_mapper(fmt, config, dtype, args.layout)]
     )
     plan = reader.plan(mapper)
-    output = Path(args.output).absolute()
-    if output == source.absolute():
-        raise CheckpointError(f"hf-to-hf: the output {output} is the source; write elsewhere")
     written = dtype
     if written is None:
         first = next(iter(reader.tensor_info().values()), None)
@@ -488,7 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
     dcp.add_argument(
         "checkpoint", help=f"the checkpoint directory (holds {DCP_METADATA_NAME}, *.distcp, {META_NAME})"
     )
-    dcp.add_argument("output", help="the Hugging Face directory to write (replaced only once complete)")
+    dcp.add_argument(
+        "output",
+        help="the Hugging Face directory to write (replaced only once complete; not the --config directory)",
+    )
     dcp.add_argument(
         "--config",
         metavar="PATH",
@@ -519,7 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
         "Every key and shape is checked against its config.json first.",
     )
     hf.add_argument("source", help="a Hugging Face directory (config.json and safetensors weights)")
-    hf.add_argument("output", help="the directory to write (replaced only once complete)")
+    hf.add_argument(
+        "output", help="the directory to write (replaced only once complete; not inside the source)"
+    )
     _add_common(hf)
     hf.set_defaults(run=hf_to_hf)
     return parser

@@ -423,3 +423,37 @@ def test_a_layer_count_beyond_the_checkpoint_is_refused_before_anything_is_built
     assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 1
     assert "num_hidden_layers must be a non-negative integer, not '2'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_dcp_to_hf_never_writes_into_the_directory_of_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    hf = make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "model-q4.gguf").write_bytes(b"GGUF")  # a file the export would not carry
+    ours = Qwen3ForCausalLM(Qwen3Config.from_hf_dict(config_json(tmp_path / "hf")))
+    ours.load_state_dict(hf.state_dict())
+    _write_training_checkpoint(tmp_path / "ckpt", ours)
+    ckpt, config = str(tmp_path / "ckpt"), tmp_path / "hf"
+    for output, given, where in [
+        (config, config, "is inside"),  # the directory itself
+        (tmp_path / "ckpt" / ".." / "hf", config, "is inside"),  # the same, spelt otherwise
+        (config / "export", config, "is inside"),  # inside it
+        (config, config / "config.json", "is"),  # the directory of a config file
+    ]:
+        assert main(["dcp-to-hf", ckpt, str(output), "--config", str(given)]) == 1
+        error = capsys.readouterr().err
+        assert f"the output {output} {where} {config.resolve()}, the directory --config" in error
+    assert (config / "model-q4.gguf").read_bytes() == b"GGUF" and not (config / "export").exists()
+    # in a directory of its own beside a config file (or inside that file's directory) is fine
+    config_file = str(config / "config.json")
+    assert main(["dcp-to-hf", ckpt, str(tmp_path / "hf" / "sub"), "--config", config_file]) == 0
+
+
+def test_hf_to_hf_refuses_an_output_inside_its_source(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    make_hf_checkpoint(tmp_path / "hf")
+    for output in (tmp_path / "hf" / ".", tmp_path / "hf" / "copy"):
+        assert main(["hf-to-hf", str(tmp_path / "hf"), str(output)]) == 1
+        assert f"the output {output} is inside {(tmp_path / 'hf').resolve()}" in capsys.readouterr().err
+    assert not (tmp_path / "hf" / "copy").exists()
