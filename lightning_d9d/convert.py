@@ -514,8 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         metavar="PATH",
         help="the model's config.json, or a Hugging Face directory holding one (its tokenizer and other "
-        "non-weight files are copied too). Default: the config recorded in the checkpoint by LoadHFWeights or "
-        "ExportHF",
+        "non-weight files are copied too, symbolic links not). Default: the config recorded in the checkpoint "
+        "by LoadHFWeights or ExportHF",
     )
     dcp.add_argument(
         "--prefix",

@@ -457,3 +457,22 @@ def test_hf_to_hf_refuses_an_output_inside_its_source(
         assert main(["hf-to-hf", str(tmp_path / "hf"), str(output)]) == 1
         assert f"the output {output} is inside {(tmp_path / 'hf').resolve()}" in capsys.readouterr().err
     assert not (tmp_path / "hf" / "copy").exists()
+
+
+def test_linked_side_files_are_not_copied(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A handed directory whose tokenizer links to a private file: the link is skipped, and a log line says so."""
+    make_hf_checkpoint(tmp_path / "hf")
+    secret = tmp_path / "id_rsa"
+    secret.write_text("-----BEGIN PRIVATE KEY-----")
+    (tmp_path / "hf" / "tokenizer.json").symlink_to(secret)
+    (tmp_path / "hf" / "vocab.txt").write_text("a b c")
+    (tmp_path / "hf" / "merges.txt").symlink_to(tmp_path / "hf" / "vocab.txt")  # a link, even inside
+    with caplog.at_level("WARNING", logger="lightning_d9d.state.hf.io"):
+        assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    names = {path.name for path in (tmp_path / "out").iterdir()}
+    assert "vocab.txt" in names and not {"tokenizer.json", "merges.txt"} & names
+    assert "BEGIN PRIVATE KEY" not in "".join(
+        p.read_text(errors="ignore") for p in (tmp_path / "out").iterdir()
+    )
+    logged = caplog.text
+    assert "tokenizer.json" in logged and "merges.txt" in logged and "symbolic link" in logged

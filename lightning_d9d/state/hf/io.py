@@ -9,6 +9,7 @@ Lightning callbacks in ``lightning_d9d.callbacks`` call them.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -37,6 +38,8 @@ from .transformers import is_transformers_module, transformers_format, transform
 # Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 _WEIGHT_INDEXES = (INDEX_NAME, "pytorch_model.bin.index.json")
+
+log = logging.getLogger(__name__)
 
 
 def module_hf_config(module: nn.Module) -> dict[str, Any]:
@@ -110,15 +113,26 @@ def writing_mapper(
 
 def hf_side_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
     """The files of an HF directory that are neither weights nor ``config.json`` (tokenizer, generation config,
-    chat template, README), to carry over into a converted copy."""
+    chat template, README), to carry over into a converted copy. Symbolic links are skipped, with a log line: in
+    a directory someone handed over, ``tokenizer.json`` may link to any file of this machine (a private key)."""
     files: dict[str, bytes] = {}
+    root = Path(directory).resolve()
     for path in sorted(Path(directory).iterdir()):
         name = path.name
-        if not path.is_file() or name.startswith(".") or name == CONFIG_NAME or name in _WEIGHT_INDEXES:
+        if (
+            name.startswith(".")
+            or name == CONFIG_NAME
+            or name in _WEIGHT_INDEXES
+            or name.endswith(_WEIGHT_SUFFIXES)
+        ):
             continue
-        if name.endswith(_WEIGHT_SUFFIXES):
+        if path.is_symlink() or path.resolve().parent != root:
+            log.warning(
+                "%s is a symbolic link: not copied (copy the file it links to by hand if it belongs)", path
+            )
             continue
-        files[name] = path.read_bytes()
+        if path.is_file():
+            files[name] = path.read_bytes()
     return files
 
 
