@@ -422,7 +422,8 @@ def hf_to_hf(args: argparse.Namespace) -> None:
 DESCRIPTION = """\
 Convert model checkpoints without GPUs or a process group, streaming: memory stays near a few of the largest
 tensors plus one output shard, whatever the size of the model. Keys, shapes and the config are checked before
-the first tensor is read; the output directory appears complete or not at all.
+the first tensor is read; the output directory appears complete or not at all. A config's fields that make
+transformers fetch or import code (*_implementation, auto_map, quantization_config) are neither used nor written.
 
 commands:
   dcp-to-hf   a training checkpoint written by Trainer(strategy="d9d") (a directory with .metadata, *.distcp and

@@ -139,8 +139,11 @@ class ExportHF(Callback):
     ``filename`` without placeholders (``"latest"``) keeps replacing one export. Each export holds safetensors
     shards of at most
     ``max_shard_size`` (bytes, or ``"5GB"``), their index and ``config.json``, plus the non-weight files of
-    ``copy_files_from`` (an HF directory: tokenizer, generation config). ``dtype`` casts floating-point weights
-    (``torch.bfloat16`` halves the size; default: as trained).
+    ``copy_files_from`` (an HF directory: tokenizer, generation config; symbolic links are not copied).
+    ``config.json`` names the model's own class in ``architectures`` (not the class FSDP wraps it in) and holds no
+    field that makes ``transformers`` fetch or import code (``*_implementation``, ``auto_map``,
+    ``quantization_config``). ``dtype`` casts floating-point weights (``torch.bfloat16`` halves the size; default:
+    as trained).
 
     Any mesh: every rank takes part (DTensors are gathered one group of tensors at a time) and rank 0 writes (under
     pipeline parallelism, the first rank of each stage writes that stage's tensors). A directory appears complete
