@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import re
 import warnings
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,6 +31,7 @@ import lightning
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -292,6 +293,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "_DtypeContextManager",
         ("strategies/precision.py",),
         "default dtype bf16 while modules are built under bf16-true, as HalfPrecision does",
+    ),
+    # ------------------------------------------------------------------------ Lightning: callbacks
+    PrivateName(
+        "lightning.pytorch.callbacks.model_checkpoint",
+        "ModelCheckpoint._link_checkpoint",
+        ("strategies/async_save.py",),
+        "replaced on a save_last='link' callback for the length of fit under async_save: Lightning calls it "
+        "(trainer, target, link) right after save_checkpoint returns, before a background save is complete "
+        "(replace_checkpoint_linker)",
     ),
     # ---------------------------------------------------------------------------------------- torch
     PrivateName(
@@ -584,6 +594,18 @@ def trainer_of(module: LightningModule) -> Trainer | None:
 def set_module_device_mesh(module: LightningModule, mesh: DeviceMesh) -> None:
     """What ``module.device_mesh`` returns (Lightning sets it the same way in ModelParallelStrategy)."""
     module._device_mesh = mesh
+
+
+def replace_checkpoint_linker(
+    callback: ModelCheckpoint, link: Callable[[Trainer, str, str], None] | None
+) -> None:
+    """Make ``callback`` call ``link(trainer, target, link_path)`` where it links ``last.ckpt`` to its newest
+    checkpoint (``save_last="link"``: the static ``_link_checkpoint``, replaced on this instance only); ``None``
+    gives it Lightning's back."""
+    if link is None:
+        vars(callback).pop("_link_checkpoint", None)
+    else:
+        vars(callback)["_link_checkpoint"] = link  # over the static method, for this instance only
 
 
 def should_accumulate(trainer: Trainer) -> bool:

@@ -8,7 +8,7 @@ to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks, which an atom
 that one fails its checks anyway, the error carries a note naming the newest other complete checkpoint.)
 
 Deleting (``save_top_k`` / keep-last-N, through the strategy's ``remove_checkpoint``) never removes the only
-complete checkpoint of a folder.
+complete checkpoint of a folder; a link to it does not count as another.
 """
 
 from __future__ import annotations
@@ -126,13 +126,15 @@ def keep(path: Path) -> bool:
 
 
 def keep_reason(path: Path) -> str | None:
-    """Why deleting the checkpoint ``path`` would be wrong (it is the only complete one in its folder), or None."""
+    """Why deleting the checkpoint ``path`` would be wrong (it is the only complete one in its folder), or None.
+    A link to it (``ModelCheckpoint(save_last="link")``'s ``last.ckpt``) is not another checkpoint."""
     if not path.is_dir() or incomplete_reason(path) is not None:
         return None
+    itself = path.resolve()
     others = [
         entry
         for entry in path.parent.iterdir()
-        if entry != path and not entry.name.startswith(".") and looks_like_checkpoint(entry)
+        if not entry.name.startswith(".") and entry.resolve() != itself and looks_like_checkpoint(entry)
     ]
     if any(incomplete_reason(entry) is None for entry in others):
         return None

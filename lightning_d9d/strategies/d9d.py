@@ -684,7 +684,16 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if self._async_saves is not None and self._in_training_loop():
             self._async_saves.save(path, content)
             return
+        # the save in flight first: it is the older checkpoint, and a save of the same name (last.ckpt at the end
+        # of the last epoch) would remove its temporary directory
+        self.finish_pending_saves()
         training_checkpoint.save(path, content)
+
+    def finish_pending_saves(self) -> None:
+        """Complete the checkpoint being written in the background (``async_save=True``), if any: every rank calls
+        it (a collective). ``Preemption`` does before the requeue that ends the job."""
+        if self._async_saves is not None:
+            self._async_saves.finish()
 
     def _in_training_loop(self) -> bool:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -695,17 +704,22 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         super().on_train_start()
         if self._async_saves is not None:
             self._async_saves.setup()
+            assert self.lightning_module is not None
+            # ModelCheckpoint(save_last="link") links last.ckpt as soon as save_checkpoint returns
+            self._async_saves.link_when_complete(self.lightning_module.trainer.checkpoint_callbacks)
 
     @override
     def on_train_end(self) -> None:
         if self._async_saves is not None:  # the last save in flight completes before fit returns
             self._async_saves.close()
+            self._async_saves.restore_links()
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         if self._async_saves is not None:
             self._async_saves.abandon()
+            self._async_saves.restore_links()
         super().on_exception(exception)
 
     @override
@@ -731,10 +745,17 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
 
     @override
     def remove_checkpoint(self, filepath: FilePath) -> None:
+        # ModelCheckpoint deletes the checkpoint a new one replaces as soon as save_checkpoint returns: while that
+        # one is written in the background the deletion waits for it to be complete
+        path = Path(filepath)
+        if self._async_saves is None or not self._async_saves.remove_when_complete(path, self._remove_now):
+            self._remove_now(path)
+
+    def _remove_now(self, path: Path) -> None:
         # save_top_k / keep-last-N never deletes the only complete checkpoint of its folder (it logs why)
-        if self.is_global_zero and checkpoint_selection.keep(Path(filepath)):
+        if self.is_global_zero and checkpoint_selection.keep(path):
             return
-        super().remove_checkpoint(filepath)
+        super().remove_checkpoint(path)
 
 
 def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
