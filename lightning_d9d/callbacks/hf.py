@@ -21,8 +21,14 @@ from typing_extensions import override
 
 from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
 from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
+from lightning_d9d.state.hf.peft import lora_layers, save_peft_adapter
 from lightning_d9d.state.hf.transformers import is_transformers_module
 from lightning_d9d.state.training import HF_CONFIG_KEY
+
+# What ExportHF writes of a LoRA-adapted model: the weights with the adapters merged in, the peft adapter
+# directory, or both (the adapter in the export's ADAPTER_DIRECTORY)
+LORA_EXPORTS = ("both", "merged", "adapter")
+ADAPTER_DIRECTORY = "adapter"
 
 
 def _pipelined(trainer: pl.Trainer) -> bool:
@@ -145,6 +151,12 @@ class ExportHF(Callback):
     ``quantization_config``). ``dtype`` casts floating-point weights (``torch.bfloat16`` halves the size; default:
     as trained).
 
+    A model trained with LoRA (``D9DStrategy(lora=...)``): ``lora="both"`` (default) writes the weights with the
+    adapters merged in and the ``peft`` adapter directory in the export's ``adapter/`` (``adapter_config.json``
+    and ``adapter_model.safetensors``, which ``peft.PeftModel.from_pretrained(base, path)`` loads);
+    ``"merged"`` the merged weights only; ``"adapter"`` the adapter directory only (at the export's path).
+    ``base_model`` is recorded in ``adapter_config.json`` (the base model's folder or Hub name).
+
     Any mesh: every rank takes part (DTensors are gathered one group of tensors at a time) and rank 0 writes (under
     pipeline parallelism, the first rank of each stage writes that stage's tensors). A directory appears complete
     or not at all; an earlier export of the same name is replaced only then.
@@ -161,7 +173,13 @@ class ExportHF(Callback):
         max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
         copy_files_from: str | os.PathLike[str] | None = None,
         module_attr: str | None = None,
+        lora: str = "both",
+        base_model: str | os.PathLike[str] | None = None,
     ) -> None:
+        if lora not in LORA_EXPORTS:
+            raise ValueError(f"ExportHF(lora={lora!r}): choose one of {', '.join(map(repr, LORA_EXPORTS))}")
+        self.lora = lora
+        self.base_model = None if base_model is None else str(base_model)
         if every_n_train_steps is not None and every_n_train_steps < 1:
             raise ValueError(
                 f"every_n_train_steps ({every_n_train_steps}) must be a positive integer or None"
@@ -219,19 +237,35 @@ class ExportHF(Callback):
         self.hf_config = module_hf_config(model)
         extra = hf_side_files(self.copy_files_from) if self.copy_files_from is not None else None
         target = self.dirpath / self.filename.format(step=step, epoch=trainer.current_epoch)
-        path = save_hf(
-            model,
-            target,
-            self.hf_config,
-            dtype=self.dtype,
-            max_shard_bytes=self.max_shard_bytes,
-            extra_files=extra,
-            partial=_pipelined(trainer),
-        )
+        # every rank the same answer: under pp a stage may hold no adapter while another does
+        adapted = trainer.strategy.reduce_boolean_decision(bool(lora_layers(model)), all=False)
+        if adapted and self.lora == "adapter":
+            path = self._write_adapter(trainer, model, target)
+        else:
+            path = save_hf(
+                model,
+                target,
+                self.hf_config,
+                dtype=self.dtype,
+                max_shard_bytes=self.max_shard_bytes,
+                extra_files=extra,
+                partial=_pipelined(trainer),
+            )
+            if adapted and self.lora == "both":
+                self._write_adapter(trainer, model, target / ADAPTER_DIRECTORY)
         self.last_step = step
         self.exported.append(path)
         rank_zero_info(f"ExportHF: step {step} written to {path}")
         return path
+
+    def _write_adapter(self, trainer: pl.Trainer, model: nn.Module, target: Path) -> Path:
+        return save_peft_adapter(
+            model,
+            target,
+            base_model_name_or_path=self.base_model,
+            dtype=self.dtype,
+            partial=_pipelined(trainer),
+        )
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compose import Parallel, chain
+from ..compose import Parallel, Sequential, chain
 from ..mapper import Cast, Drop, ModelStateMapper
 from ..module_io import load_into_module, module_tensors, save_from_module
 from ..reader import INDEX_NAME, CheckpointReader
 from ..writer import DEFAULT_MAX_SHARD_BYTES
+from .peft import adapter_keys, merge_mapper
 from .registry import (
     CONFIG_NAME,
     HFConfig,
@@ -97,7 +98,8 @@ def load_hf(
         found = read_hf_config(directory)
         check_same_model(found, expected, path=str(Path(directory) / CONFIG_NAME), fmt=fmt)
     mapper = reading_mapper(fmt, expected, keys, layout)
-    leave = _beyond_format(fmt, module, mapper.output_keys())
+    # LoRA's adapters are not in a base model's files: they keep their values (a fresh B is zero)
+    leave = _beyond_format(fmt, module, mapper.output_keys()) | frozenset(adapter_keys(module))
     load_into_module(module, directory, mapper, cast=cast, partial=partial, leave=leave)
 
 
@@ -153,7 +155,8 @@ def save_hf(
     partial: bool = False,
 ) -> Path:
     """Write ``module`` as an HF checkpoint directory (shards, index, ``config.json``) that ``transformers``
-    loads with ``from_pretrained``.
+    loads with ``from_pretrained``; LoRA's adapters merged into their weights (``peft.save_peft_adapter``
+    writes them on their own).
 
     A collective in a multi-rank run: every rank calls it, DTensors are gathered group by group, rank 0 writes,
     and the directory appears complete or not at all (an existing export there is replaced only then).
@@ -167,6 +170,9 @@ def save_hf(
     written_dtype = dtype if dtype is not None else _floating_dtype(module)
     files = {**(extra_files or {}), CONFIG_NAME: hf_config_json(hf, dtype=written_dtype)}
     mapper = writing_mapper(fmt, hf, dtype, layout)
+    merge = merge_mapper(module)
+    if merge is not None:  # LoRA's adapters folded into their weights: a model transformers loads as it is
+        mapper = Sequential([merge, mapper])
     return save_from_module(
         module,
         directory,
