@@ -16,7 +16,9 @@ and sets ``trainer.should_stop``, so ``fit`` returns normally after this step. T
 random states of the uninterrupted run, so the resumed run is the uninterrupted one bit for bit.
 
 Under Lightning's ``SLURMEnvironment`` with ``auto_requeue`` (its default), rank 0 then asks SLURM to requeue the
-job (``scontrol requeue``), as Lightning's own handler would have.
+job (``scontrol requeue``), as Lightning's own handler would have. The requeue ends the job (SIGTERM to every task,
+which Lightning turns into ``SIGTERMException``, then SIGKILL): a checkpoint the strategy writes in the background
+(``D9DStrategy(async_save=True)``) is completed first, so ``saved`` names a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +41,14 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from typing_extensions import override
 
 log = logging.getLogger("lightning_d9d.callbacks")
+
+
+@runtime_checkable
+class SavesInBackground(Protocol):
+    """A strategy whose ``save_checkpoint`` may return before the checkpoint is complete (``D9DStrategy``)."""
+
+    def finish_pending_saves(self) -> None:
+        """Complete the checkpoint being written (a collective: every rank calls it)."""
 
 
 class Preemption(Callback):
@@ -96,6 +106,9 @@ class Preemption(Callback):
         path = self._directory(trainer) / self.filename.format(step=trainer.global_step)
         log.warning("preemption signal: saving %s and stopping after step %d", path, trainer.global_step)
         trainer.save_checkpoint(path)
+        # complete on disk before anything that may end the process: the requeue below, a SIGTERM
+        if isinstance(trainer.strategy, SavesInBackground):
+            trainer.strategy.finish_pending_saves()
         self.saved = path
         trainer.should_stop = True
         if self.requeue and trainer.is_global_zero:
