@@ -43,6 +43,7 @@ from lightning_d9d.callbacks import preemption as preemption_callback
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.callbacks.preemption import Preemption
 from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
+from lightning_d9d.state.selection import incomplete_reason, looks_like_checkpoint
 
 # How often the fused LM head + loss ran (causal_lm.head_loss: CausalLM.forward_loss, or a last pipeline stage
 # handed the labels), for the tests that force it.
@@ -207,14 +208,75 @@ class SignalAt(Callback):
 
 
 class KillAt(Callback):
-    """SIGKILL every rank after optimizer step ``step`` (a crash: no handler, no cleanup)."""
+    """SIGKILL every rank after optimizer step ``step`` (a crash: no handler, no cleanup); rank 0 first writes
+    ``{"killed_at": step}`` to ``out``, the run's only result."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, out: str) -> None:
+        self.step, self.out = step, out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
         if trainer.global_step == self.step:
+            if trainer.is_global_zero:
+                torch.save({"killed_at": self.step}, self.out)
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RequeueEndsTheJob(Callback):
+    """A stand-in for Preemption's ``scontrol requeue`` (rank 0 runs it): SLURM then sends SIGTERM to every task
+    of the job and SIGKILL once its KillWait has passed, here at once, so that nothing after the requeue can
+    complete a checkpoint. Rank 0 first writes ``{"preempted": the callback's saved path, "global_step"}`` to
+    ``out``, the run's only result."""
+
+    def __init__(self, preemption: Preemption, out: str) -> None:
+        self.preemption, self.out = preemption, out
+        self.pids: list[int] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:  # type: ignore[no-untyped-def]
+        self.pids = [os.getpid()]
+        if dist.is_initialized():
+            self.pids = [0] * dist.get_world_size()
+            dist.all_gather_object(self.pids, os.getpid())
+        preemption_callback._requeue = self.requeue  # for the rest of the process: it ends in the requeue
+
+    def requeue(self, trainer: L.Trainer) -> None:
+        saved = self.preemption.saved
+        torch.save({"preempted": str(saved) if saved else None, "global_step": trainer.global_step}, self.out)
+        others = [pid for pid in self.pids if pid != os.getpid()]
+        for pid in others:
+            os.kill(pid, signal.SIGTERM)
+        for pid in others:
+            os.kill(pid, signal.SIGKILL)
+        # SIGKILL alone here: a SIGTERM would first run Lightning's handler in this thread, whose broadcast
+        # waits for ranks that are gone
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordFolder(Callback):
+    """At every batch start (before the strategy's hook, which may complete a background save), rank 0 notes
+    the complete checkpoints in ``folder``: names, sorted, a link as ``"last.ckpt->step=3.ckpt"``. What a crash
+    at that moment would leave to resume from."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
+        self.seen: list[list[str]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # type: ignore[no-untyped-def]
+        if trainer.is_global_zero:
+            self.seen.append(complete_checkpoints(self.folder))
+
+
+def complete_checkpoints(folder: Path) -> list[str]:
+    """The complete checkpoints directly in ``folder`` (hidden temporary directories are none), sorted by name,
+    a link shown with its target."""
+    if not folder.is_dir():
+        return []
+    return sorted(
+        entry.name + (f"->{os.readlink(entry)}" if entry.is_symlink() else "")
+        for entry in folder.iterdir()
+        if not entry.name.startswith(".")
+        and looks_like_checkpoint(entry)
+        and incomplete_reason(entry) is None
+    )
 
 
 def slow_down_writes_of(marker: str, seconds: float) -> None:
@@ -245,6 +307,22 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
+def checkpoint_callback(config: dict, every: int) -> ModelCheckpoint:
+    """A ``ModelCheckpoint`` saving every ``every`` optimizer steps into ``config["ckpt_dir"]`` as ``step=N.ckpt``,
+    keeping ``config["keep"]`` of them (default: all; 2 or more keep the newest by step) and ``last.ckpt`` as
+    ``config["save_last"]`` says (None, True, or "link")."""
+    keep = config.get("keep", -1)
+    newest = {"monitor": "step", "mode": "max"} if keep > 1 else {}
+    return ModelCheckpoint(
+        dirpath=config["ckpt_dir"],
+        every_n_train_steps=every,
+        save_top_k=keep,
+        save_last=config.get("save_last"),
+        filename="{step}",
+        **newest,
+    )
+
+
 def main(config: dict) -> None:
     L.seed_everything(config["seed"], verbose=False)
     FUSED_LOSS_CALLS[0] = 0
@@ -268,8 +346,8 @@ def main(config: dict) -> None:
             ExcludeExperts(config["moe_balance"]["unchosen"]),
             ExpertLoadBalancing(config["moe_balance"]["rate"]),
         ]
-    if config.get("kill_at_step"):
-        callbacks.append(KillAt(config["kill_at_step"]))
+    if config.get("kill_at_step"):  # with "dies": True
+        callbacks.append(KillAt(config["kill_at_step"], config["out"]))
     if config.get("slow_write"):  # {"marker": "step=4", "seconds": 30}
         slow_down_writes_of(config["slow_write"]["marker"], config["slow_write"]["seconds"])
     preemption = None
@@ -278,15 +356,15 @@ def main(config: dict) -> None:
     ):  # {"rank", "step", "at"}: a SIGUSR1 to one rank, stopped and saved by Preemption
         preemption = Preemption(config["ckpt_dir"])
         callbacks += [preemption, SignalAt(**config["preempt"])]
+        if config.get("requeue_ends_the_job"):  # with "dies": True
+            callbacks.append(RequeueEndsTheJob(preemption, config["out"]))
+    folder = RecordFolder(config["ckpt_dir"]) if config.get("record_folder") else None
+    if folder is not None:
+        callbacks.append(folder)
     if config.get("save_every"):
         # an interval, or several (one ModelCheckpoint each): e.g. [4, 7] saves an epoch end and a mid-epoch step
         every = config["save_every"]
-        callbacks += [
-            ModelCheckpoint(
-                dirpath=config["ckpt_dir"], every_n_train_steps=n, save_top_k=-1, filename="{step}"
-            )
-            for n in (every if isinstance(every, list) else [every])
-        ]
+        callbacks += [checkpoint_callback(config, n) for n in (every if isinstance(every, list) else [every])]
     trainer = L.Trainer(
         strategy=D9DStrategy(**dims, lora=LoRA(**config["lora"]) if "lora" in config else None),
         accelerator=config.get("accelerator", "cpu"),
@@ -328,12 +406,20 @@ def main(config: dict) -> None:
     if config.get("record_grads"):
         result["step_grads"] = step_grads.grads
     result["preempted"] = str(preemption.saved) if preemption is not None and preemption.saved else None
+    result["folder_at_batch_start"] = folder.seen if folder is not None else None
     result["global_step"] = trainer.global_step
     if config.get("validate"):
         metrics = trainer.validate(module, DataLoader(val, batch_size=per_rank), verbose=False)
         result["val_loss"] = metrics[0]["val/loss"]
     result["moe_load"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("moe/")}
     result["param_dtypes"] = sorted({str(p.dtype) for p in module.parameters()})
+    # which parameters train, and which hold optimizer state (LoRA: the adapters alone)
+    result["trainable"] = sorted(plain_name(n) for n, p in module.named_parameters() if p.requires_grad)
+    names = {id(p): plain_name(n) for n, p in module.named_parameters()}
+    optimizer = trainer.optimizers[0]
+    result["optimizer_state"] = sorted(
+        names.get(id(p), f"?{tuple(p.shape)}") for p in optimizer.state if optimizer.state[p]
+    )
     result["dtensor_params"] = any(isinstance(p, DTensor) for p in module.parameters())
     result["backend"] = dist.get_backend() if dist.is_initialized() else None
     # who launched the ranks (Lightning's cluster environment), and every rank's node: as all-gathered
@@ -409,20 +495,19 @@ def run_all(configs: list[dict]) -> None:
         dist.destroy_process_group()
 
 
+# How the ranks of a run with "dies" end: SIGKILL, or the requeue's SIGTERM where no handler was installed (a rank
+# that has left fit, Lightning's handlers restored, and waits for rank 0 in the script's last collectives).
+STAGED_ENDS = (signal.SIGKILL, signal.SIGTERM)
+
+
 def stretches(configs: list[dict]) -> list[list[dict]]:
     """The stretches of ``fork_ranks``: consecutive configs with the same ``devices``; a config with
-    # which parameters train, and which hold optimizer state (LoRA: the adapters alone)
-    result["trainable"] = sorted(plain_name(n) for n, p in module.named_parameters() if p.requires_grad)
-    names = {id(p): plain_name(n) for n, p in module.named_parameters()}
-    optimizer = trainer.optimizers[0]
-    result["optimizer_state"] = sorted(
-        names.get(id(p), f"?{tuple(p.shape)}") for p in optimizer.state if optimizer.state[p]
-    )
     ``"new_ranks": True`` starts a stretch of its own (new processes, e.g. to resume from a checkpoint that the
-    previous stretch's ranks wrote)."""
+    previous stretch's ranks wrote), and one with ``"dies": True`` is a stretch alone."""
     grouped: list[list[dict]] = []
     for config in configs:
-        if grouped and grouped[-1][0]["devices"] == config["devices"] and not config.get("new_ranks"):
+        joins = grouped and grouped[-1][0]["devices"] == config["devices"] and not grouped[-1][-1].get("dies")
+        if joins and not config.get("new_ranks") and not config.get("dies"):
             grouped[-1].append(config)
         else:
             grouped.append([config])
@@ -437,28 +522,50 @@ def fork_ranks(configs: list[dict], run: Callable[[list[dict]], None] | None = N
     for them again (torch + Lightning: about 7 s of CPU per process, most of a small run on 2 cores). As torchrun
     does, a failed rank's peers are killed: they would wait for it in a collective. Every stretch runs on new processes,
     so a run that resumes in a later stretch reads a checkpoint that other processes wrote. A stretch whose
-    rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr. ``run``: what each rank
-    runs on its stretch's configs (default: :func:`run_all`, the Trainer's runs)."""
+    rank died by a signal of ``LIBC_CRASHES`` runs once more, with a warning on stderr. A run with ``"dies":
+    True`` (a crash staged by ``KillAt`` or ``RequeueEndsTheJob``) must end with its ranks killed by a signal of
+    ``STAGED_ENDS``, and the launch goes on. ``run``: what each rank runs on its stretch's configs (default: :func:`run_all`, the
+    Trainer's runs)."""
     launcher = os.getpid()
     run = run_all if run is None else run
     for group in stretches(configs):
         devices = int(group[0]["devices"])
-        status, crash = _fork_stretch(devices, group, launcher, run)
+        codes = _fork_stretch(devices, group, launcher, run)
+        crash = _crash(codes)
         if crash in LIBC_CRASHES:
             print(
                 f"a rank died by {signal.Signals(crash).name}; running its stretch once more", file=sys.stderr
             )
-            status, _ = _fork_stretch(devices, group, launcher, run)
-        if status:
-            return status
+            codes = _fork_stretch(devices, group, launcher, run)
+        if group[0].get("dies"):
+            if codes and all(-code in STAGED_ENDS for code in codes):
+                continue
+            print(f"a run that was to be killed ended with {codes}", file=sys.stderr)
+            return _status(codes) or 1
+        if _status(codes):
+            return _status(codes)
     return 0
+
+
+def _status(codes: list[int]) -> int:
+    """A stretch's exit status: 0, the first failed rank's code, or 128 + a signal's number, as a shell says."""
+    failed = [code for code in codes if code != 0]
+    if not failed:
+        return 0
+    return failed[0] if failed[0] > 0 else 128 - failed[0]
+
+
+def _crash(codes: list[int]) -> int | None:
+    """The signal a rank of a stretch died by, if one did."""
+    return next((-code for code in codes if code < 0), None)
 
 
 def _fork_stretch(
     devices: int, configs: list[dict], launcher: int, run: Callable[[list[dict]], None]
-) -> tuple[int, int | None]:
-    """One stretch on ``devices`` forked ranks: its exit status (0, the first failed rank's code, or 128 + a
-    signal's number, as a shell reports it) and the signal a rank died by, if one did before we killed any."""
+) -> list[int]:
+    """One stretch on ``devices`` forked ranks: the exit codes of the ranks that ended by themselves (a negative
+    code is the signal that ended one), in the order they ended; the ranks still running once one failed and
+    the grace passed are killed."""
     port = free_port()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -486,11 +593,7 @@ def _fork_stretch(
     for other in ranks:  # they would wait forever in a collective with the failed rank
         os.kill(other, signal.SIGKILL)
         os.waitpid(other, 0)
-    failed = [code for code in codes if code != 0]
-    if not failed:
-        return 0, None
-    crashes = [-code for code in failed if code < 0]
-    return (failed[0] if failed[0] > 0 else 128 - failed[0]), (crashes[0] if crashes else None)
+    return codes
 
 
 def _forked_rank(
