@@ -66,6 +66,7 @@ from lightning_d9d.models.qwen3 import (
     init_decoder_weights_,
     split_model_over_tp,
 )
+from lightning_d9d.modules.lora import ExpertFactors
 from lightning_d9d.modules.moe import MoE, routers_in
 from lightning_d9d.modules.moe.experts import GroupedExperts
 from lightning_d9d.modules.moe.router import TopKRouter
@@ -289,6 +290,8 @@ def _normal_weights(module: nn.Module) -> list[torch.Tensor]:
         return [module.weight]
     if isinstance(module, GroupedExperts):
         return [module.gate_up_proj, module.down_proj]
+    if isinstance(module, ExpertFactors):  # LoRA's per-expert adapters: drawn too, then given their own start
+        return list(module.parameters(recurse=False))
     return []
 
 

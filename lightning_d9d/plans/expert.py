@@ -3,7 +3,9 @@
 What :func:`parallelize_expert` does to every :class:`~lightning_d9d.modules.moe.MoE` block of a module:
 
 - the stacked expert weights become ``DTensor``s sharded on dimension 0 (the expert) over the ``ep`` mesh
-  (torch's ``distribute_module``): ep rank ``r`` holds experts ``r * E/ep ... (r+1) * E/ep - 1``;
+  (torch's ``distribute_module``): ep rank ``r`` holds experts ``r * E/ep ... (r+1) * E/ep - 1``; LoRA's
+  per-expert adapters beside them (``experts.lora``, the expert on dimension 0 too) are split alike, so each rank
+  holds the adapters of its own experts;
 - the block's dispatcher becomes the expert-parallel one (all-to-all by default, DeepEP on request: see
   :func:`~lightning_d9d.modules.moe.expert_parallel_dispatcher`);
 - the experts become their own FSDP unit over the data ranks that hold the same experts (``efsdp``, or the 2-D
@@ -53,9 +55,10 @@ def parallelize_expert(
 
 
 def split_expert_weights(experts: nn.Module, dims: ParallelDims, options: ParallelOptions) -> None:
-    """Every direct parameter of ``experts`` (stacked weights, the expert on dimension 0) sharded over ``ep``,
-    then ``experts`` made its own FSDP unit over the data ranks that hold the same experts, its gradients
-    divided as the module docstring says. The caller brings the tokens (a dispatcher over the ``ep`` group)."""
+    """Every parameter of ``experts`` and its submodules (stacked weights and LoRA's per-expert adapters, the
+    expert on dimension 0) sharded over ``ep``, then ``experts`` made its own FSDP unit over the data ranks that
+    hold the same experts, its gradients divided as the module docstring says (the adapters' with the weights').
+    The caller brings the tokens (a dispatcher over the ``ep`` group)."""
     distribute_module(experts, dims.mesh_for("ep"), _shard_experts)
     expert_dp_mesh = dims.mesh_for("ehsdp") if dims.dp_replicate > 1 else dims.mesh_for("efsdp")
     _shard_expert_data(experts, expert_dp_mesh, options, dims.mesh_for("loss").size())
@@ -72,6 +75,7 @@ def check_expert_split(block: MoE, ep: int) -> None:
 
 
 def _shard_experts(name: str, experts: nn.Module, mesh: DeviceMesh) -> None:
+    # distribute_module calls this for the experts module and each submodule (the adapters' factors) in turn
     for param_name, param in list(experts.named_parameters(recurse=False)):
         sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=None)
         experts.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))

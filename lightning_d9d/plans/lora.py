@@ -7,12 +7,21 @@ weight. Under tensor parallelism :func:`lora_tensor_plan` shards each adapter wi
 column-parallel base (output features split) keeps ``A`` whole and splits ``B``'s rows as its own; a row-parallel
 base (input features split) splits ``A``'s columns as its own and keeps ``B`` whole. No rank then gathers
 anything the base layer's own split does not.
+
+``LoRA(experts=True)`` also adapts every stacked-experts module (:func:`stacked_experts`: our
+:class:`~lightning_d9d.modules.moe.GroupedExperts`, and what a model family registers with
+:func:`register_experts_finder`, as the ``transformers`` adapter does for a MoE's experts module): per-expert
+adapters (:class:`~lightning_d9d.modules.lora.ExpertsLoRA`) beside each stacked weight, the expert on dimension 0
+as in the weights. Expert parallelism then splits them with their experts and FSDP over ``efsdp`` shards them with
+the experts (:func:`~lightning_d9d.plans.expert.split_expert_weights`); under tensor parallelism the MoE blocks run
+token-local with whole weights, so the adapters stay whole too and their gradients are summed over tp with the
+experts' (:mod:`lightning_d9d.plans.routing`).
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -21,7 +30,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from lightning_d9d.modules.lora import LoRALinear, init_adapter_
+from lightning_d9d.modules.lora import (
+    EXPERTS_ADAPTER,
+    ExpertsLoRA,
+    LoRALinear,
+    StackedWeight,
+    experts_adapter,
+    init_adapter_,
+)
+from lightning_d9d.modules.moe import GroupedExperts
 
 # The projections of a decoder block in Llama-style models (ours, and transformers' dense families).
 BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -41,6 +58,9 @@ class LoRA:
             match at least one ``nn.Linear``, and nothing else. Default: every projection of the decoder blocks.
         base_dtype: the dtype the frozen weights are kept in (``torch.bfloat16`` halves their memory); ``None``
             keeps the model's. The adapters stay in the model's dtype.
+        experts: also give every stacked-experts module per-expert adapters on each of its stacked weights (our
+            ``GroupedExperts``, a ``transformers`` MoE's experts module in its stacked layout); a model without
+            any is refused. Experts held as ``nn.Linear`` layers are plain linears: name them in ``targets``.
     """
 
     rank: int = 16
@@ -48,6 +68,7 @@ class LoRA:
     dropout: float = 0.0
     targets: Sequence[str] = field(default=BLOCK_LINEARS)
     base_dtype: torch.dtype | None = None
+    experts: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):  # a single pattern given as a string: one target, not its letters
@@ -72,7 +93,7 @@ def _matches(name: str, pattern: str) -> bool:
 def lora_targets(module: nn.Module, config: LoRA) -> dict[str, nn.Linear]:
     """The layers ``config`` adapts in ``module`` (name -> layer), each checked: every pattern matches something,
     everything matched is an ``nn.Linear`` whose sides both hold the rank. Raises ``ValueError`` naming the
-    pattern or layer and the fix."""
+    pattern or layer and the fix. The stacked experts ``config.experts`` adapts: :func:`lora_expert_targets`."""
     named = [(name, child) for name, child in module.named_modules() if name]
     found: dict[str, nn.Linear] = {}
     for pattern in config.targets:
@@ -88,27 +109,106 @@ def lora_targets(module: nn.Module, config: LoRA) -> dict[str, nn.Linear]:
         for name, child in hits:
             if isinstance(child, LoRALinear) or type(child) is not nn.Linear:
                 kind = "already adapted" if isinstance(child, LoRALinear) else type(child).__name__
+                stacked = any(p.dim() == 3 for p in child.parameters(recurse=False))
                 raise ValueError(
                     f"LoRA: target {pattern!r} matches {name} ({kind}), which LoRA cannot adapt: only plain "
                     "nn.Linear layers take adapters; narrow the pattern to the linear layers inside it"
+                    + ("; stacked experts take theirs with LoRA(experts=True)" if stacked else "")
                 )
-            smallest = min(child.in_features, child.out_features)
-            if config.rank > smallest:
-                raise ValueError(
-                    f"LoRA: rank ({config.rank}) exceeds {name}'s smaller side ({child.in_features} in, "
-                    f"{child.out_features} out); choose rank <= {smallest} or leave {name} out of targets"
-                )
+            _check_rank(config, name, child.in_features, child.out_features, f"leave {name} out of targets")
             found[name] = child
     return found
 
 
-def apply_lora(module: nn.Module, config: LoRA, seed: int) -> dict[str, LoRALinear]:
-    """Adapt ``module`` in place: each target layer replaced by a :class:`LoRALinear` around its own weight,
-    every other parameter frozen (and cast to ``config.base_dtype``). Adapters of layers that hold memory are
-    initialised from ``seed`` (``A`` seeded by its name, ``B`` zero); on ``meta`` they wait for
-    :func:`init_adapters_` after the model's own initialisation. Returns the adapted layers by name."""
+def _check_rank(config: LoRA, name: str, in_features: int, out_features: int, alternative: str) -> None:
+    """``config.rank`` fits the layer (for stacked experts: each expert's matrix)."""
+    smallest = min(in_features, out_features)
+    if config.rank > smallest:
+        raise ValueError(
+            f"LoRA: rank ({config.rank}) exceeds {name}'s smaller side ({in_features} in, {out_features} out); "
+            f"choose rank <= {smallest} or {alternative}"
+        )
+
+
+# ------------------------------------------------------------------------------------------ stacked experts
+@dataclass(frozen=True)
+class StackedExperts:
+    """A stacked-experts module LoRA can adapt: its ``weights`` as LoRA sees them, and ``run_adapters``, what makes
+    its forward add its adapters' updates once they are attached (``None``: its forward does already)."""
+
+    module: nn.Module
+    weights: Mapping[str, StackedWeight]
+    run_adapters: Callable[[], None] | None = None
+
+
+# model -> its stacked experts by module name; raises ValueError naming an experts module it cannot adapt
+ExpertsFinder = Callable[[nn.Module], dict[str, StackedExperts]]
+_FINDERS: list[ExpertsFinder] = []
+
+
+def register_experts_finder(finder: ExpertsFinder) -> None:
+    """Teach :func:`stacked_experts` a model family's stacked experts beyond ``GroupedExperts`` (the models layer
+    registers its own: this layer imports none of it)."""
+    if finder not in _FINDERS:
+        _FINDERS.append(finder)
+
+
+def stacked_experts(module: nn.Module) -> dict[str, StackedExperts]:
+    """Every stacked-experts module of ``module`` LoRA can adapt, by name: each ``GroupedExperts``, and what the
+    registered finders find."""
+    found = {
+        name: StackedExperts(child, child.stacked_weights())
+        for name, child in module.named_modules()
+        if isinstance(child, GroupedExperts)
+    }
+    for finder in _FINDERS:
+        found.update(finder(module))
+    return found
+
+
+def lora_expert_targets(module: nn.Module, config: LoRA) -> dict[str, StackedExperts]:
+    """The stacked experts ``config`` adapts in ``module`` (none unless ``config.experts``), each checked: not
+    adapted yet, every stacked weight holding the rank per expert. Raises ``ValueError`` naming the module and
+    the fix; a model without stacked experts is refused."""
+    if not config.experts:
+        return {}
+    found = stacked_experts(module)
+    if not found:
+        expert_linears = [
+            name
+            for name, child in module.named_modules()
+            if type(child) is nn.Linear and "experts" in name.split(".")[:-1]
+        ]
+        held = (
+            f"; its experts are nn.Linear layers ({', '.join(expert_linears[:3])}, ...), which targets adapts by "
+            "name (e.g. 'experts.*.down_proj')"
+            if expert_linears
+            else ""
+        )
+        raise ValueError(
+            f"LoRA(experts=True): {type(module).__name__} has no stacked experts (GroupedExperts, or a "
+            f"transformers MoE's experts module in its stacked layout){held}; use experts=False"
+        )
+    for name, experts in found.items():
+        if experts_adapter(experts.module) is not None:
+            raise ValueError(f"LoRA(experts=True): {name} is already adapted; adapt a model once")
+        for weight, stacked in experts.weights.items():
+            _check_rank(
+                config, f"{name}.{weight}", stacked.in_features, stacked.out_features, "use experts=False"
+            )
+    return found
+
+
+def apply_lora(module: nn.Module, config: LoRA, seed: int) -> dict[str, LoRALinear | ExpertsLoRA]:
+    """Adapt ``module`` in place: each target layer replaced by a :class:`LoRALinear` around its own weight, each
+    stacked-experts module (``config.experts``) given an :class:`ExpertsLoRA`, every other parameter frozen (and
+    cast to ``config.base_dtype``). Everything is checked before anything changes. Adapters of layers that hold
+    memory are initialised from ``seed`` (``A`` seeded by its name, ``B`` zero); on ``meta`` they wait for
+    :func:`init_adapters_` after the model's own initialisation. Returns the adapters by name (a
+    ``LoRALinear`` under its layer's name, an ``ExpertsLoRA`` under its own, ``<experts>.lora``)."""
     targets = lora_targets(module, config)
-    adapted: dict[str, LoRALinear] = {}
+    expert_targets = lora_expert_targets(module, config)
+    adapted: dict[str, LoRALinear | ExpertsLoRA] = {}
     for name, base in targets.items():
         parent_name, _, child_name = name.rpartition(".")
         parent = module.get_submodule(parent_name)
@@ -117,6 +217,8 @@ def apply_lora(module: nn.Module, config: LoRA, seed: int) -> dict[str, LoRALine
         )
         setattr(parent, child_name, layer)
         adapted[name] = layer
+    for name, experts in expert_targets.items():
+        adapted[f"{name}.{EXPERTS_ADAPTER}"] = _adapt_experts(experts, config)
     adapter_params = {id(p) for layer in adapted.values() for p in _adapter_params(layer)}
     for param in module.parameters():
         if id(param) in adapter_params:
@@ -128,15 +230,41 @@ def apply_lora(module: nn.Module, config: LoRA, seed: int) -> dict[str, LoRALine
     return adapted
 
 
-def _adapter_params(layer: LoRALinear) -> list[torch.Tensor]:
+def _adapt_experts(experts: StackedExperts, config: LoRA) -> ExpertsLoRA:
+    base = experts.module.get_parameter(next(iter(experts.weights)))
+    adapter = ExpertsLoRA(
+        experts.weights,
+        config.rank,
+        config.alpha,
+        dropout=config.dropout,
+        device=base.device,
+        dtype=base.dtype,
+    )
+    setattr(experts.module, EXPERTS_ADAPTER, adapter)
+    adapter.train(experts.module.training)
+    if experts.run_adapters is not None:
+        experts.run_adapters()
+    return adapter
+
+
+def _adapter_params(layer: LoRALinear | ExpertsLoRA) -> list[torch.Tensor]:
+    if isinstance(layer, ExpertsLoRA):
+        return list(layer.parameters())
     return [layer.lora_A.weight, layer.lora_B.weight]
 
 
-def init_adapters_(adapted: Mapping[str, LoRALinear], seed: int, *, skip_meta: bool = False) -> None:
+def adapter_on_meta(layer: LoRALinear | ExpertsLoRA) -> bool:
+    """Whether ``layer``'s adapter has no memory yet (built on ``meta``)."""
+    return any(p.is_meta for p in _adapter_params(layer))
+
+
+def init_adapters_(
+    adapted: Mapping[str, LoRALinear | ExpertsLoRA], seed: int, *, skip_meta: bool = False
+) -> None:
     """Initialise each adapter from ``seed`` and its name, alike on every layout; ``skip_meta``: leave those
     still on ``meta`` (they have no memory yet)."""
     for name, layer in adapted.items():
-        if skip_meta and layer.lora_A.weight.is_meta:
+        if skip_meta and adapter_on_meta(layer):
             continue
         init_adapter_(layer, name, seed)
 
@@ -144,6 +272,13 @@ def init_adapters_(adapted: Mapping[str, LoRALinear], seed: int, *, skip_meta: b
 def adapted_layers(module: nn.Module) -> dict[str, LoRALinear]:
     """Every :class:`LoRALinear` in ``module``, by name."""
     return {name: child for name, child in module.named_modules() if isinstance(child, LoRALinear)}
+
+
+def adapters(module: nn.Module) -> dict[str, LoRALinear | ExpertsLoRA]:
+    """Every adapter in ``module``, by name: each :class:`LoRALinear` and each :class:`ExpertsLoRA`."""
+    return {
+        name: child for name, child in module.named_modules() if isinstance(child, (LoRALinear, ExpertsLoRA))
+    }
 
 
 # ---------------------------------------------------------------------------------------- tensor parallel

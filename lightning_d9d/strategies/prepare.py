@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import hf_plan_for
 from lightning_d9d.plans import Parallelizable, ParallelOptions, SeededInit, parallelize_default
-from lightning_d9d.plans.lora import adapted_layers, apply_lora, init_adapters_
+from lightning_d9d.plans.lora import adapted_layers, adapter_on_meta, adapters, apply_lora, init_adapters_
 from lightning_d9d.strategies.materialize import initialise_transformers_model, to_empty_except_metrics
 
 
@@ -121,9 +121,7 @@ def materialize(module: nn.Module, device: torch.device, agreed_seed: Callable[[
     if not has_meta_tensors(module):
         return
     # adapters built on meta: their layers' initialisers know nothing of them (B must start at zero)
-    meta_adapters = {
-        name: layer for name, layer in adapted_layers(module).items() if layer.lora_A.weight.is_meta
-    }
+    meta_adapters = {name: layer for name, layer in adapters(module).items() if adapter_on_meta(layer)}
     to_empty_except_metrics(module, device)  # metrics keep their states (see there)
     seed = agreed_seed(torch.initial_seed())
     uninitialised: set[str] = set()

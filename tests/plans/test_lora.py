@@ -4,6 +4,8 @@ parallelism splits an adapter beside its base layer. Training on every degree: `
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from distributed import run_distributed
@@ -13,15 +15,24 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_d9d import D9DStrategy
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.modules.lora import LoRALinear
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.modules.lora import ExpertsLoRA, LoRALinear
+from lightning_d9d.modules.moe import GroupedExperts
 from lightning_d9d.plans import parallelize_tensor
-from lightning_d9d.plans.lora import LoRA, apply_lora
+from lightning_d9d.plans.lora import LoRA, adapted_layers, apply_lora
 
 
 def tiny() -> Qwen3ForCausalLM:
     torch.manual_seed(0)
     return Qwen3ForCausalLM(Qwen3Config.tiny())
+
+
+def tiny_moe() -> Qwen3MoeForCausalLM:
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny())  # layers 0 and 2 sparse: 8 experts, hidden 64, ffn 32
+
+
+EXPERTS = LoRA(rank=4, alpha=8.0, targets=("q_proj",), experts=True)
 
 
 def test_adapted_model_starts_as_its_base_and_trains_only_the_adapters() -> None:
@@ -76,6 +87,95 @@ def test_frozen_weights_can_be_kept_in_bf16() -> None:
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert {d for n, d in dtypes.items() if ".lora_" in n} == {torch.float32}
     assert {d for n, d in dtypes.items() if ".lora_" not in n} == {torch.bfloat16}
+
+
+def test_stacked_experts_get_per_expert_adapters_with_the_expert_first() -> None:
+    model = tiny_moe()
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    before = model(ids)
+    adapted = apply_lora(model, EXPERTS, seed=3)
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    adapter = adapted["model.layers.0.mlp.experts.lora"]
+    assert isinstance(adapter, ExpertsLoRA) and experts.lora is adapter
+    assert sorted(name for name in adapted if name.endswith(".lora")) == [
+        "model.layers.0.mlp.experts.lora",
+        "model.layers.2.mlp.experts.lora",  # layer 1 is dense
+    ]
+    shapes = {n: tuple(p.shape) for n, p in adapter.named_parameters()}
+    assert shapes == {  # A [E, r, in], B [E, out, r] per projection
+        "lora_A.gate_up_proj": (8, 4, 64),
+        "lora_A.down_proj": (8, 4, 32),
+        "lora_B.gate_up_proj": (8, 64, 4),
+        "lora_B.down_proj": (8, 64, 4),
+    }
+    assert torch.equal(model(ids), before)  # B starts at zero
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert "model.layers.0.mlp.experts.gate_up_proj" not in trainable
+    assert trainable == {
+        *(f"model.layers.{i}.self_attn.q_proj.lora_{ab}.weight" for i in range(3) for ab in "AB"),
+        *(f"model.layers.{i}.mlp.experts.lora.{n}" for i in (0, 2) for n in shapes),
+    }
+    again = apply_lora(tiny_moe(), EXPERTS, seed=3)["model.layers.0.mlp.experts.lora"]
+    assert torch.equal(again.lora_A.get_parameter("down_proj"), adapter.lora_A.get_parameter("down_proj"))
+
+
+def test_each_expert_gains_its_own_scaled_b_a() -> None:
+    """The adapted experts compute what experts whose every matrix is ``W_e + (alpha / r) (B_e A_e)`` (in the
+    ``[E, in, out]`` layout: transposed) compute, routing weights included."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 6, 5)
+    merged = copy.deepcopy(experts)
+    adapter = ExpertsLoRA(experts.stacked_weights(), rank=2, alpha=3.0)
+    for param in adapter.parameters():
+        nn.init.normal_(param)
+    experts.lora = adapter
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            a, b = adapter.lora_A.get_parameter(name), adapter.lora_B.get_parameter(name)
+            merged.get_parameter(name).add_(1.5 * torch.bmm(b, a).transpose(1, 2))
+    rows, counts, weights = torch.randn(7, 6), torch.tensor([2, 0, 4, 1]), torch.rand(7)
+    torch.testing.assert_close(experts(rows, counts, weights), merged(rows, counts, weights))
+
+
+class _LinearExperts(nn.Module):
+    """An MoE whose experts are a ModuleList of nn.Linear: plain linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(4, 4)
+        self.experts = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+
+@pytest.mark.parametrize(
+    ("build", "config", "message"),
+    [
+        (tiny, LoRA(rank=2, experts=True), r"LoRA\(experts=True\): Qwen3ForCausalLM has no stacked experts"),
+        (
+            _LinearExperts,
+            LoRA(rank=2, targets=("q_proj",), experts=True),
+            r"no stacked experts .*; its experts are nn.Linear layers \(experts.0, experts.1, ...\), which "
+            "targets adapts by name",
+        ),
+        (
+            tiny_moe,
+            LoRA(rank=33, targets=("q_proj",), experts=True),
+            r"rank \(33\) exceeds model.layers.0.mlp.experts.down_proj's smaller side \(32 in, 64 out\); "
+            r"choose rank <= 32 or use experts=False",
+        ),
+        (
+            tiny_moe,
+            LoRA(rank=2, targets=("experts",)),
+            r"\(GroupedExperts\), which LoRA cannot adapt.*take theirs with LoRA\(experts=True\)",
+        ),
+    ],
+)
+def test_experts_the_plan_cannot_adapt_are_refused_by_name_before_any_change(
+    build: type[nn.Module], config: LoRA, message: str
+) -> None:
+    model = build()
+    with pytest.raises(ValueError, match=message):
+        apply_lora(model, config, seed=0)
+    assert not adapted_layers(model)  # q_proj (which takes rank 33) was not adapted before the refusal
 
 
 @pytest.mark.parametrize(

@@ -3,8 +3,10 @@
 the initial ones; only the adapters train and hold optimizer state.
 
 Cases: dp_shard=2, tp=2 (adapters split with their layers), pp=2, cp=2, ep=2 on Qwen3-MoE (the attention
-adapted, the experts split over ep), tp=2 x dp_shard=2 (4 processes); a checkpoint saved at tp=2 resumed at
-dp_shard=2 (AdamW: its state is the adapters' alone). All share one launch (``run_forked``).
+adapted, the experts split over ep; and with ``experts=True``, per-expert adapters split over ep with their
+experts), tp=2 on Qwen3-MoE with ``experts=True`` (the MoE blocks token-local: the experts' adapters whole, their
+gradients summed over tp), tp=2 x dp_shard=2 (4 processes); a checkpoint saved at tp=2 resumed at dp_shard=2
+(AdamW: its state is the adapters' alone). All share one launch (``run_forked``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from test_trainer_parity import BASE, assert_same_grad_norms, assert_same_traini
 LORA = {"rank": 4, "alpha": 8.0}
 COMMON = {**BASE, "optimizer": "sgd", "lr": 0.1, "max_steps": 5, "lora": LORA}
 ATTENTION = {**LORA, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+EXPERTS = {**ATTENTION, "experts": True}
 MOE = {"router_selection_bias": True, "router_z_loss_coef": 1e-3}
 RESUMABLE = {"max_steps": 8, "steps_per_epoch": 4, "save_every": 2}
 RESUME_STEP = 6
@@ -36,9 +39,18 @@ CASES: dict[str, dict] = {
     },
     "cp2": {"devices": 2, "dp": 1, "dims": {"cp": 2}},
     "ep2_moe": {"devices": 2, "dp": 2, "moe": MOE, "lora": ATTENTION, "dims": {"ep": 2}},
+    "ep2_moe_experts": {"devices": 2, "dp": 2, "moe": MOE, "lora": EXPERTS, "dims": {"ep": 2}},
+    "tp2_moe_experts": {"devices": 2, "dp": 1, "moe": MOE, "lora": EXPERTS, "dims": {"tp": 2}},
     "tp2_dp2": {"devices": 4, "dp": 2, "dims": {"tp": 2, "dp_shard": 2}},
     # AdamW, saved mid-epoch at tp=2, resumed at dp_shard=2 (below)
-    "tp2_resumable": {"devices": 2, "dp": 1, "dims": {"tp": 2}, "optimizer": "adamw", "lr": 1e-3, **RESUMABLE},
+    "tp2_resumable": {
+        "devices": 2,
+        "dp": 1,
+        "dims": {"tp": 2},
+        "optimizer": "adamw",
+        "lr": 1e-3,
+        **RESUMABLE,
+    },
 }
 
 
@@ -95,4 +107,6 @@ def test_lora_checkpoint_resumes_on_another_layout(runs: dict) -> None:
         {"losses": resumed["losses"], "params": resumed["params"]},
         {"losses": full["losses"][RESUME_STEP:], "params": full["params"]},
     )
-    assert_same_grad_norms({"grad_norms": resumed["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]})
+    assert_same_grad_norms(
+        {"grad_norms": resumed["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]}
+    )

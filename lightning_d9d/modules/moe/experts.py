@@ -15,6 +15,10 @@ Expert parallelism (:func:`~lightning_d9d.plans.parallelize_expert`) shards dime
 holds ``num_experts / ep`` consecutive experts (``DTensor``s, whose local part :meth:`GroupedExperts.forward`
 uses) and receives, from the dispatcher, its tokens grouped by *local* expert; ``tokens_per_expert`` then has
 one count per local expert.
+
+LoRA (``LoRA(experts=True)``) hangs per-expert adapters on the experts (``lora``,
+:class:`~lightning_d9d.modules.lora.ExpertsLoRA`, the expert on dimension 0 as in the weights): each projection's
+output then gains the adapter's update, two narrow grouped GEMMs over the same groups of rows.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels import grouped_mm
 from lightning_d9d.kernels.swiglu import weighted_swiglu
+from lightning_d9d.modules.lora import ExpertsLoRA, StackedWeight, experts_adapter
 
 
 @runtime_checkable
@@ -69,7 +74,15 @@ class GroupedExperts(nn.Module):
             torch.empty(num_experts, hidden_size, 2 * intermediate_size, device=device)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate_size, hidden_size, device=device))
+        self.lora: ExpertsLoRA | None = None  # LoRA's per-expert adapters, where the LoRA plan adds them
         self.reset_parameters()
+
+    def stacked_weights(self) -> dict[str, StackedWeight]:
+        """The weights per-expert adapters can adapt, as LoRA sees them (``[E, in, out]``)."""
+        return {
+            name: StackedWeight.of(self.get_parameter(name), out_first=False)
+            for name in ("gate_up_proj", "down_proj")
+        }
 
     def reset_parameters(self) -> None:
         # nn.Linear's default per expert: uniform(+-1/sqrt(fan_in)).
@@ -84,11 +97,16 @@ class GroupedExperts(nn.Module):
         ``row_weights [N]`` (each row's routing weight) every row's output is weighed by it (applied to the
         activation before the down projection, where it is narrow: see :mod:`lightning_d9d.modules.moe.dispatch`)."""
         gate_up_proj, down_proj = _local(self.gate_up_proj), _local(self.down_proj)
+        adapter = experts_adapter(self)
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
+        if adapter is not None:
+            gate_up = gate_up + adapter.update("gate_up_proj", grouped, tokens_per_expert)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return grouped_mm(
-            weighted_swiglu(gate, up, row_weights), down_proj, tokens_per_expert, backend=self.gemm_backend
-        )
+        hidden = weighted_swiglu(gate, up, row_weights)
+        output = grouped_mm(hidden, down_proj, tokens_per_expert, backend=self.gemm_backend)
+        if adapter is not None:
+            output = output + adapter.update("down_proj", hidden, tokens_per_expert)
+        return output
 
     def extra_repr(self) -> str:
         return (
