@@ -30,6 +30,12 @@ over fp32 weights (one GPU with ``fsdp_on_one_rank=False``, the CUDA-graph setti
 over the experts in fp32 (``transformers::grouped_mm_fallback``, reading the offsets on the host), where ours runs
 the grouped GEMM in autocast's dtype, every step on the device.
 
+LoRA (``LoRA(experts=True)``): :func:`lora_hf_experts`, registered with the LoRA plan, offers it every experts
+module the ep plan names; one in the stacked layout takes per-expert adapters
+(:class:`~lightning_d9d.modules.lora.ExpertsLoRA`, as ``lora``) and runs our forward from then on, on any degree
+(with the local dispatcher until a plan changes it), which adds each projection's adapter update to its grouped
+GEMM's output; another layout is refused naming the module. The adapters are split over ``ep`` with their experts.
+
 Nothing here imports ``transformers``.
 """
 
@@ -53,8 +59,11 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
 from lightning_d9d.models.hf.kernels import ENV_VAR as HF_KERNELS_ENV_VAR
 from lightning_d9d.models.hf.kernels import hf_kernels_enabled
+from lightning_d9d.modules.hf_init import is_transformers_model
+from lightning_d9d.modules.lora import ExpertsLoRA, StackedWeight, experts_adapter
 from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
 from lightning_d9d.plans.expert import split_expert_weights
+from lightning_d9d.plans.lora import StackedExperts, register_experts_finder
 from lightning_d9d.plans.options import ParallelOptions
 
 # The experts module's layout: its parameters and its forward's arguments.
@@ -91,7 +100,9 @@ def _layout_problem(experts: nn.Module) -> str | None:
     (:func:`_forward_problem`)."""
     own = dict(experts.named_parameters(recurse=False))
     act_fn = getattr(experts, "act_fn", None)
-    others = [child for child in experts.children() if child is not act_fn]
+    others = [
+        child for child in experts.children() if child is not act_fn and not isinstance(child, ExpertsLoRA)
+    ]
     if sorted(own) != sorted(WEIGHTS) or others:
         return (
             f"holds {sorted(own)}; the adapter takes only transformers' stacked experts "
@@ -151,6 +162,10 @@ def _probe_forward(experts: nn.Module) -> str | None:
     probe.__dict__["_parameters"] = {
         "gate_up_proj": nn.Parameter(gate_up_proj, requires_grad=False),
         "down_proj": nn.Parameter(down_proj, requires_grad=False),
+    }
+    # the class's forward knows no adapters: both forwards compute the base
+    probe.__dict__["_modules"] = {
+        name: child for name, child in experts._modules.items() if not isinstance(child, ExpertsLoRA)
     }
     probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts})
     try:
@@ -244,10 +259,13 @@ def _run_ours_locally(model: nn.Module) -> list[nn.Module]:
     with routing and permutation on the device."""
     changed, kept = [], {}
     for module_name, experts in expert_modules(model).items():
-        float8 = getattr(experts, "gemm_backend", None) == FLOAT8_BACKEND
-        if not float8 and not hf_kernels_enabled():
+        # only ours reaches the float8 grouped GEMM, and only ours adds LoRA's per-expert adapters
+        ours_only = (
+            getattr(experts, "gemm_backend", None) == FLOAT8_BACKEND or experts_adapter(experts) is not None
+        )
+        if not ours_only and not hf_kernels_enabled():
             continue
-        problem = None if float8 else _layout_problem(experts)
+        problem = None if ours_only else _layout_problem(experts)
         if problem is None:
             _run_ours(experts, LocalDispatcher())
             changed.append(experts)
@@ -301,15 +319,69 @@ def _experts_forward(
     empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
     routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
     dispatched = dispatcher.dispatch(hidden_states, routing)
-    counts = dispatched.tokens_per_expert
-    gate, up = matmul(dispatched.tokens, gate_up_proj.transpose(1, 2), counts).chunk(2, dim=-1)
+    counts, rows = dispatched.tokens_per_expert, dispatched.tokens
+    adapter = experts_adapter(self)
+    gate_up = matmul(rows, gate_up_proj.transpose(1, 2), counts)
+    if adapter is not None:
+        gate_up = gate_up + adapter.update("gate_up_proj", rows, counts)
+    gate, up = gate_up.chunk(2, dim=-1)
     act_fn: Any = self.act_fn
     # each row weighed by its routing weight before the down projection (combine only sums: see moe.dispatch)
     activation = weigh_rows(act_fn(gate) * up, dispatched.row_weights)
     output = matmul(activation, down_proj.transpose(1, 2), counts)
+    if adapter is not None:
+        output = output + adapter.update("down_proj", activation, counts)
     return dispatcher.combine(output, dispatched)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts (FSDP has gathered its own dimension by now); the gradient flows back into the DTensor."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+# ------------------------------------------------------------------------------------------------------ LoRA
+def lora_hf_experts(module: nn.Module) -> dict[str, StackedExperts]:
+    """The experts modules of every ``transformers`` MoE in ``module`` (the model itself or a module holding
+    one), by name in ``module``, for ``LoRA(experts=True)``: each in the stacked layout the adapter's forward
+    runs (its weights ``[E, out, in]``), switched to that forward once its adapters are attached. Raises
+    ``ValueError`` naming an experts module in another layout."""
+    found: dict[str, StackedExperts] = {}
+    for prefix, model in _transformers_models(module).items():
+        for name, experts in expert_modules(model).items():
+            full_name = f"{prefix}.{name}" if prefix else name
+            problem = _layout_problem(experts)
+            if problem is not None:
+                raise ValueError(
+                    f"LoRA(experts=True): {type(model).__name__}'s {full_name} ({type(experts).__name__}) "
+                    f"{problem}; its experts take no adapters: use experts=False"
+                )
+            # in the module's own order: peft nests its wrappers in that order (state/hf/peft.py)
+            weights = {
+                weight: StackedWeight.of(param, out_first=True)
+                for weight, param in experts.named_parameters(recurse=False)
+            }
+            found[full_name] = StackedExperts(experts, weights, functools.partial(_run_adapters, experts))
+    return found
+
+
+def _transformers_models(module: nn.Module) -> dict[str, nn.Module]:
+    """The outermost ``transformers`` models in ``module`` with an expert-parallel plan, by name."""
+    found: dict[str, nn.Module] = {}
+    for name, child in module.named_modules():
+        inside = any(name.startswith(f"{outer}.") or not outer for outer in found)
+        if inside or not is_transformers_model(child):
+            continue
+        if getattr(getattr(child, "config", None), "base_model_ep_plan", None):
+            found[name] = child
+    return found
+
+
+def _run_adapters(experts: nn.Module) -> None:
+    """Adapted experts run our forward (the class's knows nothing of the adapters): with the local dispatcher
+    unless a plan gave them another already."""
+    instance_forward = vars(experts).get("forward")
+    if getattr(instance_forward, "__func__", None) is not expert_parallel_forward:
+        _run_ours(experts, LocalDispatcher())
+
+
+register_experts_finder(lora_hf_experts)
