@@ -31,7 +31,7 @@ import pickletools
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
+from pathlib import Path, PosixPath, PurePosixPath, PureWindowsPath, WindowsPath
 from typing import Any
 
 import torch
@@ -270,6 +270,9 @@ def _commit(
 
 
 # -------------------------------------------------------------------------------------------------- loading
+PATH_CLASSES = [PosixPath, WindowsPath, PurePosixPath, PureWindowsPath]
+
+
 def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None = None) -> dict[str, Any]:
     """The content of ``meta.pt``, with an error naming the file if it is missing or cannot be read."""
     meta_path = path / META_NAME
@@ -280,8 +283,10 @@ def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None
             path=str(meta_path),
         )
     try:
-        # weights_only unless the caller asked otherwise: a checkpoint is untrusted input
-        meta = torch.load(meta_path, map_location=map_location, weights_only=weights_only is not False)
+        # weights_only unless the caller asked otherwise: a checkpoint is untrusted input. Paths are plain values
+        # (a LightningModule's hyperparameters often hold one; building one touches no file)
+        with torch.serialization.safe_globals(PATH_CLASSES):
+            meta = torch.load(meta_path, map_location=map_location, weights_only=weights_only is not False)
     except Exception as error:  # a truncated zip, or a pickle weights_only refuses: the reason says which
         raise CheckpointFileError(
             f"{meta_path} cannot be read ({type(error).__name__}: {error}); if it is truncated, choose another "

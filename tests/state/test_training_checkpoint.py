@@ -8,7 +8,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import pytest
@@ -86,6 +86,17 @@ def test_round_trip_restores_model_optimizer_and_meta(tmp_path: Path) -> None:
     assert meta["epoch"] == 3 and training.recorded_hf_config(meta) == {"model_type": "qwen3"}
     assert "state_dict" not in meta and "optimizer_states" not in meta
     assert entries(tmp_path) == ["step=4.ckpt"]
+
+
+def test_paths_in_the_hyperparameters_load_without_unpickling_anything_else(tmp_path: Path) -> None:
+    """A LightningModule's hyperparameters often hold a ``Path`` (a model folder): ``meta.pt`` loads it under
+    ``weights_only``; other classes stay refused (the checkpoint tests of untrusted input)."""
+    module, optimizer = trained(seed=0)
+    checkpoint = lightning_checkpoint(module, optimizer)
+    checkpoint["hyper_parameters"] = {"folder": Path("models/qwen3"), "pure": PurePosixPath("a/b")}
+    save(tmp_path / "step=4.ckpt", checkpoint)
+    meta = load(tmp_path / "step=4.ckpt", module, {0: optimizer}, strict=True, weights_only=True)
+    assert meta["hyper_parameters"] == {"folder": Path("models/qwen3"), "pure": PurePosixPath("a/b")}
 
 
 def test_a_background_save_checksums_off_the_calling_thread_and_round_trips(
