@@ -270,7 +270,7 @@ def _commit(
 
 
 # -------------------------------------------------------------------------------------------------- loading
-PATH_CLASSES = [PosixPath, WindowsPath, PurePosixPath, PureWindowsPath]
+PATH_CLASSES: list[Any] = [PosixPath, WindowsPath, PurePosixPath, PureWindowsPath]
 
 
 def read_meta(path: Path, *, weights_only: bool | None, map_location: str | None = None) -> dict[str, Any]:
