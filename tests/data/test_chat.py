@@ -1,7 +1,7 @@
 """``chat_documents``: only the assistant's turns are learnt, token by token as the chat template marks them, in
 multi-turn conversations, on packed rows; a template without ``{% generation %}`` markers gives the same mask from
-its renderings of the conversation's prefixes; and the refusals. The tokenizer is built here (word level, no
-Hub)."""
+its renderings of the conversation's prefixes; and the refusals. The tokenizer is built locally (word level, no
+Hub: chat_tokenizer.py)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+from chat_tokenizer import MARKED, UNMARKED, word_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 import lightning_d9d.data
 from lightning_d9d.data import PackedDataset, chat_documents
-
-# ChatML; the markers enclose what the model writes after "<|im_start|>assistant\n": its reply and the end of turn
-MARKED = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\n' }}"
-    "{%- if message['role'] == 'assistant' %}"
-    "{%- generation %}{{- message['content'] + '<|im_end|>\n' }}{%- endgeneration %}"
-    "{%- else %}{{- message['content'] + '<|im_end|>\n' }}{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
-)
-UNMARKED = MARKED.replace("{%- generation %}", "").replace("{%- endgeneration %}", "")
 
 CONVERSATIONS = [
     [
@@ -51,17 +39,8 @@ ASSISTANT = [
 
 
 def tokenizer(template: str) -> PreTrainedTokenizerFast:
-    """Word level: words and newlines are tokens, spaces separate; the turn markers are special tokens."""
-    words = sorted({word for c in CONVERSATIONS for m in c for word in (m["role"], *m["content"].split())})
-    vocab = {word: number for number, word in enumerate(["[UNK]", "\n", *words])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Split(" ", "removed"), pre_tokenizers.Split(Regex("\n"), "isolated")]
-    )
-    wrapped = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
-    wrapped.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    wrapped.chat_template = template
-    return wrapped
+    """Word level over these conversations' words (:func:`chat_tokenizer.word_tokenizer`)."""
+    return word_tokenizer(template, CONVERSATIONS)
 
 
 def test_only_the_assistants_turns_are_learnt_token_by_token_as_the_template_marks_them() -> None:
