@@ -88,7 +88,10 @@ class LoadHFWeights(Callback):
     converted to the parameters' dtype (bf16 files into fp32 master weights).
 
     When the fit resumes from a checkpoint, nothing is loaded (the directory need not exist any more): the
-    checkpoint's weights are the ones to continue from.
+    checkpoint's weights are the ones to continue from. Except under LoRA (``D9DStrategy(lora=...)``), whose
+    checkpoints hold the adapters and not the frozen base: the strategy has the base loaded from the directory
+    before it restores the checkpoint (:meth:`load_frozen_base`), and checks it is the base the adapters were
+    trained on.
     """
 
     def __init__(
@@ -111,6 +114,17 @@ class LoadHFWeights(Callback):
         # checkpoints of this run record. Loading waits: a checkpoint to resume from is not restored yet.
         self.hf_config = module_hf_config(find_hf_model(pl_module, self.module_attr)[1])
         self.loaded = False
+
+    def load_frozen_base(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Load the directory now, for a resume from a checkpoint that holds no frozen base (a LoRA run's): the
+        d9d strategy calls it on every rank before it restores such a checkpoint, which then checks that the base
+        is the one its adapters were trained on."""
+        self.loaded = True
+        name, model = find_hf_model(pl_module, self.module_attr)
+        load_hf(model, self.path, self.hf_config, check_config=self.check_config, partial=_pipelined(trainer))
+        rank_zero_info(
+            f"LoadHFWeights: loaded the frozen base {self.path} into {type(pl_module).__name__}.{name}"
+        )
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -65,6 +65,7 @@ from .errors import (
     MissingShardError,
     format_keys,
 )
+from .frozen import FINGERPRINT_KEY, check_same_base
 
 # the file names (defined with the choice of a checkpoint, which training.py builds on)
 META_NAME, DCP_METADATA_NAME = selection.META_NAME, selection.DCP_METADATA_NAME
@@ -493,6 +494,7 @@ def load(
     strict: bool,
     weights_only: bool | None,
     check: MetaCheck | None = None,
+    frozen: Mapping[str, tuple[float, float, int]] | None = None,
 ) -> dict[str, Any]:
     """Load model and optimizer state in place (any mesh: DCP reshards) and return the rest (``meta.pt``).
 
@@ -500,20 +502,32 @@ def load(
     damaged checkpoint raises an error naming the file on every rank, with the model and the optimizers
     untouched. ``check(meta)``: the caller's own checks of ``meta.pt``'s content, run with these (before the
     model is touched; what it raises, every rank raises). ``path`` may also be a folder of checkpoints: the
-    newest complete one is loaded (see :func:`~lightning_d9d.state.selection.newest_complete`).
+    newest complete one is loaded (see :func:`~lightning_d9d.state.selection.newest_complete`). ``frozen``: the
+    model's frozen parameters' fingerprint (:func:`~lightning_d9d.state.frozen.fingerprint`, taken by the caller
+    on every rank): a checkpoint that left them out (a LoRA run's) loads the rest, once its recorded fingerprint
+    matches; one that holds them loads them too.
     """
     distributed = dist.is_available() and dist.is_initialized()
     named = Path(path).absolute()
     path = selection.resolve(named, distributed=distributed)
+
+    def checks(meta: dict[str, Any]) -> None:
+        if check is not None:
+            check(meta)
+        if FINGERPRINT_KEY in meta:
+            check_same_base(meta[FINGERPRINT_KEY], frozen or {}, str(path))
+
     try:
-        meta = agree(lambda: _checked(path, len(optimizers), weights_only, check), distributed=distributed)
+        meta = agree(lambda: _checked(path, len(optimizers), weights_only, checks), distributed=distributed)
     except CheckpointError as error:
         # a checkpoint named directly (ckpt_path="last" too): say which other one is complete
         hint = selection.other_complete_hint(path) if path == named else None
         if hint is not None:
             error.add_note(hint)
         raise
-    state: dict[str, Any] = {MODEL_SECTION: get_model_state_dict(module)}
+    left_out = frozenset(frozen or ()) if FINGERPRINT_KEY in meta else frozenset()
+    model_state = {key: value for key, value in get_model_state_dict(module).items() if key not in left_out}
+    state: dict[str, Any] = {MODEL_SECTION: model_state}
     state.update({optimizer_section(i): optimizer_state(module, opt) for i, opt in optimizers.items()})
     try:
         dcp.load(
@@ -531,7 +545,10 @@ def load(
             "a .distcp file is damaged",
             path=str(path),
         ) from error
-    set_model_state_dict(module, state[MODEL_SECTION], options=StateDictOptions(strict=strict))
+    # what was left out is not missing: every other key was read (DCP refuses a requested key it lacks)
+    set_model_state_dict(
+        module, state[MODEL_SECTION], options=StateDictOptions(strict=strict and not left_out)
+    )
     for i, opt in optimizers.items():
         set_optimizer_state_dict(
             module, opt, optim_state_dict=state[optimizer_section(i)], options=OPTIMIZER_OPTIONS

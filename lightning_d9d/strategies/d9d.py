@@ -22,6 +22,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_d9d.callbacks.hf import LoadHFWeights
 from lightning_d9d.compat import (
     FilePath,
     StrategyRegistryType,
@@ -59,6 +60,7 @@ from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
 from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.memory import MemoryPlan
+from lightning_d9d.state import frozen as frozen_checkpoint
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare, step_loss
@@ -653,10 +655,16 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not (self._async_saves is not None and self._in_training_loop()):
-            return super().lightning_module_state_dict()
-        # a background save stages the tensors into its pinned buffers: no synchronous copy to CPU here first
-        assert self.model is not None
-        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+            state = super().lightning_module_state_dict()
+        else:  # a background save stages the tensors into its pinned buffers: no synchronous copy to CPU here
+            assert self.model is not None
+            state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+        if self._options.lora is not None and self._save_distributed_checkpoint:
+            # LoRA: the frozen base is left out, its fingerprint recorded instead (save_checkpoint, state/frozen.py)
+            assert self.model is not None
+            frozen = frozen_checkpoint.frozen_names(self.model)
+            state = {key: value for key, value in state.items() if key not in frozen}
+        return state
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -681,6 +689,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         # Collective: every rank returns once the directory is in place, or raises (all, with the reason).
         # with the model's HF config when it has one: `convert dcp-to-hf` then needs no --config
         path, content = self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
+        if self._options.lora is not None and self.model is not None:
+            content[frozen_checkpoint.FINGERPRINT_KEY] = frozen_checkpoint.fingerprint(self.model)
         if self._async_saves is not None and self._in_training_loop():
             self._async_saves.save(path, content)
             return
@@ -738,10 +748,20 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             optimizers,
             strict=self.lightning_module.strict_loading,
             weights_only=weights_only,
+            frozen=self._frozen_base() if self._options.lora is not None else None,
         )
         self._resumed_random_state.capture()  # the states the load put back
         resume_where_fit_stopped(meta)
         return meta
+
+    def _frozen_base(self) -> dict[str, tuple[float, float, int]]:
+        """LoRA: the frozen base's fingerprint, once ``LoadHFWeights`` loaded it (a LoRA checkpoint holds none)."""
+        assert self.model is not None and self.lightning_module is not None
+        trainer = self.lightning_module.trainer
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if isinstance(callback, LoadHFWeights):
+                callback.load_frozen_base(trainer, self.lightning_module)
+        return frozen_checkpoint.fingerprint(self.model)
 
     @override
     def remove_checkpoint(self, filepath: FilePath) -> None:

@@ -1,0 +1,146 @@
+"""A LoRA run's training checkpoint (``lightning_d9d.state.frozen``): the frozen base is left out and fingerprinted;
+a resume onto the same base loads the adapters and their optimizer state, onto another base it is refused before
+anything is touched. The Trainer's side (save, resume mid-epoch on another layout, bit for bit on the same one)
+runs in ``tests/strategies/test_lora_parity.py``."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.plans.lora import LoRA, apply_lora
+from lightning_d9d.state import CheckpointError
+from lightning_d9d.state.frozen import FINGERPRINT_KEY, fingerprint, frozen_names
+from lightning_d9d.state.training import MODEL_SECTION, load, optimizer_state, read_dcp_metadata, save
+
+
+@pytest.fixture(autouse=True)
+def _quiet_dcp() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to")
+        yield
+
+
+# wide enough that the files' own overhead does not hide the sizes: 1.5M parameters, 35K of them adapters
+SHAPE = {
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+}
+
+
+def adapted(base_seed: int, adapter_seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """A tiny Qwen3 (its base drawn from ``base_seed``) with adapters, one AdamW step taken on them."""
+    torch.manual_seed(base_seed)
+    model = Qwen3ForCausalLM(Qwen3Config.tiny(**SHAPE))
+    apply_lora(model, LoRA(rank=4), seed=adapter_seed)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    torch.manual_seed(adapter_seed)
+    model(torch.randint(0, 2048, (2, 16))).float().square().mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def lora_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What D9DStrategy hands the format under LoRA: the state without the frozen base, and its fingerprint."""
+    frozen = frozen_names(model)
+    return {
+        "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items() if k not in frozen},
+        "optimizer_states": [optimizer_state(model, optimizer)],
+        FINGERPRINT_KEY: fingerprint(model),
+    }
+
+
+def stored_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".distcp")
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_on_the_same_base(tmp_path: Path) -> None:
+    model, optimizer = adapted(base_seed=0, adapter_seed=1)
+    save(tmp_path / "lora.ckpt", lora_checkpoint(model, optimizer))
+    full = {"state_dict": model.state_dict(), "optimizer_states": [optimizer_state(model, optimizer)]}
+    save(tmp_path / "full.ckpt", full)
+    model_keys = {
+        key.removeprefix(f"{MODEL_SECTION}.")
+        for key in read_dcp_metadata(tmp_path / "lora.ckpt").state_dict_metadata
+        if key.startswith(f"{MODEL_SECTION}.")
+    }
+    assert model_keys == {n for n, p in model.named_parameters() if p.requires_grad} | {
+        n for n, _ in model.named_buffers() if n in model.state_dict()
+    }
+    # the adapters and their AdamW moments: a small fraction of the whole model's checkpoint
+    lora_bytes, full_bytes = stored_bytes(tmp_path / "lora.ckpt"), stored_bytes(tmp_path / "full.ckpt")
+    print(f"LoRA checkpoint {lora_bytes} bytes, full {full_bytes} bytes")
+    assert lora_bytes < full_bytes / 10, (lora_bytes, full_bytes)
+
+    other, other_optimizer = adapted(base_seed=0, adapter_seed=2)  # the same base, other adapters
+    base_before = {n: p.detach().clone() for n, p in other.named_parameters() if not p.requires_grad}
+    load(
+        tmp_path / "lora.ckpt",
+        other,
+        {0: other_optimizer},
+        strict=True,
+        weights_only=True,
+        frozen=fingerprint(other),
+    )
+    for name, value in model.state_dict().items():
+        assert torch.equal(other.state_dict()[name], value), name
+    assert all(torch.equal(p, base_before[n]) for n, p in other.named_parameters() if not p.requires_grad)
+    state = other_optimizer.state_dict()["state"]
+    expected = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i]["exp_avg"], expected[i]["exp_avg"]) for i in expected)
+
+
+def test_a_lora_checkpoint_refuses_another_base_before_touching_the_model(tmp_path: Path) -> None:
+    model, optimizer = adapted(base_seed=0, adapter_seed=1)
+    save(tmp_path / "lora.ckpt", lora_checkpoint(model, optimizer))
+    other, other_optimizer = adapted(base_seed=3, adapter_seed=2)  # a base the adapters were not trained on
+    before = {n: p.detach().clone() for n, p in other.named_parameters()}
+    with pytest.raises(
+        CheckpointError,
+        match=r"holds the trained parameters only, and the model's frozen \S+ is not the one it was trained on",
+    ):
+        load(
+            tmp_path / "lora.ckpt",
+            other,
+            {0: other_optimizer},
+            strict=True,
+            weights_only=True,
+            frozen=fingerprint(other),
+        )
+    assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
+    # the base in another dtype is another base too
+    bf16, bf16_optimizer = adapted(base_seed=0, adapter_seed=2)
+    for param in bf16.parameters():
+        if not param.requires_grad:
+            param.data = param.data.to(torch.bfloat16).float()
+    with pytest.raises(CheckpointError, match="is not the one it was trained on"):
+        load(
+            tmp_path / "lora.ckpt",
+            bf16,
+            {0: bf16_optimizer},
+            strict=True,
+            weights_only=True,
+            frozen=fingerprint(bf16),
+        )
+
+
+def test_the_fingerprint_is_the_same_on_any_layout_up_to_rounding() -> None:
+    """The sums over a parameter cut in shards equal the whole's within the tolerance the check allows (the
+    sharded path itself runs under the Trainer's resume onto another layout in test_lora_parity.py)."""
+    model, _ = adapted(base_seed=0, adapter_seed=1)
+    whole = fingerprint(model)
+    total, squares, numel = whole["model.embed_tokens.weight"]
+    weight = model.get_submodule("model.embed_tokens").weight.detach().double()
+    assert numel == weight.numel()
+    assert abs(total - float(weight.sum())) <= 1e-12 * abs(float(weight.abs().sum()))
+    assert abs(squares - float(weight.square().sum())) <= 1e-12 * squares
