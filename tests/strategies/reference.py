@@ -92,6 +92,13 @@ def exclude_experts(module: torch.nn.Module, experts: list[int]) -> None:
         router.expert_bias[experts] = -1e3
 
 
+def freeze(module: torch.nn.Module, parts: list[str]) -> None:
+    """What a user freezing modules writes: ``requires_grad_(False)`` on the parameters named with one of ``parts``."""
+    for name, param in module.named_parameters():
+        if any(part in name for part in parts):
+            param.requires_grad_(False)
+
+
 def use_optimizer(module: torch.nn.Module, config: dict) -> None:
     """``config["optimizer"] == "sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
     schedule instead of AdamW, whose division by ``sqrt(v) + eps`` scales a near-zero gradient's rounding
@@ -173,6 +180,8 @@ def reference_run(config: dict) -> dict:
         module.model = Qwen3ForCausalLM(model_config)  # eager init, the meta-device path must match it
     if config.get("lora"):  # adapters initialised from the run's seed, as the strategy's are
         apply_lora(module, LoRA(**config["lora"]), seed=seed)
+    if config.get("freeze"):
+        freeze(module, config["freeze"])
     use_optimizer(module, config)
     precision = config.get("precision", "32-true")
     if precision == "bf16-true":

@@ -51,19 +51,42 @@ CASES: dict[str, dict] = {
         "lr": 1e-3,
         **RESUMABLE,
     },
+    # compiled blocks (dynamo + AOTAutograd, no Inductor code generation on CPU) with full recompute
+    "dp2_compiled_checkpointed": {
+        "devices": 2,
+        "dp": 2,
+        "max_steps": 3,
+        "dims": {"dp_shard": 2, "compile": True, "activation_checkpointing": True},
+        "compile_backend": "aot_eager",
+    },
+}
+# Full fine-tuning with modules the user froze (no LoRA): the embedding, the first layer's attention and every
+# input norm (replicated over tp, where torch's sequence-parallel style would make them trainable again)
+FROZEN = ["embed_tokens", "layers.0.self_attn", "input_layernorm"]
+FROZEN_CASES: dict[str, dict] = {
+    "frozen_tp2_dp2": {"devices": 4, "dp": 2, "dims": {"tp": 2, "dp_shard": 2}},
+    "frozen_pp2": {
+        "devices": 2,
+        "dp": 1,
+        "model": {"num_hidden_layers": 4},
+        "dims": {"pp": 2, "pipeline_schedule": "1F1B", "microbatches": 2},
+    },
 }
 
 
 def config_of(case: str) -> dict:
+    if case in FROZEN_CASES:
+        return {**COMMON, "lora": None, "freeze": FROZEN, **FROZEN_CASES[case]}
     return {**COMMON, **CASES[case]}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("lora")
+    every = {**CASES, **FROZEN_CASES}
     configs = {
         case: {**config_of(case), "ckpt_dir": str(tmp / "checkpoints" / case)}
-        for case in sorted(CASES, key=lambda case: CASES[case]["devices"])
+        for case in sorted(every, key=lambda case: every[case]["devices"])
     }
     configs["tp2_resumed_on_dp2"] = {
         **config_of("tp2_resumable"),
@@ -110,3 +133,17 @@ def test_lora_checkpoint_resumes_on_another_layout(runs: dict) -> None:
     assert_same_grad_norms(
         {"grad_norms": resumed["grad_norms"]}, {"grad_norms": full["grad_norms"][RESUME_STEP:]}
     )
+
+
+@pytest.mark.parametrize("case", sorted(FROZEN_CASES))
+def test_frozen_modules_stay_frozen_on_every_degree(case: str, runs: dict) -> None:
+    """A full fine-tune with some modules frozen by the user: the rest trains as in one process, the frozen ones
+    keep their initial values bit for bit and get no optimizer state."""
+    actual, expected = runs[case], reference_run(config_of(case))
+    assert_same_training(actual, expected)
+    assert_same_grad_norms(actual, expected)
+    frozen = [name for name in actual["params"] if any(part in name for part in FROZEN)]
+    assert {part for part in FROZEN if any(part in name for name in frozen)} == set(FROZEN)
+    assert not set(frozen) & set(actual["trainable"]) and actual["trainable"]
+    for name in frozen:
+        assert actual["params"][name].equal(expected["params"][name].float()), f"frozen {name} changed"

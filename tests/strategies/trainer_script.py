@@ -36,13 +36,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from distributed import LIBC_CRASHES, free_port, set_torchrun_environment
 from plain_module import build_plain_model
 from pretrain_qwen3 import Qwen3Pretraining
-from reference import exclude_experts, train_corpus, uncounted_loss, use_optimizer, val_corpus
+from reference import exclude_experts, freeze, train_corpus, uncounted_loss, use_optimizer, val_corpus
 
 from lightning_d9d import D9DStrategy, LoRA
 from lightning_d9d.callbacks import preemption as preemption_callback
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.callbacks.preemption import Preemption
-from lightning_d9d.models import Qwen3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
 from lightning_d9d.state.selection import incomplete_reason, looks_like_checkpoint
 
 # How often the fused LM head + loss ran (causal_lm.head_loss: CausalLM.forward_loss, or a last pipeline stage
@@ -366,7 +366,7 @@ def main(config: dict) -> None:
         every = config["save_every"]
         callbacks += [checkpoint_callback(config, n) for n in (every if isinstance(every, list) else [every])]
     trainer = L.Trainer(
-        strategy=D9DStrategy(**dims, lora=LoRA(**config["lora"]) if "lora" in config else None),
+        strategy=D9DStrategy(**dims, lora=LoRA(**config["lora"]) if config.get("lora") else None),
         accelerator=config.get("accelerator", "cpu"),
         devices=config["devices"],
         num_nodes=config.get("num_nodes", 1),
@@ -391,6 +391,11 @@ def main(config: dict) -> None:
             moe = Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(**config["moe"]))
         # the strategy scales the router losses like the loss (1 / accumulate_grad_batches): not set here
         module.model = moe  # type: ignore[assignment]
+    if config.get("freeze"):  # a user's frozen modules: the parameters whose names hold one of these parts
+        if module.model is None:
+            with torch.device("meta"):  # as configure_model builds it
+                module.model = Qwen3ForCausalLM(model_config)  # type: ignore[assignment]
+        freeze(module, config["freeze"])
     if config.get("uncounted_loss"):
         module.loss_fn = uncounted_loss
     use_optimizer(module, config)
