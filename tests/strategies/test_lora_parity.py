@@ -5,7 +5,7 @@ the initial ones; only the adapters train and hold optimizer state.
 Cases: dp_shard=2, tp=2 (adapters split with their layers), pp=2, cp=2, ep=2 on Qwen3-MoE (the attention
 adapted, the experts split over ep; and with ``experts=True``, per-expert adapters split over ep with their
 experts), tp=2 on Qwen3-MoE with ``experts=True`` (the MoE blocks token-local: the experts' adapters whole, their
-gradients summed over tp), tp=2 x dp_shard=2 (4 processes); a checkpoint saved at tp=2 resumed at dp_shard=2
+gradients summed over tp), tp=2 x dp_shard=2 and HSDP dp_replicate=2 x dp_shard=2 (4 processes); a checkpoint saved at tp=2 resumed at dp_shard=2
 (AdamW: its state is the adapters' alone). All share one launch (``run_forked``).
 """
 
@@ -42,6 +42,8 @@ CASES: dict[str, dict] = {
     "ep2_moe_experts": {"devices": 2, "dp": 2, "moe": MOE, "lora": EXPERTS, "dims": {"ep": 2}},
     "tp2_moe_experts": {"devices": 2, "dp": 1, "moe": MOE, "lora": EXPERTS, "dims": {"tp": 2}},
     "tp2_dp2": {"devices": 4, "dp": 2, "dims": {"tp": 2, "dp_shard": 2}},
+    # HSDP: adapters sharded over dp_shard, replicated over dp_replicate
+    "hsdp2x2": {"devices": 4, "dp": 4, "dims": {"dp_replicate": 2, "dp_shard": 2}},
     # AdamW, saved mid-epoch at tp=2, resumed at dp_shard=2 (below)
     "tp2_resumable": {
         "devices": 2,
