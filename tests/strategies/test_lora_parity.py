@@ -98,6 +98,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "save_every": 0,
         "resume_from": str(tmp / "checkpoints" / "tp2_resumable" / f"step={RESUME_STEP}.ckpt"),
     }
+    configs["tp2_resumed_on_tp2"] = {
+        **config_of("tp2_resumable"),
+        "save_every": 0,
+        "resume_from": str(tmp / "checkpoints" / "tp2_resumable" / f"step={RESUME_STEP}.ckpt"),
+    }
     return run_forked(configs, tmp)
 
 
@@ -123,6 +128,15 @@ def test_lora_matches_one_process(case: str, runs: dict) -> None:
             assert value.equal(expected["params"][name].float()), f"frozen {name} changed"
     # the adapters trained (B left zero would hide a wrong A entirely)
     assert all(actual["params"][name].abs().max() > 0 for name in adapters if ".lora_B." in name)
+
+
+def test_lora_checkpoint_resumes_bit_for_bit_on_the_same_layout(runs: dict) -> None:
+    """The adapters-only checkpoint (the base left out, loaded again and checked by fingerprint) resumes mid-epoch
+    exactly where the uninterrupted run went on: the same losses, gradient norms and parameters, bit for bit."""
+    full, resumed = runs["tp2_resumable"], runs["tp2_resumed_on_tp2"]
+    assert resumed["losses"] == full["losses"][RESUME_STEP:]
+    assert resumed["grad_norms"] == full["grad_norms"][RESUME_STEP:]
+    assert all(resumed["params"][name].equal(value) for name, value in full["params"].items())
 
 
 def test_lora_checkpoint_resumes_on_another_layout(runs: dict) -> None:
