@@ -9,6 +9,7 @@ names must be those of the HF format's mapping (``lightning_d9d.state.hf``).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, parse_size
-from lightning_d9d.state.hf import hf_side_files, load_hf, module_hf_config, save_hf
-from lightning_d9d.state.hf.peft import lora_layers, save_peft_adapter
+from lightning_d9d.state import DEFAULT_MAX_SHARD_BYTES, INDEX_NAME, SINGLE_FILE_NAME, parse_size
+from lightning_d9d.state.hf import CONFIG_NAME, hf_side_files, load_hf, module_hf_config, save_hf
+from lightning_d9d.state.hf.peft import ADAPTER_CONFIG, lora_layers, save_peft_adapter
 from lightning_d9d.state.hf.transformers import is_transformers_module
+from lightning_d9d.state.selection import looks_like_checkpoint
 from lightning_d9d.state.training import HF_CONFIG_KEY
 
 # What ExportHF writes of a LoRA-adapted model: the weights with the adapters merged in, the peft adapter
@@ -72,8 +74,84 @@ def find_hf_model(pl_module: pl.LightningModule, module_attr: str | None = None)
     return found[0]
 
 
+# "owner/name", as the Hugging Face Hub names a model (Qwen/Qwen3-0.6B): a path of that form that is no local folder
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+_DOWNLOAD = "huggingface-cli download Qwen/Qwen3-0.6B --local-dir qwen3-0.6b"
+
+
+def _listing(folder: Path, limit: int = 5) -> str:
+    names = sorted(entry.name for entry in folder.iterdir())
+    if not names:
+        return "it is empty"
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"it holds {', '.join(names[:limit])}{more}"
+
+
+def _missing_folder(given: str, path: Path) -> str:
+    if _HUB_ID.fullmatch(given):
+        local = given.rpartition("/")[2].lower()
+        return (
+            f"LoadHFWeights({given!r}): no local folder {given} (relative to {Path.cwd()}). It looks like a "
+            "Hugging Face Hub id, but LoadHFWeights reads a local folder and never downloads: download it first, "
+            f"`huggingface-cli download {given} --local-dir {local}`, then pass LoadHFWeights({local!r})"
+        )
+    return (
+        f"LoadHFWeights({given!r}): the folder {path.absolute()} does not exist. Pass the local folder of a Hugging "
+        f"Face model (config.json and *.safetensors); LoadHFWeights never downloads: `{_DOWNLOAD}`"
+    )
+
+
+def _check_hf_folder(path: str | os.PathLike[str], *, config_needed: bool = True) -> None:
+    """Refuse ``path`` unless it is the local folder of a Hugging Face model: a directory holding ``config.json``
+    (unless ``config_needed`` is false) and safetensors weights (``model.safetensors``, or
+    ``model.safetensors.index.json`` and its shards). Cheap (names only, nothing read), so it runs where the
+    callback is built, in every process, before any process group exists."""
+    given, folder = os.fspath(path), Path(path)
+    if not folder.exists():
+        raise FileNotFoundError(_missing_folder(given, folder))
+    if not folder.is_dir():
+        parent = (
+            f"; the folder holding it is {str(folder.parent)!r}"
+            if folder.name == CONFIG_NAME or folder.suffix == ".safetensors"
+            else ""
+        )
+        raise NotADirectoryError(
+            f"LoadHFWeights({given!r}) is a file: pass the folder of a Hugging Face model (config.json and "
+            f"*.safetensors){parent}"
+        )
+    if looks_like_checkpoint(folder):
+        raise FileNotFoundError(
+            f"LoadHFWeights({given!r}) is a training checkpoint, not a Hugging Face model folder (no {CONFIG_NAME}): "
+            f"resume from it with trainer.fit(..., ckpt_path={given!r}), and pass LoadHFWeights the base model's folder"
+        )
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"LoadHFWeights({given!r}) is a peft adapter ({ADAPTER_CONFIG}), not a model folder: pass the base "
+            "model's folder (the model the adapter was trained on)"
+        )
+    if config_needed and not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"LoadHFWeights({given!r}): {folder} has no {CONFIG_NAME}, so it is not a Hugging Face model folder "
+            f"({_listing(folder)}). Pass the folder holding {CONFIG_NAME} and the *.safetensors weights, e.g. a "
+            f"download: `{_DOWNLOAD}`"
+        )
+    if not ((folder / INDEX_NAME).is_file() or (folder / SINGLE_FILE_NAME).is_file()):
+        raise FileNotFoundError(
+            f"LoadHFWeights({given!r}): {folder} holds no safetensors weights ({SINGLE_FILE_NAME}, or {INDEX_NAME} and "
+            f"its shards; {_listing(folder)}). Only safetensors are read: save the model with transformers' "
+            "save_pretrained (safetensors by default), or download the folder again"
+        )
+
+
 class LoadHFWeights(Callback):
-    """Load a Hugging Face checkpoint into the model when fitting starts, on any mesh.
+    """Load a Hugging Face model folder into the model when fitting starts, on any mesh.
+
+    ``path`` is a *local folder*: ``config.json`` and safetensors weights (``model.safetensors``, or
+    ``model.safetensors.index.json`` and its shards), as ``save_pretrained`` writes them or
+    ``huggingface-cli download <owner/name> --local-dir <folder>`` fetches them. Nothing is ever downloaded. A path
+    that is no such folder (missing, a file, a Hub id such as ``Qwen/Qwen3-0.6B``, a folder without
+    ``config.json`` or weights, a training checkpoint, a peft adapter) is refused when the callback is built,
+    before any process starts, with the fix.
 
     The load happens once per ``fit``, at the first of ``on_sanity_check_start`` and ``on_train_start``: after
     the strategy has sharded, materialised and initialised the model (``configure_model`` → ``strategy.setup``),
@@ -87,8 +165,8 @@ class LoadHFWeights(Callback):
     ...); a checkpoint of another model fails with the differing fields named. Floating-point tensors are
     converted to the parameters' dtype (bf16 files into fp32 master weights).
 
-    When the fit resumes from a checkpoint, nothing is loaded (the directory need not exist any more): the
-    checkpoint's weights are the ones to continue from. Except under LoRA (``D9DStrategy(lora=...)``), whose
+    When the fit resumes from a checkpoint, nothing is loaded (the folder must still exist: leave the callback out
+    to resume without it): the checkpoint's weights are the ones to continue from. Except under LoRA (``D9DStrategy(lora=...)``), whose
     checkpoints hold the adapters and not the frozen base: the strategy has the base loaded from the directory
     before it restores the checkpoint (:meth:`load_frozen_base`), and checks it is the base the adapters were
     trained on.
@@ -97,6 +175,7 @@ class LoadHFWeights(Callback):
     def __init__(
         self, path: str | os.PathLike[str], *, module_attr: str | None = None, check_config: bool = True
     ) -> None:
+        _check_hf_folder(path, config_needed=check_config)
         self.path = Path(path)
         self.module_attr = module_attr
         self.check_config = check_config
