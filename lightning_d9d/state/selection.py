@@ -5,7 +5,9 @@ a directory with a ``manifest.json`` whose files all exist with the listed sizes
 load itself). Newest means the latest manifest, the file a save writes last. Every other candidate that was
 passed over for being incomplete is logged with the reason. (``ckpt_path="last"`` is Lightning's: it resolves
 to the newest ``last*.ckpt`` of the ``ModelCheckpoint`` callbacks, which an atomic save keeps complete; if
-that one fails its checks anyway, the error carries a note naming the newest other complete checkpoint.)
+that one fails its checks anyway, the error carries a note naming the newest other complete checkpoint.) A
+Hugging Face model folder (or safetensors file) given as ``ckpt_path`` is refused naming its files and
+``LoadHFWeights``, which is how a run starts from such weights.
 
 Deleting (``save_top_k`` / keep-last-N, through the strategy's ``remove_checkpoint``) never removes the only
 complete checkpoint of a folder; a link to it does not count as another.
@@ -23,6 +25,8 @@ log = logging.getLogger(__name__)
 
 META_NAME = "meta.pt"  # everything but the tensors: loops, callbacks, hyper-parameters
 DCP_METADATA_NAME = ".metadata"  # DCP's own index of the tensors and where their chunks lie
+# what a Hugging Face model folder holds, and a training checkpoint never does
+HF_CONFIG_NAME, HF_WEIGHTS_SUFFIX = "config.json", ".safetensors"
 
 
 def looks_like_checkpoint(path: Path) -> bool:
@@ -89,10 +93,53 @@ def other_complete_hint(path: Path) -> str | None:
     )
 
 
+def hf_model_files(path: Path) -> list[str]:
+    """The Hugging Face model files ``path`` is or holds (``config.json``, ``*.safetensors`` and their index),
+    sorted; empty for anything else."""
+    if path.is_file():
+        return [path.name] if path.suffix == HF_WEIGHTS_SUFFIX else []
+    if not path.is_dir():
+        return []
+    return sorted(
+        entry.name
+        for entry in path.iterdir()
+        if entry.is_file()
+        and (
+            entry.name == HF_CONFIG_NAME
+            or entry.suffix == HF_WEIGHTS_SUFFIX
+            or entry.name.endswith(".index.json")
+        )
+    )
+
+
+def hf_model_error(path: Path) -> CheckpointError | None:
+    """The refusal of ``path`` as a checkpoint to resume from when it is a Hugging Face model (a folder or a
+    safetensors file), else None: such weights are where a run starts, loaded by ``LoadHFWeights``; ``ckpt_path``
+    continues a run from a checkpoint the run saved."""
+    found = hf_model_files(path)
+    if not found:
+        return None
+    folder = path if path.is_dir() else path.parent
+    listed = ", ".join(found[:4]) + (f" and {len(found) - 4} more" if len(found) > 4 else "")
+    return CheckpointError(
+        f"ckpt_path {str(path)!r} is a Hugging Face model, not a training checkpoint (it holds {listed}; no "
+        f"{META_NAME} or {DCP_METADATA_NAME}). A Hugging Face folder is loaded with the LoadHFWeights({str(folder)!r}) "
+        "callback (lightning_d9d.callbacks) at the start of a fit without ckpt_path; ckpt_path is for training "
+        "checkpoints, the directories ModelCheckpoint saves, to resume a run"
+    )
+
+
 def _choose(path: Path) -> Path:
     if not path.is_dir() or looks_like_checkpoint(path):
         return path  # a checkpoint itself (complete or not: its load says what is wrong), or nothing
-    chosen, skipped = newest_complete(path)
+    try:
+        chosen, skipped = newest_complete(path)
+    except CheckpointError:
+        # no checkpoint in it, but a model's files: say what it is and where it goes
+        refusal = hf_model_error(path)
+        if refusal is not None:
+            raise refusal from None
+        raise
     for entry, reason in skipped:
         log.warning("skipping checkpoint %s: %s", entry, reason)
     log.warning("resuming from %s, the newest complete checkpoint in %s", chosen, path)

@@ -736,6 +736,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(checkpoint_path))
         if path.is_file():  # a checkpoint saved without a distributed checkpoint (Lightning's own format)
+            refusal = checkpoint_selection.hf_model_error(path)  # a model's safetensors: LoadHFWeights' input
+            if refusal is not None:
+                raise refusal
             # weights_only unless the caller asked otherwise, as for meta.pt: a checkpoint is untrusted input
             checkpoint = super().load_checkpoint(path, weights_only is not False)
             resume_where_fit_stopped(checkpoint)  # written by another strategy, or by Lightning itself

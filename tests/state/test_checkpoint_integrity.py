@@ -24,7 +24,12 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from lightning_d9d.state import DCPReader, Identity, manifest, selection
 from lightning_d9d.state import dcp as dcp_reader
-from lightning_d9d.state.errors import CorruptIndexError, CorruptShardError, MissingShardError
+from lightning_d9d.state.errors import (
+    CheckpointError,
+    CorruptIndexError,
+    CorruptShardError,
+    MissingShardError,
+)
 from lightning_d9d.state.training import DCP_METADATA_NAME, load, save
 from lightning_d9d.state.untrusted import read_metadata
 
@@ -411,6 +416,46 @@ def test_a_folder_without_a_complete_checkpoint_fails_listing_why(tmp_path: Path
     with pytest.raises(MissingShardError, match="holds no complete checkpoint") as caught:
         load(folder, module, {0: optimizer}, strict=True, weights_only=True)
     assert "step=2.ckpt: checkpoint" in str(caught.value)
+
+
+def test_a_hugging_face_folder_as_ckpt_path_is_refused_naming_its_files_and_load_hf_weights(
+    tmp_path: Path,
+) -> None:
+    """Starting from a model's weights and resuming a run mixed up: the error says which is which, the model
+    untouched; a folder of checkpoints beside a config.json still resumes."""
+    folder = tmp_path / "qwen3-0.6b"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (folder / name).write_bytes(b"")
+    module, optimizer = trained(seed=5)
+    before = snapshot(module, optimizer)
+    with pytest.raises(CheckpointError) as caught:
+        load(folder, module, {0: optimizer}, strict=True, weights_only=True)
+    assert_unchanged(before, module, optimizer)
+    message = str(caught.value)
+    assert message.startswith(f"ckpt_path {str(folder)!r} is a Hugging Face model, not a training checkpoint")
+    assert "(it holds config.json, model.safetensors; no meta.pt or .metadata)" in message
+    assert f"loaded with the LoadHFWeights({str(folder)!r}) callback" in message
+    assert "ckpt_path is for training checkpoints" in message
+    assert caught.value.__cause__ is None and caught.value.__suppress_context__
+    # the weights file alone: the strategy refuses it before Lightning's loader of checkpoint files reads it
+    from lightning.pytorch.demos.boring_classes import BoringModel
+
+    from lightning_d9d import D9DStrategy
+
+    strategy = D9DStrategy()
+    strategy.connect(BoringModel())
+    weights = folder / "model.safetensors"
+    with pytest.raises(
+        CheckpointError, match=re.escape(f"ckpt_path {str(weights)!r} is a Hugging Face model")
+    ):
+        strategy.load_checkpoint(weights)
+    # a run's folder holding a config of its own beside its checkpoints is a folder of checkpoints
+    runs = tmp_path / "run"
+    saved(runs / "step=2.ckpt", seed=1)
+    (runs / "config.json").write_text("{}")
+    load(runs, module, {0: optimizer}, strict=True, weights_only=True)
+    assert torch.equal(module[0].weight, trained(seed=1)[0][0].weight)
 
 
 def test_the_only_complete_checkpoint_is_kept(tmp_path: Path) -> None:
