@@ -33,6 +33,18 @@ Diagnostic paths (not in the default list; name them in ``--paths``):
     hf_trainer_compiled_lean    hf_trainer_compiled with the loss on ``output.logits`` outside ``model_loss``, as
                                 the lean module scores ours (always the logits path: no fused LM head + loss)
 
+LoRA paths (run by ``benchmarks/lora_throughput.py``, which counts their FLOPs with the frozen weights apart;
+this script refuses them): every one trains the same adapters (``lora_config``: rank 16, alpha 32, no dropout, on
+every projection of the decoder blocks), the base frozen in bf16, the adapters in fp32:
+
+    peft_fsdp_compiled               the baseline: transformers' model built in bf16 with random weights, peft's
+                                     ``get_peft_model``, then hf_fsdp_compiled's per-layer compile and FSDP2, fused
+                                     AdamW over the adapters, the loss on the logits
+    hf_trainer_lora_compiled_nofsdp  the same transformers model built on meta under
+                                     ``D9DStrategy(lora=lora_config(), compile=True, fsdp_on_one_rank=False)``
+                                     in hf_trainer's module (the loss through ``model_loss``: the fused LM head)
+    ours_trainer_lora_compiled_nofsdp  our Qwen3ForCausalLM in that module, under the same strategy
+
 Precision recipe (the same for every plain loop): fp32 master weights, ``torch.autocast(bfloat16)`` around
 forward + loss, fused AdamW (``fused=True`` on CUDA). The strategy's ``bf16-mixed`` instead casts the fp32
 master weights to bf16 through FSDP2's ``MixedPrecisionPolicy`` (no autocast), so its residual stream is
@@ -163,6 +175,20 @@ PATHS: dict[str, str] = {
     "ours_trainer_compiled_nofsdp_cudagraphs_master_fa4": "ours_trainer_compiled_nofsdp_cudagraphs_master with"
     " the flash_attn4 attention backend",
 }
+# LoRA fine-tuning (benchmarks/lora_throughput.py runs these: the MFU of a frozen base counts 4 FLOPs per weight)
+LORA_PATHS: dict[str, str] = {
+    "peft_fsdp_compiled": "HF Qwen3ForCausalLM in bf16 + peft LoRA, FSDP2 bf16 MixedPrecisionPolicy on 1 rank +"
+    " torch.compile per decoder layer, fused AdamW over the adapters, plain loop (the LoRA baseline)",
+    "hf_trainer_lora_compiled_nofsdp": "hf_trainer_compiled_nofsdp with D9DStrategy(lora=lora_config()), fused"
+    " AdamW over the adapters",
+    "ours_trainer_lora_compiled_nofsdp": "our Qwen3ForCausalLM in hf_trainer_lora_compiled_nofsdp's module and"
+    " strategy",
+    # the memory lever, if the fastest path does not fit: selective activation checkpointing
+    "hf_trainer_lora_compiled_nofsdp_selective": "hf_trainer_lora_compiled_nofsdp with activation_checkpointing="
+    '"selective"',
+}
+#: The plain loops whose FSDP2 MixedPrecisionPolicy casts the parameters (every other plain loop autocasts).
+FSDP_LOOPS = ("ours_fsdp_loop", "ours_fsdp_compiled", "hf_fsdp_compiled", "peft_fsdp_compiled")
 #: The attention backend a path forces in its worker (LIGHTNING_D9D_ATTENTION), by the path's suffix.
 ATTENTION_SUFFIXES = {"_fa4": "flash_attn4", "_cudnn": "sdpa_cudnn"}
 DEFAULT_PATHS = [
@@ -209,7 +235,9 @@ DEFAULT_PATHS = [
 ]
 # --model moe: the MoE comparison (transformers' Qwen3-MoE, FSDP2 + per-layer compile, against the Trainer)
 MOE_PATHS = ["hf_fsdp_compiled", "ours_trainer_compiled", "hf_trainer_compiled"]
-BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled", "titan_compiled")
+BASELINES = ("hf_eager", "hf_compiled", "hf_fsdp_compiled", "titan_compiled", "peft_fsdp_compiled")
+#: The baselines the first table compares every path with (a column each, ratios of median steps).
+RATIO_COLUMNS = ("hf_eager", "hf_compiled", "hf_fsdp_compiled")
 TITAN_PATHS = ("titan_compiled", "titan_compiled_fp8_rowwise", "titan_compiled_fp8_tensorwise")
 
 
@@ -471,6 +499,9 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
 
     config = _config(args)
     torch.manual_seed(args.seed)
+    if path == "peft_fsdp_compiled":
+        model = _peft_model(config, device)
+        return model, _hf_fsdp_compiled(model, device, model.get_base_model().model.layers)
     if path.startswith("hf"):
         model = _hf_model(config, device)
         if path == "hf_fsdp_compiled":
@@ -537,6 +568,43 @@ def _hf_model(config: Any, device: Any) -> Any:
         raise RuntimeError("HF model did not tie lm_head to embed_tokens")
     model.train()
     return model
+
+
+# The adapters of every LoRA path: the projections of the decoder blocks (peft's target_modules, our targets).
+LORA_RANK, LORA_ALPHA = 16, 32
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_config() -> Any:
+    """Our side's ``LoRA`` of the LoRA paths: ``LORA_RANK`` / ``LORA_ALPHA`` on ``LORA_TARGETS``, no dropout, the
+    frozen base in bf16 (the adapters stay in the model's fp32)."""
+    import torch
+
+    from lightning_d9d.plans.lora import LoRA
+
+    return LoRA(rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS, base_dtype=torch.bfloat16)
+
+
+def _peft_model(config: Any, device: Any) -> Any:
+    """The LoRA baseline's model as a user builds it without us: transformers' causal LM of ``config``'s shape built
+    in bf16 on ``device`` with random weights (transformers' initialisation from the caller's seed), sdpa
+    attention, no KV cache, then ``peft.get_peft_model`` with the same adapters as ``lora_config``: every other
+    weight frozen, the adapters in fp32 (peft's default beside bf16 weights, as ours)."""
+    import peft
+    import torch
+    import transformers
+
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(
+            config.to_hf_config(), attn_implementation="sdpa", dtype=torch.bfloat16
+        )
+    model.config.use_cache = False
+    adapters = peft.LoraConfig(
+        r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
+    )
+    adapted = peft.get_peft_model(model, adapters)
+    adapted.train()
+    return adapted
 
 
 class LogitsLoss:
@@ -647,9 +715,10 @@ def _titan_loss() -> Any:
     return lambda logits, labels: summed(logits, labels) / labels.numel()
 
 
-def _hf_fsdp_compiled(model: Any, device: Any) -> Any:
+def _hf_fsdp_compiled(model: Any, device: Any, layers: Any = None) -> Any:
     """transformers' model as torchtitan-style training would run it on one rank: ``torch.compile`` per decoder
-    layer, then FSDP2 per layer and the root with bf16 parameters and fp32 gradient reduction."""
+    layer, then FSDP2 per layer and the root with bf16 parameters and fp32 gradient reduction. ``layers``: the
+    decoder layers where they are not ``model.model.layers`` (a ``PeftModel``'s)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -657,7 +726,7 @@ def _hf_fsdp_compiled(model: Any, device: Any) -> Any:
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
+    for layer in model.model.layers if layers is None else layers:
         layer.compile()
         fully_shard(layer, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
@@ -679,16 +748,13 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
     t_setup = time.perf_counter()
     model, forward = build_model(path, args, device)
     n_params = sum(p.numel() for p in model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     inputs, labels = _batches(args, _config(args).vocab_size, device)
     fused = {"fused": True} if device.type == "cuda" else {}
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused
-    )
-    # FSDP2's MixedPrecisionPolicy does the casting for ours_fsdp_*; every other plain loop autocasts.
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1, **fused)
+    # FSDP2's MixedPrecisionPolicy does the casting for FSDP_LOOPS; every other plain loop autocasts.
     autocast: AbstractContextManager[Any] = (
-        nullcontext()
-        if path.startswith("ours_fsdp") or path == "hf_fsdp_compiled"
-        else torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        nullcontext() if path in FSDP_LOOPS else torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     )
     _sync(device)
     setup_s = time.perf_counter() - t_setup
@@ -744,6 +810,7 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
     result: dict[str, Any] = {
         "n_params": n_params,
+        "trainable_params": sum(p.numel() for p in trainable),
         "setup_s": setup_s,
         "peak_mem_warmup_gib": warmup_peak,
         "first_step_s": warmup_times[0] if warmup_times else None,
@@ -896,6 +963,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         activation_checkpointing=next((k for k in ("selective", "full") if path.endswith(f"_{k}")), False),
         fp8=next((recipe for recipe in ("tensorwise", "rowwise") if f"_fp8_{recipe}" in path), None),
         fp8_experts=False if path.endswith("_bf16experts") else None,
+        lora=lora_config() if path in LORA_PATHS else None,
     )
     trainer = L.Trainer(
         strategy=strategy,
@@ -932,16 +1000,18 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
                 group["foreach"], group["fused"] = False, device.type == "cuda"
             return out
 
-    class HFPretraining(L.LightningModule):
-        """transformers' causal LM in a LightningModule as a user writes one: built on ``meta`` in
-        ``configure_model`` (the strategy shards it with the transformers adapter's plan, then initialises it by
-        transformers' ``_init_weights`` rules), the loss through ``lightning_d9d.model_loss`` with
-        ``causal_lm_loss``, the plain loops' fused AdamW at a constant learning rate, the loss logged without
+    class CausalLMTraining(L.LightningModule):
+        """A causal LM in a LightningModule as a user writes one: built on ``meta`` by ``build`` in
+        ``configure_model`` (transformers' model: the strategy shards it with the transformers adapter's plan, then
+        initialises it by transformers' ``_init_weights`` rules; ours: by its own plan and ``init_weights``), the
+        loss through ``lightning_d9d.model_loss`` with ``causal_lm_loss``, the plain loops' fused AdamW over the
+        parameters that train (with LoRA: the adapters) at a constant learning rate, the loss logged without
         ``prog_bar``. ``lean`` (``hf_trainer_compiled_lean``): the loss on ``output.logits`` outside
         ``model_loss``, as :class:`LeanPretraining` scores ours."""
 
-        def __init__(self, lean: bool, master_weights: bool) -> None:
+        def __init__(self, build: Any, lean: bool, master_weights: bool) -> None:
             super().__init__()
+            self.build = build
             self.lean = lean
             self.master_weights = master_weights
             self.model: Any = None
@@ -950,7 +1020,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
         def configure_model(self) -> None:
             if self.model is None:
-                self.model = _hf_model(config, "meta")
+                self.model = self.build()
 
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
             ids, target = batch["input_ids"], batch["labels"]
@@ -971,16 +1041,27 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
 
         def configure_optimizers(self):  # type: ignore[no-untyped-def]
             hyper: dict[str, Any] = {"lr": args.lr, "betas": (0.9, 0.95), "weight_decay": 0.1}
+            trainable = [p for p in self.parameters() if p.requires_grad]
             if self.master_weights:
                 from lightning_d9d.optim import MasterWeightAdamW
 
-                return MasterWeightAdamW(self.parameters(), **hyper)
-            fused = {"fused": True} if device.type == "cuda" else {}
-            return torch.optim.AdamW(self.parameters(), **hyper, **fused)
+                return MasterWeightAdamW(trainable, **hyper)
+            fused: dict[str, Any] = {"fused": True} if device.type == "cuda" else {}
+            return torch.optim.AdamW(trainable, **hyper, **fused)
+
+    def our_model_on_meta() -> Any:
+        with torch.device("meta"):
+            return _model_class(config)(config)
 
     module: L.LightningModule
     if path.startswith("hf_trainer"):
-        module = HFPretraining(lean=path.endswith("_lean"), master_weights=_master_weights(path))
+        module = CausalLMTraining(
+            lambda: _hf_model(config, "meta"),
+            lean=path.endswith("_lean"),
+            master_weights=_master_weights(path),
+        )
+    elif path in LORA_PATHS:  # our model in the transformers paths' module: only the model differs
+        module = CausalLMTraining(our_model_on_meta, lean=False, master_weights=_master_weights(path))
     else:
         module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
         # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
@@ -992,6 +1073,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
     assert module.model is not None
     result: dict[str, Any] = {
         "n_params": sum(p.numel() for p in module.model.parameters()),
+        "trainable_params": sum(p.numel() for p in module.model.parameters() if p.requires_grad),
         "setup_s": timer.setup_s,
         "peak_mem_warmup_gib": timer.warmup_peak,
         "first_step_s": timer.first_step_s,
@@ -1007,7 +1089,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
     result["fused_loss"] = None if announced is None else "fused" in announced
     # a named backend runs or refuses (the path then fails): the name is what ran
     result["attention_backend"] = os.environ.get("LIGHTNING_D9D_ATTENTION") or "auto"
-    if path.startswith("hf_trainer"):  # which loss ran: causal_lm_loss itself, or the logits wrapper
+    if isinstance(module, CausalLMTraining):  # which loss ran: causal_lm_loss itself, or the logits wrapper
         lean = path.endswith("_lean")
         result["loss_fn"] = (
             "causal_lm_loss on output.logits" if lean else repr(getattr(module, "loss_fn", None))
@@ -1226,7 +1308,12 @@ def _label(r: dict[str, Any], results: list[dict[str, Any]]) -> str:
     return f"{r['path']} (repeat {len(earlier)})" if earlier else r["path"]
 
 
-def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+def markdown(
+    results: list[dict[str, Any]], meta: dict[str, Any], ratios: tuple[str, ...] = RATIO_COLUMNS
+) -> str:
+    """The run's tables: speed and memory (a ``vs`` column for each baseline in ``ratios``), where the step
+    goes, the loss guard, and the shape and software measured."""
+
     def fmt(value: Any, spec: str) -> str:
         return (
             "–" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
@@ -1236,21 +1323,24 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     lines = [
         # the ratios of the median step, which issue 25's targets name; tokens/s (and MFU) count the whole
         # measured window, so one slow step of a path moves them and not its median
-        "| path | tokens/s | MFU | step ms (median) | peak mem GiB | vs hf_eager | vs hf_compiled "
-        "| vs hf_fsdp_compiled (median steps) | GPU |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| path | tokens/s | MFU | step ms (median) | peak mem GiB | "
+        + " | ".join(f"vs {name}" for name in ratios)
+        + " (median steps) | GPU |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(ratios) + "---:|",
     ]
     for r in rows:
         if not r.get("ok"):
             lines.append(
-                f"| {_label(r, results)} | failed: {str(r.get('error'))[:150]} | | | | | | | {r.get('gpu')} |"
+                f"| {_label(r, results)} | failed: {str(r.get('error'))[:150]} |"
+                + " |" * (3 + len(ratios))
+                + f" {r.get('gpu')} |"
             )
             continue
         lines.append(
             f"| {_label(r, results)} | {fmt(r.get('tokens_per_s'), ',.0f')} | {fmt(r.get('mfu', 0) * 100, '.1f')}% "
-            f"| {fmt(_median(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} "
-            f"| {fmt(r.get('median_vs_hf_eager'), '.2f')} | {fmt(r.get('median_vs_hf_compiled'), '.2f')} "
-            f"| {fmt(r.get('median_vs_hf_fsdp_compiled'), '.2f')} | {r.get('gpu')} |"
+            f"| {fmt(_median(r, 'step_ms'), '.1f')} | {fmt(r.get('peak_mem_gib'), '.1f')} | "
+            + " | ".join(fmt(r.get(f"median_vs_{name}"), ".2f") for name in ratios)
+            + f" | {r.get('gpu')} |"
         )
     lines += [
         "",
@@ -1389,23 +1479,9 @@ MODEL_NAMES = {
 }
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
-        return
-    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
-    unknown = [p for p in paths if p not in PATHS]
-    if unknown:
-        raise SystemExit(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
-    if args.matmul_peak and args.device == "cuda":
-        paths = ["matmul_peak", *paths]
-    gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [""]
-    args.out.mkdir(parents=True, exist_ok=True)
-    # Per-path logs, merged into one file under --out after each path.
-    logdir = args.logdir = Path(tempfile.mkdtemp(prefix="train_throughput_"))
-    fpt = flops_per_token(args)
-    meta: dict[str, Any] = {
+def run_meta(args: argparse.Namespace, fpt: int, gpus: list[str]) -> dict[str, Any]:
+    """What a run measured, for its JSON and the tables' last lines: shape, steps, recipe, software, command."""
+    return {
         "date": args.date,
         # the depth where --layers set it, or where the name does not give it (moe_large's own, from its config)
         "model": MODEL_NAMES[args.model]
@@ -1431,6 +1507,28 @@ def main(argv: list[str] | None = None) -> None:
         "versions": versions(),
         "host": platform.node(),
     }
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)), flush=True)
+        return
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    lora = [p for p in paths if p in LORA_PATHS]
+    if lora:  # their MFU counts the frozen weights apart, and their baseline is peft's
+        raise SystemExit(f"{lora} are LoRA paths: run them with benchmarks/lora_throughput.py")
+    unknown = [p for p in paths if p not in PATHS]
+    if unknown:
+        raise SystemExit(f"unknown paths {unknown}; choose from {', '.join(PATHS)}")
+    if args.matmul_peak and args.device == "cuda":
+        paths = ["matmul_peak", *paths]
+    gpus = [g.strip() for g in args.gpus.split(",")] if args.device == "cuda" else [""]
+    args.out.mkdir(parents=True, exist_ok=True)
+    # Per-path logs, merged into one file under --out after each path.
+    logdir = args.logdir = Path(tempfile.mkdtemp(prefix="train_throughput_"))
+    fpt = flops_per_token(args)
+    meta = run_meta(args, fpt, gpus)
     print(f"paths: {paths} on GPUs {gpus}; {fpt / 1e9:.3f} GFLOP/token", flush=True)
 
     jobs: queue.Queue[tuple[int, str]] = queue.Queue()
@@ -1476,11 +1574,15 @@ def _write(
     table = markdown(results, meta)
     (out / "train_throughput.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     (out / "train_throughput.md").write_text(table + "\n")
-    # All worker logs in one file (the device tool returns at most 8 files), rewritten as paths finish.
-    with (out / "train_throughput.log").open("w") as handle:
-        for log in sorted(args.logdir.glob("*.log")):
-            handle.write(f"===== {log.name}\n{log.read_text(errors='replace')}\n")
+    merge_logs(args.logdir, out / "train_throughput.log")
     return table
+
+
+def merge_logs(logdir: Path, target: Path) -> None:
+    """All worker logs in one file (the device tool returns few files), rewritten as paths finish."""
+    with target.open("w") as handle:
+        for log in sorted(logdir.glob("*.log")):
+            handle.write(f"===== {log.name}\n{log.read_text(errors='replace')}\n")
 
 
 if __name__ == "__main__":
