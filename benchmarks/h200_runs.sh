@@ -62,6 +62,12 @@
 #   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case, the
 #            experts' weighted SwiGLU: session 24) and the FP8 linears' test after the FP8 x tp / FSDP x tp changes
 #            (torchao on the path; ~5 min)
+#   lora     LoRA fine-tuning (rank 16 on every projection of the blocks) at Qwen3-8B's shape, seq 4096, random
+#            weights: transformers + peft + FSDP2 + per-layer compile against ours through the Trainer (the transformers
+#            model, and our white-box one); Qwen3-4B's shape where the baseline runs out of memory
+#            (benchmarks/lora_throughput.py; ~6 min on one H100 80 GB)
+#   full1.7b the full fine-tune beside it: Qwen3-1.7B's shape at seq 4096 x 2 (the plain recipe's 78.6 GiB at x 4
+#            fills an 80 GB card), the plain recipe against ours without FSDP on the one rank (~4 min)
 # Every throughput part fails (non-zero) when a path's final loss leaves the 2 % band of the baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -140,6 +146,9 @@ for part in "${@:-dense moe}"; do
           bench --seq-len "$1" --batch-size "$2" --out "$OUT/cudagraphs$1x$2" \
             --paths ours_trainer_compiled_nofsdp,ours_trainer_compiled_nofsdp_cudagraphs || status=1
         done ;;
+      lora) python3 benchmarks/lora_throughput.py --compile-threads 16 --matmul-peak --out "$OUT/lora" ;;
+      full1.7b) bench --model 1.7b --seq-len 4096 --batch-size 2 --warmup 3 --steps 10 --path-timeout 200 \
+          --out "$OUT/full1.7b" --paths hf_fsdp_compiled,ours_trainer_compiled_nofsdp ;;
       kernels) python3 benchmarks/kernel_speed.py --out "$OUT/kernels/kernels.json" ;;
       permute) python3 benchmarks/permute_candidates.py 2>&1 | tee "$OUT/permute/permute.jsonl"; test "${PIPESTATUS[0]}" = 0 ;;
       fa4|fa4_tests) fa4_env && {
