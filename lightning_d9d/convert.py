@@ -5,7 +5,8 @@ time, so memory stays near a few of the largest tensors plus one shard, whatever
 check that needs no data (keys, shapes, config) runs before the first tensor is read, and the output directory
 appears complete or not at all. ``dcp-to-hf`` first checks every file of the checkpoint against its
 ``manifest.json`` (sizes and CRC-32s, as a resume does), and refuses a checkpoint without one unless given
-``--no-verify``.
+``--no-verify``. A LoRA run's checkpoint holds the adapters and not the frozen base, so ``dcp-to-hf`` refuses it
+(``ExportHF`` exports such runs while they train).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from lightning_d9d.state import (
     parse_size,
 )
 from lightning_d9d.state.errors import MissingShardError, format_keys
+from lightning_d9d.state.frozen import FINGERPRINT_KEY
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
@@ -52,6 +54,7 @@ from lightning_d9d.state.hf import (
     writing_mapper,
 )
 from lightning_d9d.state.training import (
+    CALLBACKS_SECTION,
     DCP_METADATA_NAME,
     META_NAME,
     MODEL_SECTION,
@@ -152,6 +155,41 @@ def detect_prefix(keys: Collection[str], expected: Collection[str], checkpoint: 
         f"{checkpoint} does not hold the model the config describes: no key ends with {anchor!r}; it holds "
         f"{format_keys(present, limit=5)}. Check --config, or give --prefix",
         missing_source=[anchor],
+    )
+
+
+def _recorded_base(meta: dict[str, Any]) -> str | None:
+    """The folder ``LoadHFWeights`` loaded the model from, as recorded in the checkpoint's callback states."""
+    for name, state in (meta.get(CALLBACKS_SECTION) or {}).items():
+        if (
+            str(name).startswith("LoadHFWeights")
+            and isinstance(state, dict)
+            and isinstance(state.get("source"), str)
+        ):
+            return str(state["source"])
+    return None
+
+
+def _refuse_lora_checkpoint(checkpoint: Path) -> None:
+    """A LoRA run's checkpoint holds the adapters and a fingerprint of the frozen base, not the base: no model
+    folder can be written from it alone. Refused first, naming what is missing and the exports that hold it."""
+    try:
+        meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
+    except CheckpointError:  # missing, or unreadable: the conversion's own checks say why
+        return
+    fingerprint = meta.get(FINGERPRINT_KEY)
+    if not isinstance(fingerprint, dict):
+        return
+    base = _recorded_base(meta)
+    where = f"; its base was loaded from {base}" if base is not None else ""
+    raise CheckpointError(
+        f"{checkpoint} is a LoRA run's checkpoint: it holds the adapters and a fingerprint of the frozen base, not "
+        f"the base its adapters were trained on ({len(fingerprint)} tensors: {format_keys(fingerprint, limit=3)}"
+        f"{where}), so dcp-to-hf cannot write a model from it. Export LoRA runs while they train: "
+        "ExportHF(dirpath, lora='merged' | 'adapter' | 'both') (lightning_d9d.callbacks) writes the weights with "
+        "the adapters merged in, which transformers loads as they are, and/or the peft adapter; a run that "
+        "continues from this checkpoint for more steps, with LoadHFWeights(<the base model's folder>) and ExportHF "
+        "among its callbacks, exports when it ends"
     )
 
 
@@ -334,6 +372,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
             _refuse_output_at(output, given, "dcp-to-hf", why)
         else:
             _refuse_output_at(output, given.parent, "dcp-to-hf", why, inside=False)
+    _refuse_lora_checkpoint(checkpoint)
     if args.verify:
         verify_checkpoint(checkpoint)
     reader = DCPReader(checkpoint, section=MODEL_SECTION)
@@ -428,7 +467,8 @@ transformers fetch or import code (*_implementation, auto_map, quantization_conf
 commands:
   dcp-to-hf   a training checkpoint written by Trainer(strategy="d9d") (a directory with .metadata, *.distcp and
               meta.pt; any mesh) -> a Hugging Face directory (safetensors shards, index, config.json) that
-              transformers loads with from_pretrained
+              transformers loads with from_pretrained. A LoRA run's checkpoint (the adapters without the frozen
+              base) is refused: ExportHF(lora=...) exports those runs, merged and/or as a peft adapter
   hf-to-hf    a Hugging Face directory -> another one: re-shard (--max-shard-size), cast (--dtype), or change
               the file layout where a model family has several (--layout); every key and shape is checked
               against config.json on the way, and tokenizer and other non-weight files are copied

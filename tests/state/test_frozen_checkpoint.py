@@ -5,6 +5,7 @@ runs in ``tests/strategies/test_lora_parity.py``."""
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_d9d.convert import main as convert_main
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.plans.lora import LoRA, apply_lora
 from lightning_d9d.state import CheckpointError
@@ -144,3 +146,30 @@ def test_the_fingerprint_is_the_same_on_any_layout_up_to_rounding() -> None:
     assert numel == weight.numel()
     assert abs(total - float(weight.sum())) <= 1e-12 * abs(float(weight.abs().sum()))
     assert abs(squares - float(weight.square().sum())) <= 1e-12 * squares
+
+
+def test_dcp_to_hf_refuses_a_lora_checkpoint_naming_the_missing_base_and_the_fixes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A LoRA checkpoint holds no frozen base, so it converts to no model: refused before any tensor is read,
+    with what is missing, the folder the base came from, and the exports that hold the adapters."""
+    model = Qwen3ForCausalLM(Qwen3Config.tiny())
+    apply_lora(model, LoRA(rank=2), seed=1)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    base = str(tmp_path / "qwen3-base")
+    recorded = {
+        "callbacks": {
+            f"LoadHFWeights{{'path': {base!r}}}": {"source": base, "hf_config": model.config.to_hf_dict()}
+        }
+    }
+    save(tmp_path / "lora.ckpt", {**lora_checkpoint(model, optimizer), **recorded})
+    frozen = sorted(frozen_names(model))
+    (tmp_path / "config.json").write_text(json.dumps(model.config.to_hf_dict()))
+    for extra in ([], ["--config", str(tmp_path / "config.json")], ["--no-verify"]):
+        assert convert_main(["dcp-to-hf", str(tmp_path / "lora.ckpt"), str(tmp_path / "out"), *extra]) == 1
+        error = capsys.readouterr().err
+        assert f"{tmp_path / 'lora.ckpt'} is a LoRA run's checkpoint" in error, error
+        assert f"not the base its adapters were trained on ({len(frozen)} tensors: {frozen[0]!r}, " in error
+        assert f"its base was loaded from {base}" in error
+        assert "ExportHF(dirpath, lora='merged' | 'adapter' | 'both')" in error
+        assert not (tmp_path / "out").exists()
