@@ -47,7 +47,9 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
 TokenCounter = Callable[[Any], tuple[int, int]]
 """``batch -> (tokens, sequence length)`` of one rank's batch, from shapes only."""
 
-LearntCounter = Callable[[Any, int], "torch.Tensor | int | None"]
+# a device tensor, an int or None (where the batch holds no labels); Any: LightningCLI's parser turns a callable
+# default whose annotated return is a union into its import path, a str
+LearntCounter = Callable[[Any, int], Any]
 """``(batch, ignore_index) -> tokens learnt`` of one rank's batch (a device tensor is not read back until the window
 closes); None where the batch holds no labels."""
 

@@ -19,12 +19,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_d9d.modules.init import canonical_param_name
-
 from .errors import CheckpointError
 
 FINGERPRINT_KEY = "frozen_base"
 _CHUNK = 1 << 22  # elements summed at a time: a float64 copy of 32 MiB, never of a whole embedding
+
+
+def canonical_param_name(name: str) -> str:
+    """``name`` without the wrappers' name parts. Imported when called: the blocks pull in Lightning, which
+    ``python -m lightning_d9d.convert`` does without (it never calls this)."""
+    from lightning_d9d.modules.init import canonical_param_name as canonical
+
+    return canonical(name)
 
 
 def frozen_names(module: nn.Module) -> set[str]:

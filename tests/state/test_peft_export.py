@@ -215,3 +215,13 @@ def test_what_peft_cannot_express_is_refused(tmp_path: Path) -> None:
     ):
         save_peft_adapter(dropout, tmp_path / "experts_dropout")
     assert not (tmp_path / "experts_dropout").exists()
+
+
+def test_the_format_names_the_experts_adapter_as_the_blocks_do() -> None:
+    """``state/hf/peft.py`` keeps its own copy of the attribute name (it must not import the blocks, which pull in
+    Lightning for ``python -m lightning_d9d.convert``)."""
+    import lightning_d9d.modules.lora as blocks
+    import lightning_d9d.state.hf.peft as format_
+
+    assert format_.EXPERTS_ADAPTER == blocks.EXPERTS_ADAPTER
+    assert format_._LORA_BLOCKS == blocks.__name__

@@ -25,22 +25,30 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_d9d.modules.lora import EXPERTS_ADAPTER, ExpertsLoRA, LoRALinear
-
 from ..compose import Parallel, chain
 from ..errors import CheckpointError
 from ..mapper import Cast, Group, ModelStateMapper, Rename
 from ..module_io import module_tensors, save_from_module
+
+if TYPE_CHECKING:
+    from lightning_d9d.modules.lora import ExpertsLoRA, LoRALinear
+
+# The attribute of an experts module that holds its adapter (modules/lora.py's EXPERTS_ADAPTER)
+EXPERTS_ADAPTER = "lora"
+# Where the adapter blocks live. Read from sys.modules, never imported here: a process that never imported it holds
+# no adapted layer, and `python -m lightning_d9d.convert` must not import the blocks (they pull in Lightning)
+_LORA_BLOCKS = "lightning_d9d.modules.lora"
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -51,16 +59,22 @@ ADAPTER_PARTS = ("lora_A", "lora_B")
 
 def lora_layers(module: nn.Module) -> dict[str, LoRALinear]:
     """The adapted layers of ``module``, by name relative to it."""
-    return {name: child for name, child in module.named_modules() if isinstance(child, LoRALinear)}
+    blocks = sys.modules.get(_LORA_BLOCKS)
+    if blocks is None:
+        return {}
+    return {name: child for name, child in module.named_modules() if isinstance(child, blocks.LoRALinear)}
 
 
 def expert_adapters(module: nn.Module) -> dict[str, ExpertsLoRA]:
     """The per-expert adapters of ``module``, by the name of the experts module holding them."""
+    blocks = sys.modules.get(_LORA_BLOCKS)
+    if blocks is None:
+        return {}
     suffix = f".{EXPERTS_ADAPTER}"
     return {
         name.removesuffix(suffix): child
         for name, child in module.named_modules()
-        if isinstance(child, ExpertsLoRA) and name.endswith(suffix)
+        if isinstance(child, blocks.ExpertsLoRA) and name.endswith(suffix)
     }
 
 
