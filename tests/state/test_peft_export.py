@@ -224,4 +224,4 @@ def test_the_format_names_the_experts_adapter_as_the_blocks_do() -> None:
     import lightning_d9d.state.hf.peft as format_
 
     assert format_.EXPERTS_ADAPTER == blocks.EXPERTS_ADAPTER
-    assert format_._LORA_BLOCKS == blocks.__name__
+    assert blocks.__name__ == format_._LORA_BLOCKS
