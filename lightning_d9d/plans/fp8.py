@@ -91,6 +91,7 @@ Qwen3-MoE's (rowwise within fp32's last bits over 5 steps; tensorwise until rout
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import logging
 import sys
@@ -275,6 +276,54 @@ def fp8_linear_filter(module: nn.Module, name: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def _convert_adapted_layers(block: nn.Module, chosen: Fp8Filter, config: Any) -> int:
+    """LoRA's adapted layers the filter accepts (as their base): the base weight's matmul in float8 (a
+    ``Float8Linear`` with the adapter kept beside it, in its own dtype), the adapter untouched. Returns how many."""
+    from lightning_d9d.modules.lora import LoRALinear
+
+    adapted = [(name, layer) for name, layer in block.named_modules() if isinstance(layer, LoRALinear)]
+    count = 0
+    for name, layer in adapted:
+        if isinstance(layer, _float8_lora_class()) or not chosen(layer, name):
+            continue
+        parent_name, _, child_name = name.rpartition(".")
+        setattr(block.get_submodule(parent_name), child_name, float8_lora_linear(layer, config))
+        count += 1
+    return count
+
+
+@functools.cache
+def _float8_lora_class() -> type[nn.Module]:
+    """``Float8LoRALinear``: torchao's ``Float8Linear`` for the base and ``LoRALinear``'s adapter beside it (made
+    on first use: torchao is imported only when FP8 is on)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_d9d.modules.lora import LoRALinear
+
+    class Float8LoRALinear(Float8Linear, LoRALinear):  # type: ignore[misc]
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            update = self.lora_B(self.lora_A(self.lora_dropout(x)))
+            return Float8Linear.forward(self, x) + update * self.scaling
+
+    return Float8LoRALinear
+
+
+def float8_lora_linear(layer: nn.Module, config: Any) -> nn.Module:
+    """``layer`` (a ``LoRALinear``) as a ``Float8LoRALinear``: torchao builds the float8 base around the same
+    weight and bias, the adapter and its settings move over as they are."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    assert isinstance(layer, nn.Linear)
+    converted = Float8Linear.from_float(layer, config=config)
+    converted.__class__ = _float8_lora_class()
+    for attribute in ("lora_A", "lora_B", "lora_dropout"):
+        setattr(converted, attribute, getattr(layer, attribute))
+    for attribute in ("rank", "alpha", "scaling"):
+        setattr(converted, attribute, getattr(layer, attribute))
+    converted.train(layer.training)
+    return converted
+
+
 def gathers_weights_in_float8(recipe: str, *, fsdp: bool, tp: int) -> bool:
     """Whether FSDP2 all-gathers the float8 linears' weights in float8 (cast on each shard before the gather):
     tensorwise under FSDP, but not where tp splits the weights as well. torchao takes the amax of a float8
@@ -312,8 +361,10 @@ def apply_fp8(
 
     def counted(module: nn.Module, name: str) -> bool:
         nonlocal converted
-        # a Float8Linear is an nn.Linear too: never wrap one twice
-        take = not isinstance(module, Float8Linear) and chosen(module, name)
+        # a Float8Linear is an nn.Linear too: never wrap one twice; LoRA's adapters stay in their dtype
+        if ".lora_" in f".{name}" or isinstance(module, Float8Linear):
+            return False
+        take = chosen(module, name)
         if take and isinstance(getattr(module, "weight", None), DTensor):
             # sharded by tp already: a new module would drop tp's hooks (a Tensor meets a DTensor in forward)
             raise RuntimeError(
@@ -324,6 +375,7 @@ def apply_fp8(
         return take
 
     for block in blocks:
+        converted += _convert_adapted_layers(block, chosen, config)
         convert_to_float8_training(block, module_filter_fn=counted, config=config)
     held = sum(isinstance(m, Float8Linear) for block in blocks for m in block.modules())
     if held == 0:

@@ -153,7 +153,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         lora: low-rank adapters (:class:`~lightning_d9d.LoRA`: rank, alpha, dropout, the layers by name pattern,
             the frozen weights' dtype) on the model's linear layers, every other parameter frozen; applied before
             every other plan, so the adapters are sharded with their layers on every degree. Return only the
-            trainable parameters from ``configure_optimizers`` (``docs/finetune.md``). Refused with ``fp8``.
+            trainable parameters from ``configure_optimizers`` (``docs/finetune.md``). With ``fp8`` the adapted
+            layers' base multiplies in float8 and the adapters in their own dtype; refused with ``fp8`` under tp.
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own

@@ -39,7 +39,7 @@ def checked_parallel_options(
     checkpointing_kind(activation_checkpointing)
     check_checkpointing_layout(activation_checkpointing, pp=dims.pp, ep=dims.ep)
     compile_mode(compile)
-    check_lora(lora, fp8=fp8, owner=owner)
+    check_lora(lora, fp8=fp8, fp8_experts=fp8_experts, tp=dims.tp, owner=owner)
     return ParallelOptions(
         reshard_after_forward=reshard_after_forward,
         activation_checkpointing=activation_checkpointing,
@@ -54,16 +54,24 @@ def checked_parallel_options(
     )
 
 
-def check_lora(lora: LoRA | None, *, fp8: str | None, owner: str) -> None:
-    """A ``LoRA`` config, and the options it cannot be combined with yet."""
+def check_lora(lora: LoRA | None, *, fp8: str | None, fp8_experts: bool | None, tp: int, owner: str) -> None:
+    """A ``LoRA`` config, and the options it cannot be combined with yet: with ``fp8`` the adapted layers' base
+    matmul runs in float8 and the adapters in their own dtype (``plans/fp8.py``), but not under tp, where torchao's
+    float8 styles hand the layer a float8 input the adapter would read too; nor float8 experts with adapted
+    experts."""
     if lora is None:
         return
     if not isinstance(lora, LoRA):
         raise TypeError(f"{owner}(lora=...) takes a lightning_d9d.LoRA, got {type(lora).__name__}")
-    if fp8 is not None:
+    if fp8 is not None and tp > 1:
         raise ValueError(
-            f"{owner}(lora=..., fp8={fp8!r}): float8 training converts the very linear layers LoRA adapts, "
-            "and the two are not combined; use fp8=None with lora, or train without lora"
+            f"{owner}(lora=..., fp8={fp8!r}, tp={tp}): under tp torchao's float8 styles hand an adapted layer a "
+            "float8 input, which its adapter cannot read; use fp8 with lora at tp=1 (FSDP, pp, cp, ep), or fp8=None"
+        )
+    if fp8 is not None and fp8_experts is not False and lora.experts:
+        raise ValueError(
+            f"{owner}(lora=LoRA(experts=True), fp8_experts={fp8_experts!r}): the experts' adapters run beside "
+            "bf16 grouped GEMMs only; keep fp8_experts=False (the default) or adapt the experts without fp8"
         )
 
 

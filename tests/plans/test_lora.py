@@ -15,10 +15,11 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from lightning_d9d import D9DStrategy
+from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.lora import ExpertsLoRA, LoRALinear
 from lightning_d9d.modules.moe import GroupedExperts
-from lightning_d9d.plans import parallelize_tensor
+from lightning_d9d.plans import ParallelOptions, parallelize_tensor
 from lightning_d9d.plans.lora import LoRA, adapted_layers, apply_lora
 
 
@@ -200,8 +201,11 @@ def test_bad_configs_are_refused_when_the_strategy_is_built() -> None:
         LoRA(rank=0)
     with pytest.raises(ValueError, match="targets is empty"):
         LoRA(targets=())
-    with pytest.raises(ValueError, match=r"fp8='tensorwise'.*converts the very linear layers"):
-        D9DStrategy(lora=LoRA(), fp8="tensorwise")
+    with pytest.raises(ValueError, match=r"fp8='tensorwise', tp=2\): under tp torchao's float8 styles"):
+        D9DStrategy(tp=2, lora=LoRA(), fp8="tensorwise")
+    with pytest.raises(ValueError, match=r"LoRA\(experts=True\), fp8_experts=None"):
+        D9DStrategy(lora=LoRA(experts=True), fp8="rowwise", fp8_experts=None)
+    D9DStrategy(lora=LoRA(), fp8="tensorwise")  # composes at tp=1 (below)
     with pytest.raises(TypeError, match=r"takes a lightning_d9d.LoRA, got dict"):
         D9DStrategy(lora={"rank": 4})  # type: ignore[arg-type]
 
@@ -246,3 +250,68 @@ def test_tensor_parallelism_splits_each_adapter_beside_its_base_layer() -> None:
     }
     frozen, still_frozen = result["frozen"]
     assert frozen == still_frozen and len(frozen) == 4
+
+
+# ---------------------------------------------------------------------------------------------------- FP8
+def test_under_fp8_the_base_multiplies_in_float8_and_the_adapter_in_its_dtype() -> None:
+    """An adapted layer under ``fp8``: torchao's ``Float8Linear`` over the same base weight, plus the adapter in
+    fp32, computed here by hand: the same output and the same adapter gradients; the base gets none."""
+    pytest.importorskip("torchao", reason="FP8 needs torchao (pyproject's test extra)")
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear
+
+    from lightning_d9d.plans.fp8 import apply_fp8
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 128), nn.Linear(128, 64))
+    apply_lora(
+        block, LoRA(rank=16, targets=("0",)), seed=0
+    )  # rank 16: a size float8 could multiply, kept fp32
+    nn.init.normal_(block[0].lora_B.weight)
+    base = Float8Linear.from_float(
+        copy.deepcopy(nn.Linear(64, 128)), config=Float8LinearConfig.from_recipe_name("tensorwise")
+    )
+    with torch.no_grad():
+        base.weight.copy_(block[0].weight)
+        base.bias.copy_(block[0].bias)
+    a, b = block[0].lora_A.weight.detach().clone(), block[0].lora_B.weight.detach().clone()
+    assert apply_fp8([block], "tensorwise", ParallelDims(), fsdp=False) == 2
+    layer = block[0]
+    assert isinstance(layer, Float8Linear) and isinstance(layer, LoRALinear) and layer.scaling == 2.0
+    assert type(layer.lora_A) is nn.Linear and type(layer.lora_B) is nn.Linear  # the adapter is not float8
+    x = torch.randn(8, 64, requires_grad=True)
+    expected = base(x) + 2.0 * (x @ a.T) @ b.T
+    got = layer(x)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    got.square().sum().backward()
+    assert layer.weight.grad is None and layer.lora_A.weight.grad is not None
+    manual_a = a.clone().requires_grad_()
+    (base(x.detach()) + 2.0 * (x.detach() @ manual_a.T) @ b.T).square().sum().backward()
+    torch.testing.assert_close(layer.lora_A.weight.grad, manual_a.grad, rtol=1e-5, atol=1e-6)
+
+
+def _fsdp_lora_fp8(world_rank: int | None = None) -> dict[str, object]:
+    import torch.distributed as dist
+    from float8_training import full_parameters, train
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config.tiny())
+    apply_lora(model, LoRA(rank=16, alpha=16.0), seed=0)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    options = ParallelOptions(fp8="tensorwise", fsdp_on_one_rank=world > 1)
+    model.parallelize(ParallelDims(dp_shard=world).build_mesh("cpu"), options)
+    ranks = range(2) if world == 1 else range(dist.get_rank(), dist.get_rank() + 1)
+    losses = train(model, ranks, 2, eps=1e-4)
+    return {"losses": losses, "params": full_parameters(model)}
+
+
+def test_lora_with_fp8_under_fsdp_trains_as_one_process() -> None:
+    """dp_shard=2, tensorwise (weights all-gathered in float8 by FSDP): the adapters train as one process that
+    runs each rank's half of the batch on its own (float8 scales are taken over what a matmul sees)."""
+    pytest.importorskip("torchao", reason="FP8 needs torchao (pyproject's test extra)")
+    ranks = run_distributed(_fsdp_lora_fp8, 2, timeout=240)
+    (expected,) = run_distributed(_fsdp_lora_fp8, 1, timeout=240)
+    torch.testing.assert_close(ranks[0]["losses"], expected["losses"], rtol=1e-5, atol=1e-5)
+    for name, value in expected["params"].items():
+        torch.testing.assert_close(ranks[0]["params"][name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert expected["losses"][-1] < expected["losses"][0]  # the adapters learn
