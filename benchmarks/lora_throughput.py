@@ -5,8 +5,14 @@ shape, or Qwen3-4B's where the baseline does not fit.
 Every path trains the same adapters (``train_throughput.lora_config``: rank 16, alpha 32, no dropout, on q/k/v/o
 and gate/up/down_proj of every decoder layer), the base frozen in bf16 with random weights, the adapters in fp32
 (bf16 in the matmuls), on the same batches (``train_throughput._batches``: a fresh Zipf batch a step, the same for
-every path), from the same seed, for the same steps, at a constant learning rate. Each path runs in its own process
-(``train_throughput.launch``: its own compile caches and peak memory), one after the other on one GPU:
+every path), for the same steps, at a constant learning rate, from the same weights: the base as the strategy
+initialises transformers' model built on meta (transformers' rules drawn from the seed and each module's name), the
+adapters as the LoRA plan starts them (``A`` from the seed and the adapted layer's name in the Trainer paths'
+LightningModule, ``B`` zero). The baseline's model and our white-box one are given those weights once built; each
+path records digests of the weights its first step starts from (``start``: the frozen base and the adapters apart),
+and a path whose start differs from the baseline's fails the run, as the loss guard would compare unlike runs. Each
+path runs in its own process (``train_throughput.launch``: its own compile caches and peak memory), one after the
+other on one GPU:
 
     peft_fsdp_compiled                 the baseline: transformers' Qwen3ForCausalLM built in bf16, peft's LoraConfig +
                                        get_peft_model, torch.compile and FSDP2 (bf16 MixedPrecisionPolicy, fp32
@@ -39,11 +45,17 @@ full1.7b``.
 
 Writes under ``--out``: ``lora_throughput.md`` (every shape's tables), and per shape ``<model>/lora_throughput.json``
 (meta and results) and ``<model>/lora_throughput.log`` (the workers' logs). Exits non-zero where the loss guard
-failed or a path failed for another reason than running out of memory.
+failed, a path started from other weights than the baseline's, or a path failed for another reason than running
+out of memory. ``--profile-steps N`` (train_throughput.py's) profiles N more steps of every path after its measured
+window and writes ``<model>/profile_<path>.txt`` beside: device time per step by kind of kernel (the blocks',
+the adapters' and the LM head's GEMMs, attention, the loss, element-wise, norms, the optimizer), where the GPU
+waited, and the kernel table.
 
 Run (on a CUDA GPU, from the repository root; every option of train_throughput.py passes through):
 
     PYTHONPATH=. python benchmarks/lora_throughput.py --compile-threads 16 --matmul-peak --out runs/lora
+    PYTHONPATH=. python benchmarks/lora_throughput.py --models 8b --compile-threads 16 --matmul-peak \
+        --profile-steps 2 --out runs/lora   # and each path's profile
     PYTHONPATH=. python benchmarks/lora_throughput.py --device cpu --models tiny --seq-len 32 --batch-size 2 \\
         --warmup 1 --steps 2   # CPU smoke run: minutes (Inductor compiles for the CPU); the numbers mean nothing
 """
@@ -207,15 +219,15 @@ def targets_table(results: list[dict[str, Any]]) -> str:
     lines = [
         f"| path | tokens/s vs baseline (median steps; >= {TARGET_SPEEDUP}x) | peak memory vs baseline "
         f"(<= {TARGET_MEMORY}x) | final loss vs baseline (within {tt.LOSS_TOLERANCE:.0%}) | loss first -> last "
-        "| targets |",
-        "|---|---:|---:|---:|---:|---|",
+        "| weights at the start | targets |",
+        "|---|---:|---:|---:|---:|---|---|",
     ]
     for r in results:
         if r["path"] == "matmul_peak":
             continue
         if not r.get("ok"):
             state = "did not fit (out of memory)" if did_not_fit(r) else str(r.get("error"))[:120]
-            lines.append(f"| {r['path']} | {state} | | | | |")
+            lines.append(f"| {r['path']} | {state} | | | | | |")
             continue
         speed = r.get(f"median_vs_{BASELINE}")
         memory = _memory_ratio(r, baseline)
@@ -225,11 +237,26 @@ def targets_table(results: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['path']} | {_fmt(speed, '.2f', 'x')} | {_fmt(memory, '.2f', 'x')} "
             f"| {_fmt(None if loss is None else 100 * loss, '+.2f', ' %')} "
-            f"| {losses[0]:.4f} -> {losses[-1]:.4f} | {verdict} |"
+            f"| {losses[0]:.4f} -> {losses[-1]:.4f} | {_start(r, baseline)} | {verdict} |"
         )
     if baseline is not None and did_not_fit(baseline):
         lines.append("\nThe baseline did not fit this shape: no ratios.")
     return "\n".join(lines)
+
+
+def start_differs(result: dict[str, Any], baseline: dict[str, Any] | None) -> list[str] | None:
+    """The parts of ``result``'s starting weights (``base``, ``adapters``) that differ from the baseline's; None
+    where either recorded none."""
+    if baseline is None or not result.get("start") or not baseline.get("start"):
+        return None
+    return [part for part, digest in baseline["start"].items() if result["start"].get(part) != digest]
+
+
+def _start(result: dict[str, Any], baseline: dict[str, Any] | None) -> str:
+    differs = start_differs(result, baseline)
+    if differs is None:
+        return "–"
+    return "as the baseline's" if not differs else "other " + " and ".join(differs)
 
 
 def _memory_ratio(result: dict[str, Any], baseline: dict[str, Any] | None) -> float | None:
@@ -258,10 +285,18 @@ def _fmt(value: float | None, spec: str, unit: str) -> str:
 
 
 def failed(runs: list[ShapeRun]) -> list[str]:
-    """What makes the run fail: a path outside the loss band, or one that failed without running out of memory."""
+    """What makes the run fail: a path outside the loss band or started from other weights than the baseline's,
+    or one that failed without running out of memory."""
     problems = []
     for shape in runs:
+        baseline = next((r for r in shape.results if r["path"] == BASELINE), None)
         for r in shape.results:
+            differs = start_differs(r, baseline)
+            if differs:
+                problems.append(
+                    f"{shape.model} {r['path']}: started from other weights than the baseline's "
+                    f"({', '.join(differs)}): its loss compares unlike runs"
+                )
             if r.get("loss_ok") is False:
                 problems.append(f"{shape.model} {r['path']}: final loss outside the band")
             elif not r.get("ok") and not did_not_fit(r) and r.get("error") != NOT_RUN:

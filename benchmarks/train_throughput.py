@@ -37,13 +37,17 @@ LoRA paths (run by ``benchmarks/lora_throughput.py``, which counts their FLOPs w
 this script refuses them): every one trains the same adapters (``lora_config``: rank 16, alpha 32, no dropout, on
 every projection of the decoder blocks), the base frozen in bf16, the adapters in fp32:
 
-    peft_fsdp_compiled               the baseline: transformers' model built in bf16 with random weights, peft's
-                                     ``get_peft_model``, then hf_fsdp_compiled's per-layer compile and FSDP2, fused
-                                     AdamW over the adapters, the loss on the logits
+    peft_fsdp_compiled               the baseline: transformers' model built in bf16, peft's ``get_peft_model``,
+                                     then hf_fsdp_compiled's per-layer compile and FSDP2, fused AdamW over the
+                                     adapters, the loss on the logits
     hf_trainer_lora_compiled_nofsdp  the same transformers model built on meta under
                                      ``D9DStrategy(lora=lora_config(), compile=True, fsdp_on_one_rank=False)``
                                      in hf_trainer's module (the loss through ``model_loss``: the fused LM head)
     ours_trainer_lora_compiled_nofsdp  our Qwen3ForCausalLM in that module, under the same strategy
+
+All three start from the weights the strategy gives the transformers model (random: transformers' rules drawn from
+the seed and each module's name; ``_peft_model`` and ``transformers_start_into_`` give them to the other two), the
+adapters as the LoRA plan starts them; ``start`` in a path's result holds digests of them (``start_fingerprint``).
 
 Precision recipe (the same for every plain loop): fp32 master weights, ``torch.autocast(bfloat16)`` around
 forward + loss, fused AdamW (``fused=True`` on CUDA). The strategy's ``bf16-mixed`` instead casts the fp32
@@ -83,6 +87,7 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
@@ -483,11 +488,32 @@ class SyncProbe:
         return {"syncs": len(syncs), "where": where}
 
 
-def _write_profile(profile: Any, args: argparse.Namespace, path: str) -> None:
-    """``--profile-steps``: the kernel table and where the GPU waited, as ``profile_<path>.txt`` in ``--out``."""
-    from gpu_gaps import profile_report
+def _profiler(device: Any) -> Any:
+    """``--profile-steps``' profiler: the host's ops with their operands' shapes (which GEMMs are the adapters'),
+    and the device's kernels."""
+    import torch
 
-    text = profile_report(profile, args.profile_steps, rows=40)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=activities, record_shapes=True)
+
+
+def _write_profile(profile: Any, args: argparse.Namespace, path: str) -> None:
+    """``--profile-steps``: where the step goes by kind of kernel (GEMMs of the blocks, the adapters and the LM
+    head, attention, the loss, element-wise, the optimizer: ``profile_step.step_breakdown``), where the GPU waited,
+    and the kernel table, as ``profile_<path>.txt`` in ``--out``."""
+    from gpu_gaps import profile_report
+    from profile_step import step_breakdown
+
+    rank = LORA_RANK if path in LORA_PATHS else None
+    try:  # a diagnostic: the path's measurement stands without it
+        kinds = step_breakdown(profile, args.profile_steps, rank=rank, vocab=_config(args).vocab_size)
+    except Exception as error:
+        kinds = f"kernel kinds not available: {type(error).__name__}: {error}\n"
+    text = f"{path}, {args.profile_steps} profiled steps\n\n{kinds}\n" + profile_report(
+        profile, args.profile_steps, rows=40
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_{path}.txt").write_text(text)
     print(text, flush=True)
@@ -500,7 +526,7 @@ def build_model(path: str, args: argparse.Namespace, device: Any) -> tuple[Any, 
     config = _config(args)
     torch.manual_seed(args.seed)
     if path == "peft_fsdp_compiled":
-        model = _peft_model(config, device)
+        model = _peft_model(config, device, args.seed)
         return model, _hf_fsdp_compiled(model, device, model.get_base_model().model.layers)
     if path.startswith("hf"):
         model = _hf_model(config, device)
@@ -585,11 +611,15 @@ def lora_config() -> Any:
     return LoRA(rank=LORA_RANK, alpha=LORA_ALPHA, targets=LORA_TARGETS, base_dtype=torch.bfloat16)
 
 
-def _peft_model(config: Any, device: Any) -> Any:
+def _peft_model(config: Any, device: Any, seed: int) -> Any:
     """The LoRA baseline's model as a user builds it without us: transformers' causal LM of ``config``'s shape built
-    in bf16 on ``device`` with random weights (transformers' initialisation from the caller's seed), sdpa
-    attention, no KV cache, then ``peft.get_peft_model`` with the same adapters as ``lora_config``: every other
-    weight frozen, the adapters in fp32 (peft's default beside bf16 weights, as ours)."""
+    in bf16 on ``device``, sdpa attention, no KV cache, then ``peft.get_peft_model`` with the same adapters as
+    ``lora_config``: every other weight frozen, the adapters in fp32 (peft's default beside bf16 weights, as ours).
+
+    It starts from the Trainer paths' weights, not from torch's RNG: the base as the strategy initialises a
+    transformers model built on meta (:func:`transformers_start_` from ``seed``), each adapter as the LoRA plan
+    initialises it under the name the Trainer paths give that layer (:func:`peft_adapter_start_`), so the loss
+    guard compares runs that differ only in how they compute."""
     import peft
     import torch
     import transformers
@@ -599,12 +629,135 @@ def _peft_model(config: Any, device: Any) -> Any:
             config.to_hf_config(), attn_implementation="sdpa", dtype=torch.bfloat16
         )
     model.config.use_cache = False
+    transformers_start_(model, seed)
     adapters = peft.LoraConfig(
         r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(LORA_TARGETS)
     )
     adapted = peft.get_peft_model(model, adapters)
+    peft_adapter_start_(adapted, seed)
     adapted.train()
     return adapted
+
+
+# The attribute CausalLMTraining holds its model under: the first part of every parameter name on the Trainer paths,
+# which the LoRA plan seeds each adapter by (``model.model.layers.0.self_attn.q_proj``)
+TRAINER_MODEL_ATTRIBUTE = "model"
+# What peft puts before a transformers model's own names (``base_model.model.model.layers.0...``)
+PEFT_PREFIX = "base_model.model."
+
+
+def transformers_start_(model: Any, seed: int) -> None:
+    """Overwrite transformers model ``model``'s parameters and buffers with the start the strategy gives a
+    transformers model built on meta (``D9DStrategy``'s materialisation: ``init_transformers_model_`` from the
+    seed all ranks agree on, ``torch.initial_seed()`` of rank 0): transformers' rules drawn in fp32 from
+    ``(seed, module name)``, cast to each tensor's dtype."""
+    from lightning_d9d.modules.hf_init import init_transformers_model_
+
+    missed = init_transformers_model_(model, seed)
+    if missed:
+        raise RuntimeError(f"no transformers rule initialises {missed[:5]}: they would start as NaN")
+
+
+def peft_adapter_start_(model: Any, seed: int) -> None:
+    """Each of peft's adapters (``lora_A`` / ``lora_B``) of ``model`` as the LoRA plan starts the same layer on the
+    Trainer paths: :func:`~lightning_d9d.modules.lora.init_adapter_` under the layer's name there, ``A`` drawn
+    from ``(seed, <name>.lora_A.weight)``, ``B`` zero."""
+    from typing import cast
+
+    from peft.tuners.lora import LoraLayer
+    from torch import nn
+
+    from lightning_d9d.modules.lora import LoRALinear, init_adapter_
+
+    started = 0
+    for name, layer in model.named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        for adapter in layer.active_adapters:
+            # init_adapter_ reads the two linears of an adapter: peft keeps them in dicts by adapter name
+            pair = nn.Module()
+            pair.lora_A, pair.lora_B = layer.lora_A[adapter], layer.lora_B[adapter]
+            init_adapter_(cast(LoRALinear, pair), trainer_param_name(name), seed)
+            started += 1
+    if not started:
+        raise RuntimeError(f"{type(model).__name__} holds no peft LoRA layer to start")
+
+
+def trainer_param_name(name: str) -> str:
+    """A parameter's (or module's) name as the Trainer paths' LightningModule names it: without the wrappers compile
+    and activation checkpointing add, a peft model's names as our adapted layers' (``base_model.model.X`` ->
+    ``model.X``, ``q_proj.base_layer.weight`` -> ``q_proj.weight``, ``q_proj.lora_A.default.weight`` ->
+    ``q_proj.lora_A.weight``)."""
+    from lightning_d9d.modules.init import canonical_param_name
+
+    name = canonical_param_name(name)
+    if not name.startswith(PEFT_PREFIX):
+        return name
+    name = f"{TRAINER_MODEL_ATTRIBUTE}.{name.removeprefix(PEFT_PREFIX)}"
+    for part in ("lora_A", "lora_B"):
+        name = name.replace(f".{part}.default.", f".{part}.").removesuffix(f".{part}.default")
+    return name.replace(".base_layer.", ".").removesuffix(".base_layer")
+
+
+def transformers_start_into_(model: Any, config: Any, seed: int) -> None:
+    """Give our model ``model`` (LoRA applied, materialised) the frozen base transformers' model of ``config``'s
+    shape starts from (:func:`transformers_start_`, the same parameter names): built on meta in the base dtype,
+    initialised on the CPU, copied by name. The adapters keep the LoRA plan's start, which the paths share."""
+    import torch
+
+    from lightning_d9d.modules.init import assign_full_, canonical_param_name
+    from lightning_d9d.strategies.materialize import to_empty_except_metrics
+
+    source = _hf_model(config, "meta").to(lora_config().base_dtype)
+    to_empty_except_metrics(source, torch.device("cpu"))  # keeps a tied embedding one tensor
+    transformers_start_(source, seed)
+    weights = dict(source.named_parameters())
+    for name, param in model.named_parameters():
+        if param.requires_grad:  # an adapter
+            continue
+        weight = weights.get(canonical_param_name(name))
+        if weight is None or weight.shape != param.shape or weight.dtype != param.dtype:
+            found = None if weight is None else (tuple(weight.shape), weight.dtype)
+            raise RuntimeError(
+                f"{name} {tuple(param.shape)} {param.dtype}: transformers' model holds {found} under that name"
+            )
+        assign_full_(param, weight)
+
+
+def start_fingerprint(named: Any) -> dict[str, str]:
+    """Digests of a model's parameters, named as the Trainer paths name them (:func:`trainer_param_name`):
+    ``base`` (the frozen weights) and ``adapters`` (``lora_A`` / ``lora_B``). Equal digests: the same names, dtypes,
+    shapes and bits. Each tensor is summed on its own device (:func:`_bits_checksum`): seconds for 8B weights."""
+    import hashlib
+
+    digests = {part: hashlib.blake2b(digest_size=8) for part in ("base", "adapters")}
+    for name, tensor in sorted(((trainer_param_name(n), p) for n, p in named), key=lambda item: item[0]):
+        part = "adapters" if ".lora_A." in name or ".lora_B." in name else "base"
+        line = f"{name} {tensor.dtype} {tuple(tensor.shape)} {_bits_checksum(tensor)}\n"
+        digests[part].update(line.encode())
+    return {part: digest.hexdigest() for part, digest in digests.items()}
+
+
+# a Mersenne prime: each element's term (its bits x a weight of its position, modulo this) stays below 2^31, so a
+# chunk's int64 sum is exact
+_CHECKSUM_MODULUS, _CHECKSUM_CHUNK = 2**31 - 1, 2**24
+
+
+def _bits_checksum(tensor: Any) -> int:
+    """A position-weighted sum of ``tensor``'s bits (a ``DTensor``'s whole value), exact in int64 arithmetic."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    flat = tensor.detach().contiguous().view(-1)
+    bits = flat.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[flat.element_size()])
+    total = 0
+    for start in range(0, bits.numel(), _CHECKSUM_CHUNK):
+        chunk = bits[start : start + _CHECKSUM_CHUNK].to(torch.int64) % _CHECKSUM_MODULUS
+        weights = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65_521 + 1
+        total += int((chunk * weights % _CHECKSUM_MODULUS).sum())
+    return total % _CHECKSUM_MODULUS
 
 
 class LogitsLoss:
@@ -758,6 +911,8 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     _sync(device)
     setup_s = time.perf_counter() - t_setup
+    # LoRA: what the loss guard's comparison rests on, that every path starts from the same weights
+    start = start_fingerprint(model.named_parameters()) if path in LORA_PATHS else None
     events = _Events(device)
     stall = GpuStall(device, args.gpu_stall_ms)
     losses: list[Any] = []
@@ -807,6 +962,12 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
         step(None)
     sync_probe = probe.stop()
     _sync(device)
+    if args.profile_steps:  # after the probe's steps, as on the Trainer paths
+        with _profiler(device) as profile:
+            for _ in range(args.profile_steps):
+                step(None)
+            _sync(device)
+        _write_profile(profile, args, path)
 
     result: dict[str, Any] = {
         "n_params": n_params,
@@ -819,6 +980,8 @@ def run_plain_loop(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "losses": [float(x) for x in losses],
         "sync_probe": sync_probe,
     }
+    if start is not None:
+        result["start"] = start
     if events.enabled and steps:
         result["step_ms"] = _summary([_ms(s["start"], s["end"]) for s in steps])
         result["forward_ms"] = _summary([_ms(s["start"], s["forward"]) for s in steps])
@@ -900,6 +1063,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             self.ends: list[Any] = []
             self.losses: list[Any] = []
             self.profiler: Any = None
+            self.start: dict[str, str] | None = None
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):  # type: ignore[no-untyped-def]
             self.losses.append(outputs["loss"].detach() if isinstance(outputs, dict) else outputs)
@@ -934,14 +1098,13 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             if args.profile_steps and batch_idx == total + args.probe_steps:
                 self.sync_probe = probe.stop()  # the profiled steps come after the probe's
                 _sync(device)
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                self.profiler = torch.profiler.profile(activities=activities)
+                self.profiler = _profiler(device)
                 self.profiler.__enter__()
             stall()
 
         def on_train_start(self, trainer, pl_module):  # type: ignore[no-untyped-def]
+            if path in LORA_PATHS:  # the weights the first step starts from (the loss guard's premise)
+                self.start = start_fingerprint(pl_module.named_parameters())
             _sync(device)
             self.t_start = time.perf_counter()
             self.setup_s = self.t_start - self.t_fit
@@ -1007,13 +1170,18 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         loss through ``lightning_d9d.model_loss`` with ``causal_lm_loss``, the plain loops' fused AdamW over the
         parameters that train (with LoRA: the adapters) at a constant learning rate, the loss logged without
         ``prog_bar``. ``lean`` (``hf_trainer_compiled_lean``): the loss on ``output.logits`` outside
-        ``model_loss``, as :class:`LeanPretraining` scores ours."""
+        ``model_loss``, as :class:`LeanPretraining` scores ours. ``start``: what the model is given once the
+        strategy has initialised it, before the first step (the LoRA path of our model: the weights the other
+        LoRA paths start from)."""
 
-        def __init__(self, build: Any, lean: bool, master_weights: bool) -> None:
+        def __init__(
+            self, build: Any, lean: bool, master_weights: bool, start: Callable[[Any], None] | None = None
+        ) -> None:
             super().__init__()
             self.build = build
             self.lean = lean
             self.master_weights = master_weights
+            self.start = start
             self.model: Any = None
             # causal_lm_loss, or LogitsLoss until causal_lm_loss takes a transformers output: tried at step 0
             self.loss_fn: Any = None
@@ -1021,6 +1189,10 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         def configure_model(self) -> None:
             if self.model is None:
                 self.model = self.build()
+
+        def on_fit_start(self) -> None:  # after the strategy's setup: the model is materialised
+            if self.start is not None:
+                self.start(self.model)
 
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
             ids, target = batch["input_ids"], batch["labels"]
@@ -1061,7 +1233,14 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
             master_weights=_master_weights(path),
         )
     elif path in LORA_PATHS:  # our model in the transformers paths' module: only the model differs
-        module = CausalLMTraining(our_model_on_meta, lean=False, master_weights=_master_weights(path))
+        # its base starts from transformers' weights, as the other LoRA paths' (our init_weights draws other
+        # values), so that the loss guard compares like with like; the adapters start alike already
+        module = CausalLMTraining(
+            our_model_on_meta,
+            lean=False,
+            master_weights=_master_weights(path),
+            start=lambda model: transformers_start_into_(model, config, args.seed),
+        )
     else:
         module_cls = LeanPretraining if path.endswith("_lean") else Qwen3Pretraining
         # The plain loops' constant learning rate (no warm-up, a cosine over 10^9 steps), so that the loss guard
@@ -1083,6 +1262,8 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
         "optimizer": repr(trainer.optimizers[0]).replace("\n", " "),
         "sync_probe": getattr(timer, "sync_probe", None),
     }
+    if timer.start is not None:
+        result["start"] = timer.start
     # Whether model_loss took the fused LM head + cross-entropy (no [tokens, vocab] logits): the strategy
     # announces it once per process (a private set: None where this version has none).
     announced = getattr(sys.modules.get("lightning_d9d.models.causal_lm"), "_ANNOUNCED", None)
@@ -1415,7 +1596,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--profile-steps",
         type=int,
         default=0,
-        help="Trainer paths: profile this many steps after the probe (kernel table + GPU gaps in --out)",
+        help="profile this many steps after the probe (kernel kinds, GPU gaps and kernel table in --out)",
     )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
