@@ -79,11 +79,24 @@ def fingerprint(module: nn.Module) -> dict[str, tuple[float, float, int]]:
     return {key: value for part in every for key, value in (part or {}).items()}
 
 
+def _is_fingerprint(value: object) -> bool:
+    return (
+        isinstance(value, (tuple, list))
+        and len(value) == 3
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in value)
+    )
+
+
 def check_same_base(
     saved: Mapping[str, Any], current: Mapping[str, tuple[float, float, int]], path: str
 ) -> None:
     """Refuse a resume whose model's frozen parameters are not the ones the checkpoint was trained on (names,
     sizes, and sums within float64 rounding of another summation order)."""
+    if not isinstance(saved, Mapping) or not all(_is_fingerprint(value) for value in saved.values()):
+        raise CheckpointError(
+            f"{path}: meta.pt's {FINGERPRINT_KEY!r} is not a fingerprint of frozen parameters (name -> (sum, sum of "
+            "squares, numel)): the file is damaged or crafted; choose another checkpoint"
+        )
     missing = sorted(set(current) - set(saved))
     if missing:
         raise CheckpointError(

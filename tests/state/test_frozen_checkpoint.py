@@ -173,3 +173,20 @@ def test_dcp_to_hf_refuses_a_lora_checkpoint_naming_the_missing_base_and_the_fix
         assert f"its base was loaded from {base}" in error
         assert "ExportHF(dirpath, lora='merged' | 'adapter' | 'both')" in error
         assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("recorded", [["not", "a", "mapping"], {"model.norm.weight": "x"}, {"w": (1.0, 2.0)}])
+def test_a_crafted_fingerprint_is_refused_by_name(tmp_path: Path, recorded: object) -> None:
+    model, optimizer = adapted(base_seed=0, adapter_seed=1)
+    checkpoint = lora_checkpoint(model, optimizer)
+    checkpoint[FINGERPRINT_KEY] = recorded
+    save(tmp_path / "lora.ckpt", checkpoint)
+    with pytest.raises(CheckpointError, match="is not a fingerprint of frozen parameters"):
+        load(
+            tmp_path / "lora.ckpt",
+            model,
+            {0: optimizer},
+            strict=True,
+            weights_only=True,
+            frozen=fingerprint(model),
+        )
