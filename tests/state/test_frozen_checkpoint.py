@@ -62,6 +62,11 @@ def lora_checkpoint(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[
     }
 
 
+def resume(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What D9DStrategy's load does under LoRA: the checkpoint, checked against the model's base fingerprint."""
+    return load(path, model, {0: optimizer}, strict=True, weights_only=True, frozen=fingerprint(model))
+
+
 def stored_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.iterdir() if f.suffix == ".distcp")
 
@@ -86,14 +91,7 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_on_the_same_base
 
     other, other_optimizer = adapted(base_seed=0, adapter_seed=2)  # the same base, other adapters
     base_before = {n: p.detach().clone() for n, p in other.named_parameters() if not p.requires_grad}
-    load(
-        tmp_path / "lora.ckpt",
-        other,
-        {0: other_optimizer},
-        strict=True,
-        weights_only=True,
-        frozen=fingerprint(other),
-    )
+    resume(tmp_path / "lora.ckpt", other, other_optimizer)
     for name, value in model.state_dict().items():
         assert torch.equal(other.state_dict()[name], value), name
     assert all(torch.equal(p, base_before[n]) for n, p in other.named_parameters() if not p.requires_grad)
@@ -111,14 +109,7 @@ def test_a_lora_checkpoint_refuses_another_base_before_touching_the_model(tmp_pa
         CheckpointError,
         match=r"holds the trained parameters only, and the model's frozen \S+ is not the one it was trained on",
     ):
-        load(
-            tmp_path / "lora.ckpt",
-            other,
-            {0: other_optimizer},
-            strict=True,
-            weights_only=True,
-            frozen=fingerprint(other),
-        )
+        resume(tmp_path / "lora.ckpt", other, other_optimizer)
     assert all(torch.equal(p, before[n]) for n, p in other.named_parameters())
     # the base in another dtype is another base too
     bf16, bf16_optimizer = adapted(base_seed=0, adapter_seed=2)
@@ -126,19 +117,12 @@ def test_a_lora_checkpoint_refuses_another_base_before_touching_the_model(tmp_pa
         if not param.requires_grad:
             param.data = param.data.to(torch.bfloat16).float()
     with pytest.raises(CheckpointError, match="is not the one it was trained on"):
-        load(
-            tmp_path / "lora.ckpt",
-            bf16,
-            {0: bf16_optimizer},
-            strict=True,
-            weights_only=True,
-            frozen=fingerprint(bf16),
-        )
+        resume(tmp_path / "lora.ckpt", bf16, bf16_optimizer)
 
 
-def test_the_fingerprint_is_the_same_on_any_layout_up_to_rounding() -> None:
-    """The sums over a parameter cut in shards equal the whole's within the tolerance the check allows (the
-    sharded path itself runs under the Trainer's resume onto another layout in test_lora_parity.py)."""
+def test_the_fingerprint_is_each_frozen_parameter_s_float64_sum_and_sum_of_squares() -> None:
+    """On one process, checked against torch's own sums (the sharded path, summed over the mesh dims a shard is cut
+    on, runs under the Trainer's resume onto another layout in test_lora_parity.py)."""
     model, _ = adapted(base_seed=0, adapter_seed=1)
     whole = fingerprint(model)
     total, squares, numel = whole["model.embed_tokens.weight"]
@@ -182,11 +166,4 @@ def test_a_crafted_fingerprint_is_refused_by_name(tmp_path: Path, recorded: obje
     checkpoint[FINGERPRINT_KEY] = recorded
     save(tmp_path / "lora.ckpt", checkpoint)
     with pytest.raises(CheckpointError, match="is not a fingerprint of frozen parameters"):
-        load(
-            tmp_path / "lora.ckpt",
-            model,
-            {0: optimizer},
-            strict=True,
-            weights_only=True,
-            frozen=fingerprint(model),
-        )
+        resume(tmp_path / "lora.ckpt", model, optimizer)
