@@ -1,6 +1,6 @@
-"""The package's import map: imports only point down the layers of docs/architecture.md, and no two parts import
-each other (directly or through others). Read from the source with ``ast``, so lazy imports inside functions
-count too."""
+"""The package's import map: imports only point down the layers of docs/architecture.md, no two parts import
+each other (directly or through others), and no two modules do either. Read from the source with ``ast``, so lazy
+imports inside functions and imports for type checking count too."""
 
 from __future__ import annotations
 
@@ -43,22 +43,42 @@ def _module_name(path: Path) -> str:
 
 def _imports(path: Path) -> set[str]:
     """Every ``lightning_d9d`` module the file imports, relative imports resolved."""
-    package = _module_name(path).split(".")
-    if path.name != "__init__.py":
-        package = package[:-1]
     found: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names if alias.name.startswith("lightning_d9d"))
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - node.level + 1]
-                name = ".".join([*base, *([node.module] if node.module else [])])
-            else:
-                name = node.module or ""
+            name = _from_name(path, node)
             if name.startswith("lightning_d9d"):
                 found.add(name)
     return found
+
+
+def _from_name(path: Path, node: ast.ImportFrom) -> str:
+    """The module a ``from ... import`` in ``path`` reads from, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    package = _module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - node.level + 1]
+    return ".".join([*base, *([node.module] if node.module else [])])
+
+
+def _module_imports(path: Path, modules: set[str]) -> set[str]:
+    """The ``lightning_d9d`` modules the file imports: ``from package import module`` names the module, ``from
+    package import name`` the package (its ``__init__``)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            package = _from_name(path, node)
+            named = {f"{package}.{alias.name}" for alias in node.names}
+            found |= named & modules
+            if not named <= modules:  # a name defined in the package (its __init__), not a module of it
+                found.add(package)
+    return found & modules
 
 
 def _graph() -> dict[str, set[str]]:
@@ -101,3 +121,23 @@ def test_no_import_cycles_between_parts() -> None:
 
     cycles = sorted(part for part in graph if part in reachable(part))
     assert not cycles, f"parts on an import cycle: {cycles}"
+
+
+def test_no_import_cycles_between_modules() -> None:
+    """Within a part too: a module that imports another never is imported back by it, not even for type checking
+    (a reader of either would need the other first)."""
+    paths = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: _module_imports(path, set(paths)) - {name} for name, path in paths.items()}
+
+    def reachable(start: str) -> set[str]:
+        seen: set[str] = set()
+        stack = [start]
+        while stack:
+            for nxt in graph[stack.pop()]:
+                if nxt not in seen:
+                    seen.add(nxt)
+                    stack.append(nxt)
+        return seen
+
+    cycles = sorted(name for name in graph if name in reachable(name))
+    assert not cycles, f"modules on an import cycle: {cycles}"

@@ -68,7 +68,7 @@ from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
-from lightning_d9d.strategies.memory_report import report_memory_plan
+from lightning_d9d.strategies.memory_report import PlannedRun, report_memory_plan
 from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
 from lightning_d9d.strategies.precision import D9DPrecision
@@ -464,8 +464,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if self.memory_plan is None and torch.is_grad_enabled() and self._training():
             # the first training step's: the inputs' shape as the user gave them (before the cp and microbatch
             # splits, which the plan applies itself), and the head as this call will run it
-            self.memory_plan = report_memory_plan(
-                self, inputs, head_fused=self._fuses_head(model, inputs, loss_fn)
+            self.memory_plan = self._report_memory_plan(
+                inputs, head_fused=self._fuses_head(model, inputs, loss_fn)
             )
         if self._runner is not None:
             inputs = _pipeline_inputs(inputs)
@@ -592,8 +592,20 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             # The step ran its forward without ``model_loss`` (which reports before its forward, knowing the
             # loss): the plan from the batch, with the logits head a plain forward and loss keep. Still before
             # the backward under automatic optimization, where a step's memory peaks.
-            self.memory_plan = report_memory_plan(self, args[0] if args else kwargs.get("batch"))
+            self.memory_plan = self._report_memory_plan(args[0] if args else kwargs.get("batch"))
         return output
+
+    def _report_memory_plan(self, batch: Any, *, head_fused: bool = False) -> MemoryPlan | None:
+        """This rank's memory plan for ``batch``, printed on rank 0 (:mod:`~lightning_d9d.strategies.memory_report`)."""
+        module = self.lightning_module
+        if module is None:
+            return None
+        optimizer = self.optimizers[0] if self.optimizers else None
+        dims, pipeline, precision = self.parallel_dims, self.pipeline, str(self.precision_plugin.precision)
+        run = PlannedRun(
+            module, optimizer, self.root_device, dims, pipeline, precision, self.parallel_options()
+        )
+        return report_memory_plan(run, batch, head_fused=head_fused)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:

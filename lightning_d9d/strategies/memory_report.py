@@ -8,13 +8,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.optim import Optimizer
 
 from lightning_d9d.compat import unwrap_optimizer
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.pipeline import PipelineConfig
+from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.data_parallel import wraps_in_fsdp
 from lightning_d9d.plans.memory import (
     ActivationShape,
@@ -23,8 +28,18 @@ from lightning_d9d.plans.memory import (
     plan_memory,
 )
 
-if TYPE_CHECKING:
-    from lightning_d9d.strategies.d9d import D9DStrategy
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """What the memory plan reads of a run: the strategy hands it over, the report never sees the strategy."""
+
+    module: nn.Module  # the LightningModule: its parameters and its transformer's config
+    optimizer: Optimizer | None  # the first one (its states per parameter); None before any exists
+    device: torch.device
+    dims: ParallelDims
+    pipeline: PipelineConfig
+    precision: str
+    options: ParallelOptions  # as the plans apply them (activation checkpointing, resharding)
 
 
 def token_batch_shape(batch: Any) -> tuple[int, int] | None:
@@ -51,14 +66,12 @@ def transformer_config(module: nn.Module) -> Any | None:
     return None
 
 
-def _activation_shape(
-    strategy: D9DStrategy, batch: Any, config: Any, head_fused: bool
-) -> ActivationShape | None:
+def _activation_shape(run: PlannedRun, batch: Any, config: Any, head_fused: bool) -> ActivationShape | None:
     shape = token_batch_shape(batch)
     layers = getattr(config, "num_hidden_layers", None)
     if shape is None or layers is None:
         return None
-    dims, pipeline = strategy.parallel_dims, strategy.pipeline
+    dims, pipeline = run.dims, run.pipeline
     sequences, length = shape
     in_flight, head = 1, True
     if dims.pp > 1:
@@ -69,17 +82,16 @@ def _activation_shape(
             pipeline.microbatches if pipeline.schedule == "GPipe" else min(pipeline.microbatches, stages)
         )
         head = dims.mesh_for("pp").get_local_rank() == (0 if pipeline.v_shape else dims.pp - 1)
-    precision = str(strategy.precision_plugin.precision)
     return ActivationShape(
         tokens=sequences * max(1, length // dims.cp),
         layers=math.ceil(int(layers) / dims.pp),
         in_flight=in_flight,
-        dtype_bytes=2 if "16" in precision else 4,
+        dtype_bytes=2 if "16" in run.precision else 4,
         tp=dims.tp,
         head=head,
         head_fused=head_fused,
         # whole-block recompute; "selective" keeps the matmul outputs, counted as no recompute (an upper bound)
-        recompute=strategy.parallel_options().activation_checkpointing in (True, "full"),
+        recompute=run.options.activation_checkpointing in (True, "full"),
     )
 
 
@@ -90,32 +102,26 @@ def _checkpointing_name(setting: bool | str) -> str:
 
 
 def report_memory_plan(
-    strategy: D9DStrategy, batch: Any, device_memory: int | None = None, *, head_fused: bool = False
-) -> MemoryPlan | None:
+    run: PlannedRun, batch: Any, device_memory: int | None = None, *, head_fused: bool = False
+) -> MemoryPlan:
     """Compute this rank's plan for ``batch`` (the model's inputs or the whole batch: its first 2-D integer
     tensor gives the token shape); rank 0 prints it and warns when it exceeds ``device_memory`` (bytes; by default
-    what CUDA reports for the strategy's device, unknown on other devices). ``head_fused``: the LM head's loss
+    what CUDA reports for the run's device, unknown on other devices). ``head_fused``: the LM head's loss
     runs fused (no ``[tokens, vocab]`` logits), which the head's activations are then counted for."""
-    module = strategy.lightning_module
-    if module is None:
-        return None
-    optimizers = strategy.optimizers
-    states = optimizer_states_per_parameter(unwrap_optimizer(optimizers[0])) if optimizers else 0
-    config = transformer_config(module)
-    device = strategy.root_device
-    if device_memory is None and device.type == "cuda":
-        device_memory = torch.cuda.get_device_properties(device).total_memory
+    states = optimizer_states_per_parameter(unwrap_optimizer(run.optimizer)) if run.optimizer else 0
+    config = transformer_config(run.module)
+    if device_memory is None and run.device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(run.device).total_memory
     plan = plan_memory(
-        module.parameters(),
+        run.module.parameters(),
         optimizer_states=states,
         config=config,
-        activations=None if config is None else _activation_shape(strategy, batch, config, head_fused),
+        activations=None if config is None else _activation_shape(run, batch, config, head_fused),
         device_memory=device_memory,
     )
-    dims = strategy.parallel_dims
     heading = (
-        f"memory plan per rank ({dims}, precision {strategy.precision_plugin.precision}, activation "
-        f"checkpointing {_checkpointing_name(strategy.parallel_options().activation_checkpointing)}, LM head "
+        f"memory plan per rank ({run.dims}, precision {run.precision}, activation "
+        f"checkpointing {_checkpointing_name(run.options.activation_checkpointing)}, LM head "
         f"{'fused with its loss' if head_fused else 'with logits'}):"
     )
     rank_zero_info(plan.describe(heading))
@@ -123,16 +129,15 @@ def report_memory_plan(
         rank_zero_warn(
             f"the memory plan needs {plan.total / 2**30:.1f} GiB per rank, more than the device's "
             f"{(plan.device_memory or 0) / 2**30:.1f} GiB: raise dp_shard / tp / pp, turn on "
-            "activation_checkpointing, or lower the batch size or sequence length"
-            + _unsharded_fsdp_hint(strategy)
+            "activation_checkpointing, or lower the batch size or sequence length" + _unsharded_fsdp_hint(run)
         )
     return plan
 
 
-def _unsharded_fsdp_hint(strategy: D9DStrategy) -> str:
+def _unsharded_fsdp_hint(run: PlannedRun) -> str:
     """The lever for FSDP units that shard over one rank and keep their gathered parameters to backward (the
     default there): the plan's activations do not count that bf16 copy of the blocks' weights."""
-    dims, options = strategy.parallel_dims, strategy.parallel_options()
+    dims, options = run.dims, run.options
     if dims.fsdp > 1 or not wraps_in_fsdp(dims, options) or options.reshards(dims.fsdp):
         return ""
     return (

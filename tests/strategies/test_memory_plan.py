@@ -10,7 +10,6 @@ import importlib
 import os
 import warnings
 from dataclasses import replace
-from types import SimpleNamespace
 
 import lightning as L
 import pytest
@@ -24,6 +23,7 @@ from torch.utils.data import DataLoader
 from lightning_d9d import D9DStrategy, ParallelDims, model_loss
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.pipeline import check_pipeline_config
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.memory import (
     ActivationShape,
@@ -31,7 +31,7 @@ from lightning_d9d.plans.memory import (
     optimizer_states_per_parameter,
     plan_memory,
 )
-from lightning_d9d.strategies.memory_report import report_memory_plan
+from lightning_d9d.strategies.memory_report import PlannedRun, report_memory_plan
 
 # the kernel's module (the package's attribute of that name is the function it exports)
 lce = importlib.import_module("lightning_d9d.kernels.linear_cross_entropy")
@@ -85,7 +85,7 @@ def _fit(module: LM, *, rows: int, steps: int, run_id: str) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    trainer.fit(module, DataLoader(data, batch_size=4))  # type: ignore[arg-type]
+    trainer.fit(module, DataLoader(data, batch_size=4))
     return trainer
 
 
@@ -170,32 +170,33 @@ def test_a_plan_over_the_device_memory_says_so() -> None:
     assert "total        16.00 MiB of 15.00 MiB on the device" in text and "activations  unknown" in text
 
 
-def _report_strategy(dims: ParallelDims, options: ParallelOptions) -> SimpleNamespace:
+def _planned_run(dims: ParallelDims, options: ParallelOptions) -> PlannedRun:
     optimizer = torch.optim.AdamW(nn.Linear(256, 256).parameters())
-    return SimpleNamespace(
-        lightning_module=nn.Linear(256, 256),  # 257 KiB of float32 parameters
-        optimizers=[optimizer],
-        root_device=torch.device("cpu"),
-        parallel_dims=dims,
-        precision_plugin=SimpleNamespace(precision="32-true"),
-        parallel_options=lambda: options,
+    return PlannedRun(
+        module=nn.Linear(256, 256),  # 257 KiB of float32 parameters
+        optimizer=optimizer,
+        device=torch.device("cpu"),
+        dims=dims,
+        pipeline=check_pipeline_config(dims.pp, "1F1B", None, None),
+        precision="32-true",
+        options=options,
     )
 
 
 def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
-    strategy = _report_strategy(ParallelDims(dp_shard=2), ParallelOptions())
+    run = _planned_run(ParallelDims(dp_shard=2), ParallelOptions())
     with pytest.warns(UserWarning, match=r"more than the device's .* raise dp_shard / tp / pp") as caught:
-        plan = report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+        plan = report_memory_plan(run, batch=None, device_memory=2**20)
     assert plan is not None and plan.exceeds_device
     assert "reshard_after_forward" not in str(caught[0].message)  # sharded units free theirs already
     # kept on purpose where sharded: the one-rank hint ("with dp_shard=1") is not this case
-    kept = _report_strategy(ParallelDims(dp_shard=2), ParallelOptions(reshard_after_forward=False))
+    kept = _planned_run(ParallelDims(dp_shard=2), ParallelOptions(reshard_after_forward=False))
     with pytest.warns(UserWarning, match="more than the device's") as caught:
-        report_memory_plan(kept, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+        report_memory_plan(kept, batch=None, device_memory=2**20)
     assert "reshard_after_forward" not in str(caught[0].message)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        report_memory_plan(strategy, batch=None, device_memory=2**30)  # type: ignore[arg-type]
+        report_memory_plan(run, batch=None, device_memory=2**30)
 
 
 @pytest.mark.parametrize(
@@ -210,9 +211,9 @@ def test_the_report_warns_when_the_plan_exceeds_the_device() -> None:
 def test_the_warning_names_one_rank_resharding_where_it_would_free_memory(
     options: ParallelOptions, hinted: bool
 ) -> None:
-    strategy = _report_strategy(ParallelDims(dp_shard=1), options)
+    run = _planned_run(ParallelDims(dp_shard=1), options)
     with pytest.warns(UserWarning, match="more than the device's") as caught:
-        report_memory_plan(strategy, batch=None, device_memory=2**20)  # type: ignore[arg-type]
+        report_memory_plan(run, batch=None, device_memory=2**20)
     assert ("reshard_after_forward=True" in str(caught[0].message)) == hinted
 
 
@@ -264,7 +265,7 @@ def test_the_fused_head_estimate_bounds_what_the_fused_loss_holds(
     chunk_loss_and_grad = lce._chunk_loss_and_grad
 
     def recorded(logits: torch.Tensor, *args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        losses, grad = chunk_loss_and_grad(logits, *args)  # type: ignore[arg-type]
+        losses, grad = chunk_loss_and_grad(logits, *args)
         alive = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (logits, grad)}
         # the chunk's float32 upcast (``logits.float()``: a copy below float32), alive while the gradient forms
         upcast = logits.numel() * 4 if logits.dtype != torch.float32 else 0
