@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one-GPU measurements docs/benchmarks.md reports, in the order a short device lease should run them
-# (each part writes under $OUT/<part>; run a part by name: `benchmarks/h200_runs.sh dense moe`).
+# The one-GPU measurements docs/benchmarks.md reports, one part a command (each part writes under $OUT/<part>;
+# run parts by name: `benchmarks/h200_runs.sh dense moe`; benchmarks/reproduce_readme.sh runs README.md's table).
 #   dense    the 0.6B shape: baseline, torchtitan (when its wheels are on PYTHONPATH), ours, transformers' model
 #            under the Trainer (hf_trainer_compiled), and ours' levers (the last path: without the
 #            GarbageCollection callback)
@@ -11,7 +11,7 @@
 #            installed: benchmarks/README.md)
 #   permute  the MoE permutation's gather against a token-major candidate (benchmarks/permute_candidates.py, ~1 min)
 #   gpu      the gpu-marked tests
-#   ladder4b, ladder1.7b  the scale ladder (issue 25) at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
+#   ladder4b, ladder1.7b  the scale ladder at Qwen3's 4B / 1.7B shapes: the plain recipe, torchtitan
 #            bf16 and FP8 rowwise (its supported recipe), ours (no FSDP on the one rank: its best fit) bf16 and
 #            FP8 tensorwise; seq 4096 x 4, 4 + 12 steps (each path compiles once per shape)
 #   moe_large  Qwen3-30B-A3B's layer (hidden 2048, 128 experts of 768, top-8) at 6 layers (MOE_LARGE_LAYERS
@@ -28,7 +28,7 @@
 #            with FSDP freeing its gathered parameters after forward (reshard_after_forward=True), and with
 #            MasterWeightAdamW (the same 16 bytes a parameter, but no autocast copies kept for backward: ~7 GB
 #            less by count, saved_for_backward.py): under torchtitan's peak?
-#   moe_ab   the MoE shape, a change against the code before it in one lease: the plain recipe and ours (no FSDP on
+#   moe_ab   the MoE shape, a change against the code before it on one machine: the plain recipe and ours (no FSDP on
 #            the one rank) on this tree, then ours on the snapshot in $BASE (default runs/base: another commit's
 #            package and examples, `git archive <commit> lightning_d9d examples | tar -x -C runs/base`, carried)
 #            (~6 min)
@@ -43,9 +43,9 @@
 #            plain recipe, at 1,024, 4,096 and 16,384 tokens a step (~9 min; MOE_CG_SHAPES="4096x4x4x12" picks
 #            one: seq x batch x warm-up x steps)
 #   hf_moe   a transformers Qwen3-MoE at the MoE shape under the adapter: with FSDP on the one rank, without (its
-#            experts on the adapter's forward since session 29) and as CUDA graphs, beside the plain recipe, at
+#            experts on the adapter's own forward) and as CUDA graphs, beside the plain recipe, at
 #            4,096 x 4 and 1,024 x 1 tokens (~8 min)
-#   fa4      FlashAttention 4 (issue 25), once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
+#   fa4      FlashAttention 4, once benchmarks/carry_fa4.py's parts have been carried (benchmarks/README.md,
 #            'FlashAttention 4': the calls): install, its gpu tests (a skip is a failure here), the attention rows of
 #            kernel_speed.py (cuDNN, FA4, flash-attn on the block's layout) and document_attention_speed.py (~5 min);
 #            fa4_tests: its tests only
@@ -59,9 +59,8 @@
 #            what the registries pick today; the built packages stay on the path of this part only
 #   hfattn   transformers' Qwen3 on our attention backends (tests/gpu/test_hf_attention_gpu.py), with whatever
 #            attention is installed (after fa4_env: FA4)
-#   unrun    the gpu tests written without a GPU (CUDA graphs, FP8 experts, the transformers packed case, the
-#            experts' weighted SwiGLU: session 24) and the FP8 linears' test after the FP8 x tp / FSDP x tp changes
-#            (torchao on the path; ~5 min)
+#   unrun    gpu tests of CUDA graphs, FP8 experts, the transformers packed case, the experts' weighted SwiGLU and
+#            the FP8 linears (torchao on the path; ~5 min)
 #   lora     LoRA fine-tuning (rank 16 on every projection of the blocks) at Qwen3-8B's shape, seq 4096, random
 #            weights: transformers + peft + FSDP2 + per-layer compile against ours through the Trainer (the transformers
 #            model, and our white-box one); Qwen3-4B's shape where the baseline runs out of memory
@@ -73,7 +72,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 OUT=${OUT:-runs/h200}
-# --matmul-peak: MFU also against the bf16 matmul rate measured at the start of the same run (issue 12)
+# --matmul-peak: MFU also against the bf16 matmul rate measured at the start of the same run
 bench() { python3 benchmarks/train_throughput.py --compile-threads 16 --path-timeout 150 --matmul-peak "$@"; }
 titan="" titan_fp8=""
 python3 -c "import torchtitan" 2>/dev/null && titan="titan_compiled," && titan_fp8="titan_compiled_fp8_rowwise,"
