@@ -139,10 +139,6 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.ep > 1
 
-    @property
-    def dp_replicate_enabled(self) -> bool:
-        return self.dp_replicate > 1
-
     # -------------------------------------------------------------------------------------------- mesh
     def build_mesh(self, device_type: str, timeout: timedelta | None = None) -> ParallelDims:
         """Create the device mesh (a collective-free call once the process group exists). ``timeout``: the
