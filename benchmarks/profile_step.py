@@ -179,7 +179,7 @@ def main() -> None:
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     model, forward = build_model(own.path, args, device)
-    from lightning_d9d.models.causal_lm import fused_causal_lm_loss
+    from lightning_d9d.loss import fused_causal_lm_loss
     from lightning_d9d.modules.loss import CausalLMLoss
 
     loss_fn = CausalLMLoss()

@@ -4,14 +4,24 @@ Private names (a leading underscore, or a module path with one; also a few undoc
 ``torch.utils.checkpoint.SAC_IGNORED_OPS`` or ``PipelineStage.perform_reduce_grad``, and public methods we rely on
 being called in a way torch does not document) can change in any release without notice. So:
 
-- :data:`PRIVATE_NAMES` lists each one: where it lives, which of our files use it, and why;
+- we avoid them where we can: a private type or a two-line helper becomes our own (the section "our own"
+  below), a private attribute with a public accessor is read through the accessor;
+- :data:`PRIVATE_NAMES` lists each one we still use: where it lives, which of our files use it, and why;
 - code imports them from here (typed aliases below) or calls the small helpers below for attribute accesses,
   never from Lightning or torch directly;
+- ``tests/test_compat.py`` pins the behaviour we rely on for every entry (not only that the name exists): the
+  closure order, what a hook we override is called with, what a private attribute we set feeds;
 - a missing name raises :class:`PrivateAPIError` (an ``ImportError``) that names the missing names, the installed
-  versions and the tested ones, instead of a bare ``ImportError`` from deep inside the package;
-- :func:`check_versions` (run when this module is first imported, i.e. by the first of our modules that relies
-  on a private name; ``import lightning_d9d`` alone imports no Lightning) warns once when torch or Lightning is outside the
-  tested range, and ``tests/test_compat.py`` pins every entry, including the closure order we rely on.
+  versions and the tested ones, instead of a bare ``ImportError`` from deep inside the package.
+
+When a missing name fails: :func:`check_versions` runs when this module is first imported (by the first of our
+modules that relies on a private name; ``import lightning_d9d`` alone imports no Lightning). It refuses the import
+if a required entry is missing, and warns once when torch or Lightning is outside the tested range. Required
+entries are checked there, not where they are used, because most of them are never "used" by our code: they are
+methods we override (Lightning calls them, or stops calling them) and attributes we set (Lightning reads them, or
+stops reading them), and their loss would change training silently; checking them first also fails a run before
+any process starts, not after its model is built. Entries of optional features (``optional=True``: the schedule
+timeline, selective checkpointing, async TP, FP8 experts) are resolved where the feature is used and fail there.
 
 A leaf module: it imports only Lightning and torch, so every layer may use it.
 """
@@ -25,7 +35,8 @@ from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import lightning
 import torch
@@ -34,6 +45,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.optim import Optimizer
 
 # ------------------------------------------------------------------------------------------- versions
@@ -123,7 +135,6 @@ _AUTOMATIC = "lightning.pytorch.loops.optimization.automatic"
 _PIPELINING = ("strategies/pipelining.py",)
 _STRATEGY = ("strategies/d9d.py",)
 _FABRIC = ("fabric/strategy.py",)
-_FABRIC_CHECKPOINT = ("fabric/checkpoint.py",)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # ------------------------------------------------------------------ Lightning: the optimization loop
@@ -166,13 +177,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     ),
     # ------------------------------------------------------------------------- Lightning: the strategy
     PrivateName(
-        "lightning.fabric.strategies.registry",
-        "_StrategyRegistry",
-        _STRATEGY,
-        "the type of the registry register_strategies() is given",
-    ),
-    PrivateName("lightning.fabric.utilities.types", "_PATH", _STRATEGY, "checkpoint-path type of the hooks"),
-    PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._setup_distributed",
         _STRATEGY,
@@ -189,14 +193,42 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "Strategy._launcher",
         _STRATEGY,
         "always set (strategies/put_back.py): its launch puts back interrupted checkpoints before Lightning "
-        "resolves ckpt_path='last'; Lightning passes trainer= to launch (trainer/call.py)",
+        "resolves ckpt_path='last'",
         instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.trainer.call",
+        "_call_and_handle_interrupt",
+        ("strategies/put_back.py",),
+        "runs fit as strategy.launcher.launch(trainer_fn, *args, trainer=trainer, **kwargs): the put-back takes "
+        "the trainer from that keyword",
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.launchers.subprocess_script",
+        "_SubprocessScriptLauncher.launch",
+        ("strategies/put_back.py",),
+        "the launcher ModelParallelStrategy makes; put_back_before_launch shadows its launch on the instance and "
+        "calls it with the same arguments (function, *args, trainer=..., **kwargs)",
+    ),
+    PrivateName(
+        "lightning.pytorch.callbacks.model_checkpoint",
+        "ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir",
+        ("strategies/put_back.py",),
+        "the folder ModelCheckpoint._find_last_checkpoints lists for ckpt_path='last' (checkpoint_dir): the "
+        "put-back looks there",
     ),
     PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._device_mesh",
         _STRATEGY,
         "set to our 6-D mesh so Lightning's device_mesh users see it",
+        instance=True,
+    ),
+    PrivateName(
+        "lightning.pytorch.strategies.model_parallel",
+        "ModelParallelStrategy._timeout",
+        _STRATEGY,
+        "the collective timeout, handed to the mesh's groups",
         instance=True,
     ),
     PrivateName(
@@ -227,20 +259,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "model_loss and reduce() work outside a Trainer: .trainer raises there (trainer_of)",
         instance=True,
     ),
-    PrivateName(
-        "lightning.pytorch.core.optimizer",
-        "LightningOptimizer._optimizer",
-        _STRATEGY,
-        "the torch optimizer inside Lightning's wrapper, for its DCP state dict (unwrap_optimizer)",
-        instance=True,
-    ),
     # ---------------------------------------------------------------------------- Lightning: Fabric
-    PrivateName(
-        "lightning.fabric.utilities.types",
-        "_Stateful",
-        _FABRIC_CHECKPOINT,
-        "what Fabric saves as its state_dict() and loads in place (a scheduler in fabric.save's state)",
-    ),
     PrivateName(
         "lightning.fabric.strategies.model_parallel",
         "ModelParallelStrategy._setup_distributed",
@@ -281,19 +300,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "model_loss runs the set-up module itself, under the strategy's forward context",
         instance=True,
     ),
-    # ------------------------------------------------------------------------ Lightning: precision
-    PrivateName(
-        "lightning.fabric.plugins.precision.utils",
-        "_convert_fp_tensor",
-        ("strategies/precision.py",),
-        "casts floating inputs for bf16-true, as Lightning's HalfPrecision does",
-    ),
-    PrivateName(
-        "lightning.fabric.plugins.precision.utils",
-        "_DtypeContextManager",
-        ("strategies/precision.py",),
-        "default dtype bf16 while modules are built under bf16-true, as HalfPrecision does",
-    ),
     # ------------------------------------------------------------------------ Lightning: callbacks
     PrivateName(
         "lightning.pytorch.callbacks.model_checkpoint",
@@ -321,12 +327,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "ProcessGroupGloo._Options._timeout",
         ("mesh/parallel_dims.py",),
         "the timeout field the Options carry to new_group (group_options)",
-    ),
-    PrivateName(
-        "torch.distributed.pipelining.schedules",
-        "_PipelineSchedule",
-        ("pipeline/schedules.py",),
-        "the common base class of every schedule (return type of build_schedule)",
     ),
     PrivateName(
         "torch.distributed.pipelining.schedules",
@@ -360,14 +360,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "PipelineStage.perform_reduce_grad",
         ("pipeline/runner.py",),
         "overridden to hold FSDP gradient sync off on accumulation steps (AccumulatingStage); torch's own switches "
-        "sync on through the stage module's set_requires_gradient_sync (gradient_sync_held_off)",
-    ),
-    PrivateName(
-        "torch.distributed.fsdp",
-        "FSDPModule.set_requires_gradient_sync",
-        ("pipeline/runner.py",),
-        "shadowed on the instance while torch's perform_reduce_grad runs, which must call it through the instance "
-        "(gradient_sync_held_off)",
+        "sync on through the stage module's set_requires_gradient_sync, called through the instance, where "
+        "gradient_sync_held_off shadows it",
     ),
     PrivateName(
         "torch._C",
@@ -469,7 +463,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "torch.nn",
         "Module._apply",
-        ("models/qwen3.py",),
+        ("models/causal_lm.py",),
         "overridden to re-tie lm_head to the embedding after to_empty() / .to() replace parameters",
     ),
 )
@@ -539,26 +533,71 @@ def check_versions() -> None:
 
 # ------------------------------------------------------------------------ the names, typed for mypy
 if TYPE_CHECKING:
-    from lightning.fabric.plugins.precision.utils import _convert_fp_tensor as convert_fp_tensor
-    from lightning.fabric.plugins.precision.utils import _DtypeContextManager as DtypeContextManager
-    from lightning.fabric.strategies.registry import _StrategyRegistry as StrategyRegistryType
-    from lightning.fabric.utilities.types import _PATH as FilePath
-    from lightning.fabric.utilities.types import _Stateful as Stateful
     from lightning.pytorch.loops.optimization.automatic import _AutomaticOptimization as AutomaticOptimization
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import FSDPModule  # for an annotation only
-    from torch.distributed.pipelining.schedules import _PipelineSchedule as PipelineSchedule
 else:
-    convert_fp_tensor = import_private("lightning.fabric.plugins.precision.utils", "_convert_fp_tensor")
-    DtypeContextManager = import_private("lightning.fabric.plugins.precision.utils", "_DtypeContextManager")
-    StrategyRegistryType = import_private("lightning.fabric.strategies.registry", "_StrategyRegistry")
-    FilePath = import_private("lightning.fabric.utilities.types", "_PATH")
-    Stateful = import_private("lightning.fabric.utilities.types", "_Stateful")
     AutomaticOptimization = import_private(_AUTOMATIC, "_AutomaticOptimization")
     checkpoint_wrapper = import_private(
         "torch.distributed.algorithms._checkpoint.checkpoint_wrapper", "checkpoint_wrapper"
     )
-    PipelineSchedule = import_private("torch.distributed.pipelining.schedules", "_PipelineSchedule")
+
+
+# ------------------------------------------------------- our own, where a private name was only a convenience
+# Types and two-line helpers that Lightning or torch keep private are defined here instead of imported: nothing
+# to pin. mypy checks the types against Lightning's signatures where they meet (the hooks we override).
+FilePath: TypeAlias = str | Path
+"""A checkpoint path, as Lightning's strategy hooks take it."""
+
+# Every torch schedule is one of the two (both derive from torch's private ``_PipelineSchedule``).
+PipelineSchedule: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti
+
+
+class StrategyRegistryType(Protocol):
+    """What ``register_strategies`` uses of the registry Lightning hands it (a dict of names)."""
+
+    def __contains__(self, name: object, /) -> bool: ...
+
+    def register(
+        self,
+        name: str,
+        strategy: Callable[..., Any] | None = None,
+        description: str | None = None,
+        override: bool = False,
+        **init_params: Any,
+    ) -> Callable[..., Any]: ...
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """An object whose ``state_dict()`` a checkpoint holds and whose ``load_state_dict`` restores it in place (an
+    optimizer, a scheduler): Fabric's own test, ``isinstance`` against both methods."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def convert_fp_tensor(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dst_type`` if it is floating point; other tensors (token ids, masks) as they are."""
+    return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+class DtypeContextManager:
+    """``torch``'s default dtype is ``dtype`` inside (tensors and modules created there take it), the previous one
+    again afterwards."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self._previous: list[torch.dtype] = []
+
+    def __enter__(self) -> None:
+        self._previous.append(torch.get_default_dtype())
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.set_default_dtype(self._previous.pop())
+
 
 # Resolved once: in_backward_pass runs in every training forward of every router.
 _current_graph_task_id = import_private("torch._C", "_current_graph_task_id")
@@ -582,7 +621,7 @@ def flatten_mesh(
 
 def unwrap_optimizer(optimizer: Optimizer) -> Optimizer:
     """The torch optimizer inside Lightning's ``LightningOptimizer`` (or ``optimizer`` itself)."""
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 def trainer_of(module: LightningModule) -> Trainer | None:
@@ -606,6 +645,16 @@ def replace_checkpoint_linker(
         vars(callback).pop("_link_checkpoint", None)
     else:
         vars(callback)["_link_checkpoint"] = link  # over the static method, for this instance only
+
+
+def checkpoint_dir(callback: ModelCheckpoint, trainer: Trainer) -> str:
+    """The folder in which ``callback`` looks for ``last.ckpt`` when a fit asks for ``ckpt_path="last"`` (its
+    ``dirpath``, else one under the first logger's or the trainer's root): Lightning's own resolution, a
+    name-mangled method of ``ModelCheckpoint``."""
+    resolve = import_private(
+        "lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir"
+    )
+    return str(resolve(callback, trainer))
 
 
 def should_accumulate(trainer: Trainer) -> bool:

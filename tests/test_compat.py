@@ -6,10 +6,12 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,16 +20,21 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
 from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
 from lightning.fabric.wrappers import _FabricModule
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loops.optimization.automatic import Closure, ClosureResult
+from lightning.pytorch.plugins.precision import HalfPrecision
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_d9d import compat
 from lightning_d9d.strategies.pipelining import ZeroGradFirstClosure, ZeroGradFirstOptimization
+from lightning_d9d.strategies.put_back import DirectLauncher, checkpoint_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +64,6 @@ INSTANCES: dict[str, Callable[[], object]] = {
     "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy": ModelParallelStrategy,
     "lightning.pytorch.strategies.strategy.Strategy": ModelParallelStrategy,
     "lightning.pytorch.core.module.LightningModule": L.LightningModule,
-    "lightning.pytorch.core.optimizer.LightningOptimizer": lambda: LightningOptimizer(
-        torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    ),
     "torch._dynamo.eval_frame.OptimizedModule": lambda: torch.compile(nn.Linear(2, 2), backend="eager"),
     "lightning.fabric.strategies.model_parallel.ModelParallelStrategy": lambda: FabricModelParallel(
         lambda module, mesh: module
@@ -522,3 +526,449 @@ def test_torch_perform_reduce_grad_honours_gradient_sync_held_off() -> None:
     ((held_off, synced_after),) = run_distributed(_reduce_grad_with_sync_held_off, 1)
     assert held_off, "torch's perform_reduce_grad reduced gradients while sync was held off"
     assert synced_after, "after gradient_sync_held_off, perform_reduce_grad no longer reduces"
+
+
+# --------------------------------------------------------- private attributes we set, which Lightning reads
+def test_lightning_reads_the_private_attributes_the_strategies_set() -> None:
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=False, timeout=timedelta(seconds=77))
+    assert strategy._save_distributed_checkpoint is False
+    assert strategy._timeout == timedelta(seconds=77)
+    launcher, mesh = object(), object()
+    strategy._launcher = launcher  # type: ignore[assignment]
+    strategy._device_mesh = mesh  # type: ignore[assignment]
+    assert strategy.launcher is launcher
+    assert strategy.device_mesh is mesh
+
+    fabric_strategy = FabricModelParallel(lambda module, mesh: module, timeout=timedelta(seconds=78))
+    assert fabric_strategy._timeout == timedelta(seconds=78)
+    fabric_strategy._device_mesh = mesh  # type: ignore[assignment]
+    assert fabric_strategy.device_mesh is mesh
+
+    module = L.LightningModule()
+    compat.set_module_device_mesh(module, mesh)  # type: ignore[arg-type]
+    assert module.device_mesh is mesh
+
+    forward_module = nn.Linear(2, 2)
+    wrapped = _FabricModule(forward_module, fabric_strategy, original_module=nn.Linear(2, 2))
+    assert wrapped._forward_module is forward_module  # the module the strategy set up, not the original
+
+
+class _RecordingModelParallel(ModelParallelStrategy):
+    configured: int = 0
+
+    def _configure_launcher(self) -> None:
+        type(self).configured += 1
+        super()._configure_launcher()
+
+
+class _RecordingFabricModelParallel(FabricModelParallel):
+    configured: int = 0
+
+    def _configure_launcher(self) -> None:
+        type(self).configured += 1
+        super()._configure_launcher()
+
+
+def test_building_a_trainer_configures_the_launcher_and_takes_the_strategys_precision() -> None:
+    # Where the strategies check the mesh before any process starts (_configure_launcher), and how the
+    # precision they hold (_precision_plugin / _precision, set through their properties) reaches the run.
+    strategy = _RecordingModelParallel()
+    precision = HalfPrecision("bf16-true")
+    strategy.precision_plugin = precision
+    assert strategy._precision_plugin is precision
+    trainer = L.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False
+    )
+    assert _RecordingModelParallel.configured == 1
+    assert trainer.strategy.precision_plugin is precision  # the connector reads _precision_plugin itself
+    assert isinstance(trainer.strategy.launcher, _SubprocessScriptLauncher)
+
+    fabric_strategy = _RecordingFabricModelParallel(lambda module, mesh: module)
+    fabric_precision = FabricHalfPrecision("bf16-true")
+    fabric_strategy.precision = fabric_precision
+    assert fabric_strategy._precision is fabric_precision
+    fabric = L.Fabric(strategy=fabric_strategy, accelerator="cpu", devices=1)
+    assert _RecordingFabricModelParallel.configured == 1
+    assert fabric.strategy.precision is fabric_precision
+
+
+def _setup_distributed_makes_the_default_group() -> list[tuple[bool, str, timedelta]]:
+    from distributed import free_port
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    results = []
+    for strategy in (
+        ModelParallelStrategy(timeout=timedelta(seconds=77)),
+        FabricModelParallel(lambda module, mesh: module, timeout=timedelta(seconds=77)),
+    ):
+        dist.destroy_process_group()  # the launcher's group: _setup_distributed makes its own
+        os.environ["MASTER_PORT"] = str(free_port())
+        strategy.accelerator = CPUAccelerator()
+        strategy.parallel_devices = [torch.device("cpu")]
+        strategy.cluster_environment = LightningEnvironment()
+        strategy._setup_distributed()
+        results.append((dist.is_initialized(), dist.get_backend(), _group_timeout(None)))
+    return results
+
+
+def _group_timeout(group: Any) -> timedelta:
+    group = group or dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._timeout  # type: ignore[no-any-return]
+
+
+def test_setup_distributed_makes_the_default_group_with_the_strategys_timeout() -> None:
+    from distributed import run_distributed
+
+    (results,) = run_distributed(_setup_distributed_makes_the_default_group, 1)
+    assert results == [(True, "gloo", timedelta(seconds=77))] * 2
+
+
+# ------------------------------------------------------------------- the put-back before Lightning's launch
+def test_lightning_runs_fit_through_the_launcher_with_the_trainer() -> None:
+    from lightning.pytorch.trainer.call import _call_and_handle_interrupt
+
+    calls: list[tuple[Any, ...]] = []
+
+    class Recording:
+        def launch(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            calls.append((function, args, kwargs))
+            return function(*args, **{k: v for k, v in kwargs.items() if k != "trainer"})
+
+    trainer = _trainer()
+    trainer.strategy._launcher = Recording()  # type: ignore[assignment]
+
+    def fit(step: int, *, ckpt_path: str) -> str:
+        return f"{step} {ckpt_path}"
+
+    assert _call_and_handle_interrupt(trainer, fit, 3, ckpt_path="last") == "3 last"
+    assert calls == [(fit, (3,), {"trainer": trainer, "ckpt_path": "last"})]
+
+
+def test_the_launchers_launch_takes_the_trainer_by_keyword() -> None:
+    # put_back_before_launch shadows launch on the instance and calls Lightning's with what it was given.
+    parameters = inspect.signature(_SubprocessScriptLauncher.launch).parameters
+    assert [(name, p.kind) for name, p in parameters.items()] == [
+        ("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("function", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        ("args", inspect.Parameter.VAR_POSITIONAL),
+        ("trainer", inspect.Parameter.KEYWORD_ONLY),
+        ("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+    assert list(inspect.signature(DirectLauncher.launch).parameters) == list(parameters)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        "dirpath",
+        "csv logger",
+        "tensorboard-like logger, string version",
+        "logger without save_dir",
+        "no logger",
+    ],
+)
+def test_the_put_back_looks_where_lightning_looks_for_last(tmp_path: Path, setup: str) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    logger: Any = False
+    if setup == "csv logger":
+        logger = CSVLogger(tmp_path / "logs", name="run", version=3)
+    elif setup == "tensorboard-like logger, string version":
+        logger = CSVLogger(tmp_path / "logs", name="run", version="v-seven")
+    elif setup == "logger without save_dir":
+        logger = SimpleNamespace(save_dir=None, name="run", version=2)
+    callback = ModelCheckpoint(dirpath=tmp_path / "here" if setup == "dirpath" else None)
+    trainer = SimpleNamespace(loggers=[logger] if logger else [], default_root_dir=str(tmp_path / "root"))
+    folder = checkpoint_folder(callback, trainer)  # type: ignore[arg-type]
+    assert folder is not None
+    folder.mkdir(parents=True)
+    (folder / "last.ckpt").touch()
+    (folder / "last-v1.ckpt").touch()
+    found = callback._find_last_checkpoints(trainer)  # type: ignore[arg-type]  # what ckpt_path="last" reads
+    assert found == {os.path.normpath(folder / name) for name in ("last.ckpt", "last-v1.ckpt")}
+
+
+def test_a_link_callback_calls_the_linker_we_replace(tmp_path: Path) -> None:
+    # async_save replaces _link_checkpoint on a save_last="link" callback: Lightning must call it through the
+    # instance, (trainer, target, link), where it links last.ckpt to the newest checkpoint.
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ModelCheckpoint(dirpath=tmp_path, save_last="link")
+    callback._last_checkpoint_saved = str(tmp_path / "step=3.ckpt")
+    links: list[tuple[Any, str, str]] = []
+    compat.replace_checkpoint_linker(callback, lambda *args: links.append(args))
+    trainer = _trainer()
+    callback._save_last_checkpoint(trainer, {})
+    assert links == [(trainer, str(tmp_path / "step=3.ckpt"), str(tmp_path / "last.ckpt"))]
+    compat.replace_checkpoint_linker(callback, None)
+    assert "_link_checkpoint" not in vars(callback)  # Lightning's static method again
+
+
+# ------------------------------------------------------------------ torch internals, on one gloo rank
+def _mesh_views_and_timeouts() -> tuple[tuple[str, ...], int, timedelta, timedelta]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("a", "b"))
+    options = compat.group_options(timedelta(seconds=123))
+    flat = compat.flatten_mesh(mesh, ("a", "b"), "ab", options)
+    plain = compat.flatten_mesh(mesh, ("a", "b"), "ab_default")
+    names = flat.mesh_dim_names
+    assert names is not None
+    return names, flat.size(), _group_timeout(flat.get_group()), _group_timeout(plain.get_group())
+
+
+def test_flatten_mesh_names_the_view_and_gives_its_group_the_timeout() -> None:
+    from distributed import run_distributed
+
+    ((names, size, timeout, default_timeout),) = run_distributed(_mesh_views_and_timeouts, 1)
+    assert (names, size) == (("ab",), 1)
+    assert timeout == timedelta(seconds=123)  # group_options' ProcessGroupGloo._Options._timeout
+    assert default_timeout == timedelta(minutes=30)  # without it, torch's default: why group_options exists
+
+
+def _store_round_trip() -> str:
+    store = compat.default_store()
+    if dist.get_rank() == 0:
+        store.set("arrived/0", "yes")
+    dist.barrier()
+    return store.get("arrived/0").decode()
+
+
+def test_the_default_store_is_shared_by_the_ranks() -> None:
+    from distributed import run_distributed
+
+    assert run_distributed(_store_round_trip, 2) == ["yes", "yes"]
+
+
+def _fsdp1_parameter_names() -> list[str]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # NO_SHARD on one rank
+        wrapped = FullyShardedDataParallel(
+            nn.Sequential(nn.Linear(2, 2, bias=False)),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            device_id=torch.device("cpu"),
+            use_orig_params=True,
+        )
+    return [name for name, _ in nn.Sequential(wrapped).named_parameters()]
+
+
+def test_fsdp1_inserts_the_prefix_the_init_seed_ignores() -> None:
+    from distributed import run_distributed
+
+    (names,) = run_distributed(_fsdp1_parameter_names, 1)
+    prefix = compat.WRAPPER_PREFIXES[2]
+    assert names == [f"0.{prefix}0.{prefix}weight"]
+
+
+def _forwards_by_phase() -> list[bool]:
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    inside: list[bool] = [False]
+    forwards: list[bool] = []
+
+    class Recording(nn.Linear):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            forwards.append(inside[0])
+            return super().forward(x)
+
+    class Stage(PipelineStage):
+        def _prepare_forward_infra(self, *args: Any, **kwargs: Any) -> Any:
+            inside[0] = True
+            try:
+                return super()._prepare_forward_infra(*args, **kwargs)
+            finally:
+                inside[0] = False
+
+    stage = Stage(Recording(3, 1), 0, 1, torch.device("cpu"))
+    schedule = ScheduleGPipe(stage, 2, loss_fn=lambda output, target: (output - target).pow(2).mean())
+    for _ in range(2):
+        schedule.step(torch.randn(4, 3), target=torch.randn(4, 1))
+    return forwards
+
+
+def test_torch_infers_stage_shapes_inside_prepare_forward_infra() -> None:
+    # runner.AccumulatingStage pauses MoE load counting there: torch's extra forward on the first step runs inside
+    # it, and the 2 microbatches x 2 steps that train run outside it.
+    from distributed import run_distributed
+
+    (forwards,) = run_distributed(_forwards_by_phase, 1)
+    assert forwards == [True, False, False, False, False]
+
+
+def test_to_empty_and_to_go_through_the_root_modules_apply() -> None:
+    # models/causal_lm.py re-ties its head in an _apply override: to_empty and .to must call the root's _apply.
+    calls: list[bool] = []
+
+    class Root(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(2, 2)
+
+        def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Root:
+            calls.append(recurse)
+            return super()._apply(fn, recurse)
+
+    with torch.device("meta"):
+        root = Root()
+    root.to_empty(device="cpu")
+    root.to(torch.float64)
+    root.float()
+    assert calls == [True, True, True]
+    assert list(inspect.signature(nn.Module._apply).parameters) == ["self", "fn", "recurse"]
+
+
+def test_torchs_context_parallel_switches() -> None:
+    # TorchRingAttention checks enable_load_balance (our head-and-tail layout) and calls the dispatcher switch.
+    cp = importlib.import_module("torch.distributed.tensor.experimental._attention")
+    assert cp._cp_options.enable_load_balance is True  # torch's default, which our sequence layout needs
+    assert list(inspect.signature(cp._enable_context_parallel_dispatcher).parameters) == []
+
+
+def test_async_tp_switches() -> None:
+    inductor_config = importlib.import_module("torch._inductor.config")
+    assert inductor_config._micro_pipeline_tp is False  # off unless async TP turns it on (a plain bool flag)
+    symmetric_memory = importlib.import_module("torch.distributed._symmetric_memory")
+    assert list(inspect.signature(symmetric_memory.enable_symm_mem_for_group).parameters) == ["group_name"]
+
+
+def test_torchao_fp8_grouped_mm_takes_what_the_experts_pass() -> None:
+    pytest.importorskip("torchao")
+    function = compat.import_private(
+        "torchao.prototype.moe_training.fp8_grouped_mm", "_to_fp8_rowwise_then_scaled_grouped_mm"
+    )
+    parameters = inspect.signature(function).parameters
+    assert list(parameters)[:3] == ["A", "B_t", "offs"]  # positional: tokens, transposed weights, group ends
+    assert {"out_dtype", "pad_token_groups_for_grouped_mm"} <= set(parameters)
+
+
+# ------------------------------------------------------------------------- our own, instead of private names
+def test_our_stand_ins_behave_as_the_private_names_they_replace() -> None:
+    floats, ids = torch.ones(2), torch.ones(2, dtype=torch.int64)
+    assert compat.convert_fp_tensor(floats, torch.bfloat16).dtype == torch.bfloat16
+    assert compat.convert_fp_tensor(ids, torch.bfloat16) is ids
+    before = torch.get_default_dtype()
+    with compat.DtypeContextManager(torch.bfloat16):
+        assert nn.Linear(2, 2).weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == before
+    with pytest.raises(KeyError), compat.DtypeContextManager(torch.float64):
+        raise KeyError("a failed build")
+    assert torch.get_default_dtype() == before
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        torch.optim.SGD([nn.Parameter(torch.zeros(1))]), lambda s: 1.0
+    )
+    assert isinstance(scheduler, compat.Stateful) and not isinstance({"step": 1}, compat.Stateful)
+
+
+# ------------------------------------------------------------------ every entry is pinned by a behaviour
+# Which test pins the behaviour we rely on for each entry of PRIVATE_NAMES (beyond that the name exists).
+PINNED_BY: dict[Callable[..., None], tuple[str, ...]] = {
+    test_use_automatic_optimization_swaps_the_fit_loop_class_and_keeps_its_state: (
+        "lightning.pytorch.loops.optimization.automatic._AutomaticOptimization",
+    ),
+    test_lightning_run_builds_the_closure_through_make_closure: (
+        "lightning.pytorch.loops.optimization.automatic._AutomaticOptimization._make_closure",
+    ),
+    test_make_closure_signature_is_the_one_we_override: (
+        "lightning.pytorch.loops.optimization.automatic._AutomaticOptimization._make_step_fn",
+        "lightning.pytorch.loops.optimization.automatic._AutomaticOptimization._make_backward_fn",
+        "lightning.pytorch.loops.optimization.automatic._AutomaticOptimization._make_zero_grad_fn",
+    ),
+    test_zero_grad_first_closure_zeroes_before_the_training_step: (
+        "lightning.pytorch.loops.optimization.automatic.Closure._step_fn",
+        "lightning.pytorch.loops.optimization.automatic.Closure._backward_fn",
+        "lightning.pytorch.loops.optimization.automatic.Closure._zero_grad_fn",
+    ),
+    test_attribute_helpers: (
+        "lightning.pytorch.loops.fit_loop._FitLoop._should_accumulate",
+        "lightning.pytorch.core.module.LightningModule._trainer",
+    ),
+    test_setup_distributed_makes_the_default_group_with_the_strategys_timeout: (
+        "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._setup_distributed",
+        "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._timeout",
+        "lightning.fabric.strategies.model_parallel.ModelParallelStrategy._setup_distributed",
+        "lightning.fabric.strategies.model_parallel.ModelParallelStrategy._timeout",
+    ),
+    test_building_a_trainer_configures_the_launcher_and_takes_the_strategys_precision: (
+        "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._configure_launcher",
+        "lightning.pytorch.strategies.strategy.Strategy._precision_plugin",
+        "lightning.fabric.strategies.model_parallel.ModelParallelStrategy._configure_launcher",
+        "lightning.fabric.strategies.strategy.Strategy._precision",
+    ),
+    test_lightning_reads_the_private_attributes_the_strategies_set: (
+        "lightning.pytorch.strategies.strategy.Strategy._launcher",
+        "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._device_mesh",
+        "lightning.pytorch.strategies.model_parallel.ModelParallelStrategy._save_distributed_checkpoint",
+        "lightning.pytorch.core.module.LightningModule._device_mesh",
+        "lightning.fabric.strategies.model_parallel.ModelParallelStrategy._device_mesh",
+        "lightning.fabric.wrappers._FabricModule._forward_module",
+    ),
+    test_lightning_runs_fit_through_the_launcher_with_the_trainer: (
+        "lightning.pytorch.trainer.call._call_and_handle_interrupt",
+    ),
+    test_the_launchers_launch_takes_the_trainer_by_keyword: (
+        "lightning.pytorch.strategies.launchers.subprocess_script._SubprocessScriptLauncher.launch",
+    ),
+    test_the_put_back_looks_where_lightning_looks_for_last: (
+        "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._ModelCheckpoint__resolve_ckpt_dir",
+    ),
+    test_a_link_callback_calls_the_linker_we_replace: (
+        "lightning.pytorch.callbacks.model_checkpoint.ModelCheckpoint._link_checkpoint",
+    ),
+    test_flatten_mesh_names_the_view_and_gives_its_group_the_timeout: (
+        "torch.distributed.device_mesh.DeviceMesh._flatten",
+        "torch.distributed.ProcessGroupGloo._Options",
+        "torch.distributed.ProcessGroupGloo._Options._timeout",
+    ),
+    test_schedule_ops_of_a_multi_stage_schedule: (
+        "torch.distributed.pipelining.schedules._Action",
+        "torch.distributed.pipelining.schedules._ComputationType",
+        "torch.distributed.pipelining._schedule_visualizer.get_schedule_ops",
+    ),
+    test_torch_infers_stage_shapes_inside_prepare_forward_infra: (
+        "torch.distributed.pipelining.stage.PipelineStage._prepare_forward_infra",
+    ),
+    test_torch_perform_reduce_grad_honours_gradient_sync_held_off: (
+        "torch.distributed.pipelining.stage.PipelineStage.perform_reduce_grad",
+    ),
+    test_in_backward_pass_is_true_only_while_autograd_runs_a_backward: ("torch._C._current_graph_task_id",),
+    test_profiler_range_ops_are_what_a_record_function_range_dispatches: (
+        "torch.ops.profiler._record_function_enter_new.default",
+        "torch.ops.profiler._record_function_exit._RecordFunction",
+    ),
+    test_ignore_in_selective_replay_lets_the_replay_skip_the_ops: ("torch.utils.checkpoint.SAC_IGNORED_OPS",),
+    test_wrapper_prefixes_are_what_the_wrappers_insert: (
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper",
+        "torch.distributed.algorithms._checkpoint.checkpoint_wrapper._CHECKPOINT_PREFIX",
+        "torch._dynamo.eval_frame.OptimizedModule._orig_mod",
+    ),
+    test_fsdp1_inserts_the_prefix_the_init_seed_ignores: (
+        "torch.distributed.fsdp._common_utils.FSDP_PREFIX",
+    ),
+    test_torchs_context_parallel_switches: (
+        "torch.distributed.tensor.experimental._attention._enable_context_parallel_dispatcher",
+        "torch.distributed.tensor.experimental._attention._cp_options",
+    ),
+    test_the_default_store_is_shared_by_the_ranks: ("torch.distributed.distributed_c10d._get_default_store",),
+    test_async_tp_switches: (
+        "torch._inductor.config._micro_pipeline_tp",
+        "torch.distributed._symmetric_memory.enable_symm_mem_for_group",
+    ),
+    test_torchao_fp8_grouped_mm_takes_what_the_experts_pass: (
+        "torchao.prototype.moe_training.fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm",
+    ),
+    test_to_empty_and_to_go_through_the_root_modules_apply: ("torch.nn.Module._apply",),
+}
+
+
+def test_every_private_name_is_pinned_by_a_behaviour_test() -> None:
+    listed = {entry.qualname for entry in compat.PRIVATE_NAMES}
+    pinned = {qualname for qualnames in PINNED_BY.values() for qualname in qualnames}
+    assert pinned == listed, (
+        f"pin these with a test of the behaviour we rely on: {sorted(listed - pinned)}; "
+        f"no longer listed in compat.PRIVATE_NAMES: {sorted(pinned - listed)}"
+    )

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("optim",),
     ("plans", "pipeline", "state", "data"),
     ("models",),
+    ("loss",),  # the loss layer: below both strategies, above the models and the pipeline runner
     ("callbacks",),
     ("strategies",),
     ("fabric",),
@@ -141,3 +142,14 @@ def test_no_import_cycles_between_modules() -> None:
 
     cycles = sorted(name for name in graph if name in reachable(name))
     assert not cycles, f"modules on an import cycle: {cycles}"
+
+
+def test_the_loss_layer_sits_between_the_strategies_and_the_models() -> None:
+    """A loss walks down once: strategy -> loss layer -> (pipeline runner) -> model head -> kernel. The loss layer
+    imports what lies below it (the models, the pipeline runner, the plans, the blocks) and nothing above it."""
+    assert LEVEL["models"] < LEVEL["loss"] < LEVEL["strategies"] < LEVEL["fabric"]
+    assert LEVEL["pipeline"] < LEVEL["loss"]
+    above = {part for part, level in LEVEL.items() if level > LEVEL["loss"]}
+    graph = _graph()
+    assert not graph["loss"] & above, graph["loss"] & above
+    assert "loss" in graph["strategies"] and "loss" in graph["fabric"]  # both strategies go through it

@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_d9d.fabric import checkpoint as fabric_checkpoint
+from lightning_d9d.loss import LossContext, compute_loss, vocab_parallel
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.optim import MasterWeightAdamW, check_master_weight_run
@@ -38,15 +39,13 @@ from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
     ParallelOptions,
-    maybe_loss_parallel,
     require_degrees,
-    split_batch,
 )
 from lightning_d9d.plans.async_tp import enable_async_tp
 from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.state import training as training_checkpoint
-from lightning_d9d.strategies import prepare, step_loss
+from lightning_d9d.strategies import prepare
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
@@ -237,21 +236,13 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         accumulation is counted here: a loop that accumulates divides by its micro-steps, as with any Fabric
         strategy)."""
         module = getattr(model, "_forward_module", model)  # a _FabricModule's: its forward context is below
-        dims = self.parallel_dims
-        split = step_loss.context_split(dims)
-        if split is not None:
-            inputs, target = split_batch(split, inputs, target)
-        count = step_loss.global_count(dims, loss_fn, target, needed=False, pipelined=False)
-        scale = step_loss.item_scale(dims, count, pipelined=False)
-        with self.precision.forward_context():
-            return step_loss.forward_loss(
-                module, inputs, target, loss_fn, tensor_parallel=dims.tp_enabled, scale=scale
-            )
+        context = LossContext(self, forward_context=self.precision.forward_context)
+        return compute_loss(module, inputs, target, loss_fn, context)
 
     @override
     def backward(self, tensor: torch.Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         # the vocabulary-sharded cross-entropy's backward runs under loss_parallel too
-        with maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled):
+        with vocab_parallel(self._dims):
             super().backward(tensor, module, *args, **kwargs)
 
     @override

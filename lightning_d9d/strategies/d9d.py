@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,12 +31,11 @@ from lightning_d9d.compat import (
     unwrap_optimizer,
     use_automatic_optimization,
 )
+from lightning_d9d.loss import LossContext, compute_loss, fuses_head, micro_step_gradient, vocab_parallel
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import fused_loss_ignore_index, fuses_head_loss
 from lightning_d9d.models.hf import hf_pipeline_for
-from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.inputs import ModelInputs
-from lightning_d9d.modules.loss import CountedLoss, InternalLosses, scale_gradient
+from lightning_d9d.modules.loss import CountedLoss
 from lightning_d9d.optim import check_master_weight_run
 from lightning_d9d.pipeline import (
     SPLIT_BACKWARD_SCHEDULES,
@@ -51,9 +50,7 @@ from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import (
     IMPLEMENTED,
     ParallelOptions,
-    maybe_loss_parallel,
     require_degrees,
-    split_batch,
 )
 from lightning_d9d.plans.async_tp import enable_async_tp
 from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
@@ -63,7 +60,7 @@ from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.state import frozen as frozen_checkpoint
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
-from lightning_d9d.strategies import prepare, step_loss
+from lightning_d9d.strategies import prepare
 from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.guards import check_collective_timeout
 from lightning_d9d.strategies.hf_record import with_hf_config
@@ -464,59 +461,27 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         if self.memory_plan is None and torch.is_grad_enabled() and self._training():
             # the first training step's: the inputs' shape as the user gave them (before the cp and microbatch
             # splits, which the plan applies itself), and the head as this call will run it
-            self.memory_plan = self._report_memory_plan(
-                inputs, head_fused=self._fuses_head(model, inputs, loss_fn)
+            head_fused = fuses_head(
+                model,
+                inputs,
+                loss_fn,
+                tensor_parallel=self._tensor_parallel(),
+                pipelined=self._runner is not None,
             )
-        if self._runner is not None:
-            inputs = _pipeline_inputs(inputs)
-        split = self._context_split()
-        if split is not None:
-            inputs, target = split_batch(split, inputs, target)
+            self.memory_plan = self._report_memory_plan(inputs, head_fused=head_fused)
+        # whether this micro-step weighs by its tokens: the Trainer's accumulation window (Lightning-facing)
         step_tokens = self.precision_plugin.step_tokens
         accumulating = step_tokens.enter(self.lightning_module, counted=isinstance(loss_fn, CountedLoss))
-        pipelined = self._runner is not None
-        count = step_loss.global_count(
-            self.parallel_dims, loss_fn, target, needed=accumulating, pipelined=pipelined
+        module = self.lightning_module
+        trainer = trainer_of(module) if module is not None else None
+        context = LossContext(
+            self,
+            self._runner,
+            accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
+            tokens=step_tokens if accumulating else None,
+            internal_losses=module is not None,
         )
-        item_scale = step_loss.item_scale(self.parallel_dims, count, pipelined=pipelined)
-        # this micro-step's share of the step's gradient (under pp handed to the schedule)
-        grad_factor: torch.Tensor | None = None
-        router_factor = 1.0
-        if accumulating and count is not None:
-            grad_factor, is_reference = step_tokens.add(count)
-            if not is_reference and isinstance(model, InternalLosses):
-                router_factor = float(grad_factor)  # the router losses' scale is a float: one host read
-            if self._runner is not None:  # the schedule runs backward inside this call
-                grad_factor = step_tokens.commit()
-        self._scale_internal_losses(model, router_factor)
-        tp = self._tensor_parallel()
-        if self._runner is None:
-            return step_loss.forward_loss(
-                model, inputs, target, loss_fn, tensor_parallel=tp, scale=item_scale
-            )
-        if model is not self._runner.model:
-            raise ValueError("model_loss(model, ...) under pp > 1 must be given the pipelined model")
-        # the same condition as above: then the last stage computes the loss without logits
-        fused_index = fused_loss_ignore_index(model, loss_fn, tensor_parallel=tp)
-        if torch.is_grad_enabled():
-            assert self.lightning_module is not None
-            accumulate = self.lightning_module.trainer.accumulate_grad_batches
-            ids, stage_kwargs = _stage_inputs(inputs)
-            return self._runner.train_step(
-                ids,
-                target,
-                loss_fn,
-                accumulate=accumulate,
-                item_scale=item_scale,
-                grad_factor=grad_factor,
-                fused_ignore_index=fused_index,
-                stage_kwargs=stage_kwargs,
-            )
-        ids, stage_kwargs = _stage_inputs(inputs)
-        loss = self._runner.eval_step(
-            ids, target, loss_fn, fused_ignore_index=fused_index, stage_kwargs=stage_kwargs
-        )
-        return step_loss.weighed(loss, loss_fn, target, item_scale)
+        return compute_loss(model, inputs, target, loss_fn, context)
 
     def _tensor_parallel(self) -> bool:
         return self._dims is not None and self._dims.tp_enabled
@@ -525,49 +490,15 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         module = self.lightning_module
         return module is not None and trainer_of(module) is not None and module.trainer.training
 
-    def _fuses_head(self, model: nn.Module, inputs: ModelInputs, loss_fn: LossFn) -> bool:
-        """Whether :meth:`model_loss` runs the head fused with the loss: the last stage's decision under pp
-        (``fused_loss_ignore_index``), :func:`fuses_head_loss` without pp, the conditions those paths run on."""
-        tp = self._tensor_parallel()
-        if self._runner is not None:
-            return fused_loss_ignore_index(model, loss_fn, tensor_parallel=tp) is not None
-        return fuses_head_loss(model, inputs, loss_fn, tensor_parallel=tp)
-
-    def _context_split(self) -> LoadBalancedSplit | None:
-        """Which part of each sequence this rank holds under cp > 1 (the model's plan attends accordingly)."""
-        return step_loss.context_split(self._dims)
-
-    def _loss_parallel(self) -> AbstractContextManager[None]:
-        """Under tp the logits stay sharded on the vocabulary dim: the cross-entropy (and its backward) runs
-        on the shards through torch's ``loss_parallel``, never gathering ``[tokens, vocab]``."""
-        return maybe_loss_parallel(self._dims is not None and self._dims.tp_enabled)
-
-    def _scale_internal_losses(self, model: nn.Module, share: float = 1.0) -> None:
-        """Losses a model adds inside forward (MoE router losses) count once per optimizer step, as the user's
-        loss does: scale them by ``share / (accumulation steps x microbatches)``. ``share`` is 1, or, under
-        token-weighted accumulation, the micro-step's gradient factor ``N_m / R`` (see
-        :class:`~lightning_d9d.strategies.accumulation.StepTokens`): after the step's rescale by ``A R / N`` the
-        router losses of micro-step ``m`` weigh ``N_m / N`` of ``1 / microbatches``, like its loss, and the
-        step's router losses still weigh ``1 / microbatches`` in all (``1 / (A x microbatches)`` each when the
-        micro-steps count the same tokens)."""
-        if not isinstance(model, InternalLosses) or self.lightning_module is None:
-            return
-        trainer = trainer_of(self.lightning_module)
-        accumulate = trainer.accumulate_grad_batches if trainer is not None else 1
-        microbatches = self.pipeline.microbatches if self._runner is not None else 1
-        model.set_router_loss_scale(share / (accumulate * microbatches))
-
     @override
     def backward(
         self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> torch.Tensor:
         if self._runner is None:
             # token-weighted accumulation: this micro-step's gradient weighs N_m / R, its value stays (see
-            # StepTokens); None outside it
-            factor = self.precision_plugin.step_tokens.commit()
-            if factor is not None:
-                closure_loss = scale_gradient(closure_loss, factor)
-            with self._loss_parallel():  # the vocabulary-sharded cross-entropy's backward needs it too
+            # StepTokens)
+            closure_loss = micro_step_gradient(closure_loss, self.precision_plugin.step_tokens)
+            with vocab_parallel(self._dims):  # the vocabulary-sharded cross-entropy's backward needs it too
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward; only the hooks are left (on_before/after_backward).
         assert self.lightning_module is not None
@@ -804,29 +735,3 @@ def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
         f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__}; pass "
         "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true') instead of a plugin"
     )
-
-
-def _pipeline_inputs(inputs: ModelInputs) -> dict[str, torch.Tensor]:
-    """``model_loss``'s inputs under pp > 1 as keywords: the token ids (the first stage's positional input) and a
-    packed batch's ``position_ids`` (every stage's keyword input). A tuple ``(ids,)`` or ``(ids, position_ids)``
-    (our models' order) or a dict with those names; anything else is refused, naming what was given."""
-    if isinstance(inputs, Mapping):
-        named = dict(inputs)
-    elif 1 <= len(inputs) <= 2:
-        named = dict(zip(("input_ids", "position_ids"), inputs, strict=False))
-    else:
-        named = {}
-    if "input_ids" not in named or not set(named) <= {"input_ids", "position_ids"}:
-        given = sorted(inputs) if isinstance(inputs, Mapping) else f"{len(inputs)} positional inputs"
-        raise ValueError(
-            f"model_loss under pp > 1 takes the token ids and, for packed documents, their position_ids: "
-            f"(input_ids,), (input_ids, position_ids) or a dict of those names; got {given}"
-        )
-    return named
-
-
-def _stage_inputs(named: ModelInputs) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    """The first stage's positional token ids and every stage's keyword inputs, from :func:`_pipeline_inputs`'
-    dict (cut by cp, still a dict)."""
-    assert isinstance(named, Mapping)  # model_loss named them under pp
-    return (named["input_ids"],), {name: value for name, value in named.items() if name != "input_ids"}

@@ -9,18 +9,22 @@ other processes) or :class:`DirectLauncher` where Lightning has none (processes 
 one process), and its ``launch`` first puts back what it finds in the ``ModelCheckpoint`` folders. Every process
 does (the children of Lightning's launcher run their script again): the put-back is race-safe
 (:func:`~lightning_d9d.state.atomic.put_back`).
+
+What this relies on of Lightning (``launch`` called with ``trainer=``, the launcher's ``launch`` signature, the
+folder ``ModelCheckpoint`` looks for ``last`` in) is listed in ``lightning_d9d/compat.py`` and pinned by
+``tests/test_compat.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from lightning_d9d.compat import checkpoint_dir
 from lightning_d9d.state.atomic import put_back_interrupted
 
 if TYPE_CHECKING:
@@ -45,19 +49,10 @@ class DirectLauncher:
 
 
 def checkpoint_folder(callback: ModelCheckpoint, trainer: pl.Trainer) -> Path | None:
-    """The folder ``callback`` saves into, as ``ModelCheckpoint`` resolves it when it looks for ``last`` (Lightning
-    2.6's ``ModelCheckpoint.__resolve_ckpt_dir``): its ``dirpath``; else ``<logger save_dir or default_root_dir>/
-    <name>/<version>/checkpoints`` of the first logger; else ``<default_root_dir>/checkpoints``. None for a remote
-    one (``s3://...``): atomic saves are local file systems' only."""
-    if callback.dirpath is not None:
-        folder = str(callback.dirpath)
-    elif trainer.loggers:
-        logger = trainer.loggers[0]
-        save_dir = logger.save_dir if logger.save_dir is not None else trainer.default_root_dir
-        version = logger.version if isinstance(logger.version, str) else f"version_{logger.version}"
-        folder = os.path.join(save_dir, str(logger.name), version, "checkpoints")
-    else:
-        folder = os.path.join(trainer.default_root_dir, "checkpoints")
+    """The folder ``callback`` saves into and looks for ``last`` in, as ``ModelCheckpoint`` resolves it
+    (:func:`~lightning_d9d.compat.checkpoint_dir`); None for a remote one (``s3://...``): atomic saves are local
+    file systems' only."""
+    folder = checkpoint_dir(callback, trainer)
     if "://" in folder:
         return None
     return Path(folder)

@@ -22,11 +22,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.data import PackedDataset, chat_documents
+from lightning_d9d.loss import forward_loss
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel
-from lightning_d9d.strategies.step_loss import forward_loss
 
 CONVERSATIONS = [
     [

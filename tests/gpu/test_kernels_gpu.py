@@ -195,8 +195,8 @@ def test_auto_attention_on_hopper_is_fa4_or_cudnn() -> None:
 def test_qwen3_with_kernels_equals_references(monkeypatch: pytest.MonkeyPatch) -> None:
     """The model on CUDA (Triton norms, SwiGLU, RoPE, cuDNN attention, fused loss) against the same model on the
     references, bf16: the loss and every parameter's gradient."""
+    from lightning_d9d.loss import fused_causal_lm_loss
     from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-    from lightning_d9d.models.causal_lm import fused_causal_lm_loss
     from lightning_d9d.modules.loss import causal_lm_loss
 
     torch.manual_seed(0)

@@ -16,8 +16,8 @@ from lightning_d9d.kernels.linear_cross_entropy import (
     linear_cross_entropy,
     linear_cross_entropy_reference,
 )
+from lightning_d9d.loss import fused_causal_lm_loss
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.models.causal_lm import fused_causal_lm_loss
 from lightning_d9d.modules.loss import CausalLMLoss, causal_lm_loss
 
 

@@ -4,9 +4,10 @@
 ``LlamaForCausalLM``, ...) computes the mean cross-entropy from the base model's last hidden states and the head's
 weight chunk by chunk (:func:`~lightning_d9d.kernels.linear_cross_entropy`): no ``[tokens, vocab]`` logits, the
 same loss as ``causal_lm_loss(model(*inputs), labels)``. Where it runs and where the logits path runs instead (the
-loss, ``$LIGHTNING_D9D_FUSED_LOSS``, tensor parallelism) is decided as for our models, in
-:func:`~lightning_d9d.models.causal_lm.fused_causal_lm_loss`; this module says whether a ``transformers`` model's
-head *can* be fused, and runs it.
+loss, ``$LIGHTNING_D9D_FUSED_LOSS``, tensor parallelism) is decided as for our models, by the loss layer
+(:mod:`lightning_d9d.loss.head`); this module says whether a ``transformers`` model's head *can* be fused, and runs
+it: :class:`TransformersHead` declares the head as our models declare theirs
+(:class:`~lightning_d9d.modules.head.FusedHead`).
 
 Fused only where that is the model's own loss on its own logits (:func:`decoder_inputs` answers ``None``
 otherwise, and the logits path runs):
@@ -49,6 +50,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from lightning_d9d.kernels.linear_cross_entropy import linear_cross_entropy
+from lightning_d9d.modules.head import HeadLoss
+from lightning_d9d.modules.hf_init import is_transformers_model
+from lightning_d9d.modules.inputs import ModelInputs
 
 # Config fields with which a family changes its logits after the head (not None: the logits path runs).
 LOGIT_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling")
@@ -57,6 +61,33 @@ NOT_FUSED = ("labels", "logits_to_keep", "num_logits_to_keep", "use_cache", "cac
 # The instance method the fused loss runs as (registered with FSDP on an FSDP root).
 FORWARD_LOSS = "d9d_forward_loss"
 _REGISTERED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+class TransformersHead:
+    """A ``transformers`` causal LM's head as the loss layer asks for it (a
+    :class:`~lightning_d9d.modules.head.FusedHead`): bound where :func:`decoder_inputs` hands the base model what
+    the inputs hand the causal LM, run by :func:`forward_loss`. The adapter's pipeline stages take no labels."""
+
+    stages_take_labels = False
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def bind_head_loss(self, inputs: ModelInputs) -> HeadLoss | None:
+        model = self.model
+        arguments = decoder_inputs(model, inputs)
+        if arguments is None:
+            return None
+
+        def run(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+            return forward_loss(model, labels, ignore_index, arguments)
+
+        return run
+
+
+def transformers_head(model: nn.Module) -> TransformersHead | None:
+    """The head of a ``transformers`` model; None for any other module."""
+    return TransformersHead(model) if is_transformers_model(model) else None
 
 
 def plain_head(model: nn.Module) -> nn.Linear | None:

@@ -3,8 +3,8 @@ of such a run with the one-rank run of the same model: the body of issue 28's tw
 (``tests/gpu/test_two_gpu_layouts_gpu.py``, NCCL, bf16) and of their CPU dry run (``test_hf_layout_runs.py``,
 gloo, fp32). Rank ``r`` runs on ``cuda:r`` when the group is NCCL's, on the CPU otherwise.
 
-:func:`train_layout` does per step what ``D9DStrategy`` does around ``model_loss`` (its own pieces:
-``strategies/step_loss.py`` for the cp split and the token weights, the pipeline runner under pp): the model built
+:func:`train_layout` does per step what ``D9DStrategy`` does around ``model_loss`` (its own pieces: the loss
+layer, ``lightning_d9d/loss/``, for the cp split and the token weights, the pipeline runner under pp): the model built
 by ``tiny_hf.tiny_causal_lm`` (seeded, the same start on every run), the adapter's plans (``parallelize_hf``; under
 pp the stages carved from the model and each planned, as the strategy does), ``tiny_hf.batch``'s seeded batches
 (each data rank its rows, each cp rank its load-balanced part of every row), ``tiny_hf.optimizer_for``'s AdamW.
@@ -31,6 +31,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
+from lightning_d9d import loss as loss_layer
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.models.hf.pipeline import hf_pipeline_for
@@ -39,7 +40,6 @@ from lightning_d9d.modules.moe.choose import ENV_VAR as DISPATCH_ENV_VAR
 from lightning_d9d.pipeline import PipelineRunner, StageLayout, carve_stages, check_pipeline_config
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel, split_batch
 from lightning_d9d.plans.lora import LoRA, apply_lora
-from lightning_d9d.strategies import step_loss
 from lightning_d9d.strategies.grad_norm import group_parameters_by_mesh, total_grad_norm
 
 
@@ -155,7 +155,7 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
     optimizer = optimizer_for(model.parameters())
     dp_rank, dp = dims.mesh_for("dp").get_local_rank(), dims.dp
     rows = slice(dp_rank * shape.rows // dp, (dp_rank + 1) * shape.rows // dp)
-    split = step_loss.context_split(dims)
+    split = loss_layer.context_split(dims)
     loss_mesh = dims.mesh_for("loss")
     pipelined = runner is not None
     losses, norms = [], []
@@ -165,8 +165,8 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
         target = labels[rows].to(device)
         if split is not None:
             inputs, target = split_batch(split, inputs, target)
-        count = step_loss.global_count(dims, causal_lm_loss, target, needed=False, pipelined=pipelined)
-        scale = step_loss.item_scale(dims, count, pipelined=pipelined)
+        count = loss_layer.global_count(dims, causal_lm_loss, target, needed=False, pipelined=pipelined)
+        scale = loss_layer.item_scale(dims, count, pipelined=pipelined)
         if runner is not None:  # forward and backward inside the schedule
             assert layout.micro_steps == 1
             loss = runner.train_step(
@@ -179,7 +179,7 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
             for start in range(0, target.shape[0], pieces):
                 part = slice(start, start + pieces)
                 share = causal_lm_loss.count(target[part]) / causal_lm_loss.count(target)
-                piece = step_loss.forward_loss(
+                piece = loss_layer.forward_loss(
                     model,
                     {name: value[part] for name, value in inputs.items()},
                     target[part],

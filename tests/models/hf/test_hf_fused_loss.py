@@ -19,8 +19,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lightning_d9d.loss import fused_causal_lm_loss
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.causal_lm import fused_causal_lm_loss
 from lightning_d9d.models.hf import loss as hf_loss
 from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.modules.loss import CausalLMLoss, causal_lm_loss

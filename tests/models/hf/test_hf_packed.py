@@ -17,13 +17,13 @@ from torch import nn
 
 from lightning_d9d import model_loss
 from lightning_d9d.data import PackedDataset
+from lightning_d9d.loss import forward_loss
 from lightning_d9d.models.hf.attention import causal_attention_without_mask_sync
 from lightning_d9d.models.hf.context import _GlobalPositions
 from lightning_d9d.models.hf.pipeline import TransformersPipeline
 from lightning_d9d.models.hf.plan import train_without_cache
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
-from lightning_d9d.strategies.step_loss import forward_loss
 
 SEQ = 12
 # documents of these many tokens fill 2 rows of 12 positions exactly: [5, 4, 3] and [6, 6] training positions
