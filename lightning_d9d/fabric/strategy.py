@@ -20,13 +20,11 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.strategies import ModelParallelStrategy
 from lightning.fabric.strategies.strategy import Strategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -36,22 +34,15 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.optim import MasterWeightAdamW, check_master_weight_run
 from lightning_d9d.pipeline.runner import LossFn
-from lightning_d9d.plans import (
-    IMPLEMENTED,
-    ParallelOptions,
-    require_degrees,
-)
-from lightning_d9d.plans.async_tp import enable_async_tp
+from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare
+from lightning_d9d.strategies.base import D9DStrategyBase, autocast_device, parallelize_once
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 from lightning_d9d.strategies.guards import check_collective_timeout
-from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
-from lightning_d9d.strategies.precision import D9DPrecisionBase, master_weight_scale
-from lightning_d9d.strategies.process_exit import destroy_process_group_at_exit
-from lightning_d9d.strategies.topology import MeshTopology
+from lightning_d9d.strategies.precision import PrecisionSlot, as_fabric_precision, master_weight_scale
 
 
 def refuse_pipeline(pp: int) -> None:
@@ -63,7 +54,7 @@ def refuse_pipeline(pp: int) -> None:
         )
 
 
-class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
+class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
     """``Fabric(strategy="d9d")`` or ``Fabric(strategy=D9DFabricStrategy(...))``.
 
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
@@ -78,7 +69,7 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
     from one seed on every rank.
     """
 
-    strategy_name = "d9d"
+    _owner = "D9DFabricStrategy"
     _mesh_ready_after = "fabric.launch()"
 
     def __init__(
@@ -106,14 +97,9 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         # every check before any process starts
         check_collective_timeout(timeout)
         refuse_pipeline(pp)
-        self._requested_dims = ParallelDims(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
-        )
-        require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DFabricStrategy")
-        # the precision's part (mp_policy) is known once Fabric handed the strategy its precision plugin
-        self._options = checked_parallel_options(
-            self._requested_dims,
-            owner="D9DFabricStrategy",
+        # the precision's part of the options (mp_policy) is known once Fabric handed the strategy its plugin
+        self._take_degrees(
+            ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep),
             lora=lora,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
@@ -131,47 +117,22 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._dims: ParallelDims | None = None
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:  # importing twice must not fail
-            strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
 
     # ----------------------------------------------------------------------------------------- topology
-    def _resolve_dims(self) -> ParallelDims:
-        return self._requested_dims.resolve(self.num_nodes * self.num_processes)
-
     @override
     def _configure_launcher(self) -> None:
         # a mesh that does not tile the world fails here, before any process starts
-        check_options_on_device(
-            self._options, self._resolve_dims(), self.root_device.type, owner="D9DFabricStrategy"
-        )
+        self._check_options_on_device(self._resolve_dims())
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
         Strategy.setup_environment(self)  # the device; the mesh below, not ModelParallelStrategy's 2-D one
-        dims = self._resolve_dims()  # again: the cluster environment may have changed the world size
-        self._setup_distributed()
-        destroy_process_group_at_exit()  # not left to the interpreter's teardown, where gloo can abort
-        self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
-        self._device_mesh = self._dims.mesh
-        if self._options.async_tp:  # before the blocks compile (setup_module)
-            enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
+        # again: the cluster environment may have changed the world size
+        self._build_mesh(self._resolve_dims())  # before the blocks compile (setup_module)
 
-    # ---------------------------------------------------------------------------------------- precision
-    @property  # type: ignore[override]
-    def precision(self) -> D9DPrecisionBase:
-        if not isinstance(self._precision, D9DPrecisionBase):
-            self._precision = _as_d9d_precision(self._precision or FabricPrecision())
-        return self._precision
-
-    @precision.setter
-    def precision(self, precision: FabricPrecision | None) -> None:
-        self._precision = None if precision is None else _as_d9d_precision(precision)
+    # the Fabric(precision=...) choice as a D9DPrecisionBase (Fabric's property, typed as any plugin)
+    precision = PrecisionSlot("_precision", as_fabric_precision, FabricPrecision)  # type: ignore[assignment,override]
 
     # -------------------------------------------------------------------------------------------- setup
     def parallel_options(self) -> ParallelOptions:
@@ -179,16 +140,15 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
 
     def _parallelize(self, module: nn.Module, _mesh: DeviceMesh) -> nn.Module:
         prepare.refuse_fsdp1(module)
-        if not getattr(module, "_d9d_parallelized", False):
-            prepare.adapt(module, self._options)
-            prepare.broadcast_plain_tensors(module, self.root_device, self.world_size)
-            prepare.parallelize_root(module, self.parallel_dims, self.parallel_options())
-            prepare.materialize(module, self.root_device, self.broadcast)
-            module._d9d_parallelized = True  # type: ignore[assignment]
-        # bf16-mixed casts through FSDP's MixedPrecisionPolicy; a model left without FSDP autocasts instead
-        wrapped = any(isinstance(child, FSDPModule) for child in module.modules())
-        self.precision.autocast_device = None if wrapped else self.root_device.type
+        parallelize_once(module, lambda: self._parallelize_first(module))
+        self.precision.autocast_device = autocast_device(module, self.root_device.type)
         return module
+
+    def _parallelize_first(self, module: nn.Module) -> None:
+        prepare.adapt(module, self._options)
+        prepare.broadcast_plain_tensors(module, self.root_device, self.world_size)
+        prepare.parallelize_root(module, self.parallel_dims, self.parallel_options())
+        prepare.materialize(module, self.root_device, self.broadcast)
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:
@@ -318,23 +278,6 @@ class D9DFabricStrategy(MeshTopology, ModelParallelStrategy):
         )
         state.update(values)
         return remainder
-
-
-def _as_d9d_precision(plugin: FabricPrecision) -> D9DPrecisionBase:
-    if isinstance(plugin, D9DPrecisionBase):
-        return plugin
-    # Fabric's own plugins, chosen from Fabric(precision=...): keep the choice, replace the mechanism
-    name = getattr(plugin, "precision", "32-true")
-    if type(plugin) in (FabricPrecision, MixedPrecision, HalfPrecision) and name in (
-        "32-true",
-        "bf16-mixed",
-        "bf16-true",
-    ):
-        return D9DPrecisionBase(str(name))
-    raise TypeError(
-        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__} "
-        f"(precision={name!r}); pass Fabric(precision='32-true' | 'bf16-mixed' | 'bf16-true')"
-    )
 
 
 def _check_rebindable(optimizer: Optimizer, names: dict[int, str]) -> None:

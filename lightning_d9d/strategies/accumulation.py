@@ -4,11 +4,35 @@ makes the step's gradient their token mean."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class MicroStep:
+    """A training batch under automatic optimization, as gradient accumulation sees it."""
+
+    index: int  # the batch's index over the fit (Lightning's ``total_batch_idx``)
+    accumulate: int  # micro-steps per optimizer step (``accumulate_grad_batches``, ``A``)
+    opens_window: (
+        bool  # the first of its window, where Lightning zeroes the gradients: ``batch_idx % A == 0``
+    )
+
+
+def current_micro_step(module: Any) -> MicroStep | None:
+    """The training micro-step ``module``'s trainer runs; None outside training under automatic optimization,
+    where no window groups the steps (each stands alone). The one place the accumulation window is computed."""
+    from lightning_d9d.compat import trainer_of  # imports Lightning: not at this module's import
+
+    trainer = trainer_of(module) if module is not None else None
+    if trainer is None or not trainer.training or not module.automatic_optimization:
+        return None
+    loop, accumulate = trainer.fit_loop.epoch_loop, trainer.accumulate_grad_batches
+    return MicroStep(loop.total_batch_idx, accumulate, opens_window=loop.batch_idx % accumulate == 0)
 
 
 class StepTokens:
@@ -51,18 +75,11 @@ class StepTokens:
         """Whether the loss being computed in ``module``'s trainer weighs by its share of the optimizer step's
         items: a counted loss (``counted``) with gradients, in training, under automatic optimization and
         ``accumulate_grad_batches > 1``. If so, records which micro-step this is and whether it opens an
-        accumulation window (where Lightning zeroes the gradients: ``batch_idx % accumulate == 0``)."""
-        from lightning_d9d.compat import trainer_of  # imports Lightning: not at this module's import
-
-        trainer = trainer_of(module) if module is not None else None
-        if not counted or trainer is None or not torch.is_grad_enabled():
+        accumulation window (:func:`current_micro_step`)."""
+        step = current_micro_step(module)
+        if not counted or step is None or not torch.is_grad_enabled() or step.accumulate == 1:
             return False
-        if not trainer.training or not module.automatic_optimization or trainer.accumulate_grad_batches == 1:
-            return False
-        loop, accumulate = trainer.fit_loop.epoch_loop, trainer.accumulate_grad_batches
-        self.micro_step(
-            loop.total_batch_idx, opens_window=loop.batch_idx % accumulate == 0, accumulate=accumulate
-        )
+        self.micro_step(step.index, opens_window=step.opens_window, accumulate=step.accumulate)
         return True
 
     def micro_step(self, index: int, *, opens_window: bool, accumulate: int) -> None:

@@ -6,31 +6,18 @@ import dataclasses
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_d9d.callbacks.hf import LoadHFWeights
-from lightning_d9d.compat import (
-    FilePath,
-    StrategyRegistryType,
-    set_module_device_mesh,
-    trainer_of,
-    unwrap_optimizer,
-    use_automatic_optimization,
-)
+from lightning_d9d.compat import set_module_device_mesh, trainer_of, use_automatic_optimization
 from lightning_d9d.loss import LossContext, compute_loss, fuses_head, micro_step_gradient, vocab_parallel
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import hf_pipeline_for
@@ -47,31 +34,22 @@ from lightning_d9d.pipeline import (
 )
 from lightning_d9d.pipeline.checks import check_batches_split, check_pipeline_model, has_splittable_child
 from lightning_d9d.pipeline.runner import LossFn
-from lightning_d9d.plans import (
-    IMPLEMENTED,
-    ParallelOptions,
-    require_degrees,
-)
-from lightning_d9d.plans.async_tp import enable_async_tp
-from lightning_d9d.plans.compile import compile_mode, uses_cudagraphs
+from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.memory import MemoryPlan
-from lightning_d9d.state import frozen as frozen_checkpoint
-from lightning_d9d.state import selection as checkpoint_selection
-from lightning_d9d.state import training as training_checkpoint
-from lightning_d9d.strategies import prepare
+from lightning_d9d.strategies import cuda_graphs, prepare
 from lightning_d9d.strategies.async_save import AsyncSaves
+from lightning_d9d.strategies.base import D9DStrategyBase, autocast_device, parallelize_once
+from lightning_d9d.strategies.checkpoint_hooks import CheckpointHooks, check_checkpoint_format
+from lightning_d9d.strategies.data_ranks import reduce_over_data_ranks, sync_metrics_over_data_ranks
+from lightning_d9d.strategies.gradient_sync import gradient_sync_held_back
 from lightning_d9d.strategies.guards import check_collective_timeout
-from lightning_d9d.strategies.hf_record import with_hf_config
 from lightning_d9d.strategies.launch import check_before_launch
 from lightning_d9d.strategies.memory_report import PlannedRun, report_memory_plan
-from lightning_d9d.strategies.options import check_options_on_device, checked_parallel_options
 from lightning_d9d.strategies.pipelining import ZeroGradFirstOptimization
-from lightning_d9d.strategies.precision import D9DPrecision
-from lightning_d9d.strategies.process_exit import destroy_process_group_at_exit
-from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
-from lightning_d9d.strategies.topology import MeshTopology
+from lightning_d9d.strategies.precision import PrecisionSlot, as_trainer_precision
+from lightning_d9d.strategies.resume import PendingRandomState
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,19 +58,7 @@ if TYPE_CHECKING:
 PIPELINE_VIEWS = (hf_pipeline_for,)
 
 
-def check_checkpoint_format(save_distributed_checkpoint: bool, *, pp: int) -> None:
-    """Refuse one full checkpoint file under a pipeline: Lightning's file save gathers the state of rank 0's
-    module, which under ``pp > 1`` holds only its own stages (the other layers, the final norm and the head
-    would be missing from the file, silently)."""
-    if not save_distributed_checkpoint and pp > 1:
-        raise ValueError(
-            f"D9DStrategy(pp={pp}, save_distributed_checkpoint=False) would save only rank 0's pipeline stage: "
-            "keep save_distributed_checkpoint=True (the default: every stage, atomic, with a manifest); for one "
-            "set of weight files, export with the ExportHF callback or `python -m lightning_d9d.convert dcp-to-hf`"
-        )
-
-
-class D9DStrategy(MeshTopology, ModelParallelStrategy):
+class D9DStrategy(D9DStrategyBase, CheckpointHooks):
     """Composable N-D parallel training: ``Trainer(strategy="d9d")`` or ``Trainer(strategy=D9DStrategy(...))``.
 
     Args:
@@ -160,7 +126,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     ``reset_parameters()``).
     """
 
-    strategy_name = "d9d"
+    _owner = "D9DStrategy"
     _mesh_ready_after = "the Trainer set up the processes"
 
     def __init__(
@@ -200,9 +166,7 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self._requested_dims = ParallelDims(
-            pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep
-        )
+        dims = ParallelDims(pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, ep=ep)
         self.pipeline = check_pipeline_config(pp, pipeline_schedule, microbatches, stages_per_rank)
         self.pipeline_schedule = self.pipeline.schedule
         self._stage_layout = StageLayout(
@@ -211,13 +175,8 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
             stage_head_weight,
         )
         self._runner: PipelineRunner | None = None
-        # every degree has a plan today; this keeps a degree added to ParallelDims from training without one
-        require_degrees(self._requested_dims, supported=IMPLEMENTED, owner="D9DStrategy")
-        self._dims: ParallelDims | None = None
-        # every plan option refused here if it cannot apply, before any process group
-        self._options = checked_parallel_options(
-            self._requested_dims,
-            owner="D9DStrategy",
+        self._take_degrees(
+            dims,
             lora=lora,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
@@ -233,23 +192,11 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch
         self._async_saves = AsyncSaves(timeout) if async_save and save_distributed_checkpoint else None
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: StrategyRegistryType) -> None:
-        if cls.strategy_name not in strategy_registry:  # importing twice must not fail
-            strategy_registry.register(cls.strategy_name, cls, description="d9d N-D parallel training")
-
-    # ----------------------------------------------------------------------------------------- topology
-    def _resolve_dims(self) -> ParallelDims:
-        return self._requested_dims.resolve(self.num_nodes * self.num_processes)
-
     @override
     def _configure_launcher(self) -> None:
         # Called while the Trainer is constructed: a mesh that does not tile the world fails here, before any
         # process is launched.
-        check_options_on_device(
-            self._options, self._resolve_dims(), self.root_device.type, owner="D9DStrategy"
-        )
+        self._check_options_on_device(self._resolve_dims())
         super()._configure_launcher()
         if self._launcher is not None:  # pipeline settings vs. a model built already: before processes start
             check_before_launch(self._launcher, lambda: self._check_pipeline_model(built_only=True))
@@ -263,27 +210,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def setup_environment(self) -> None:
         # Validate again (the cluster environment may have changed the world size), still before any collective.
         dims = self._resolve_dims()
-        check_options_on_device(self._options, dims, self.root_device.type, owner="D9DStrategy")
-        self._setup_distributed()
-        destroy_process_group_at_exit()  # not left to the interpreter's teardown, where gloo can abort
-        self._dims = dims.build_mesh(self.root_device.type, timeout=self._timeout)
-        self._device_mesh = self._dims.mesh
-        if self._options.async_tp:  # before configure_model and the blocks' compile
-            enable_async_tp(self._dims.mesh_for("tp").get_group().group_name)
+        self._check_options_on_device(dims)
+        self._build_mesh(dims)  # before configure_model and the blocks' compile
         assert self.lightning_module is not None
         set_module_device_mesh(self.lightning_module, self.device_mesh)
 
-    # ---------------------------------------------------------------------------------------- precision
-    @property  # type: ignore[override]
-    def precision_plugin(self) -> D9DPrecision:
-        if not isinstance(self._precision_plugin, D9DPrecision):
-            # Kept, not made anew on each access: the strategy sets state on it (the norm-reduce groups).
-            self._precision_plugin = _as_d9d_precision(self._precision_plugin or Precision())
-        return self._precision_plugin
-
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = None if plugin is None else _as_d9d_precision(plugin)
+    # the Trainer(precision=...) choice as a D9DPrecision (Lightning's property, typed as any plugin)
+    precision_plugin = PrecisionSlot("_precision_plugin", as_trainer_precision, Precision)  # type: ignore[assignment,override]
 
     # -------------------------------------------------------------------------------------------- setup
     @override
@@ -313,17 +246,6 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         )
 
     @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # The checkpoint's random states, if no ResumableDataLoader put them back at its first batch already (a
-        # loader of the user's with its own state_dict): here, once, where the resume is mid-epoch. At an epoch
-        # boundary the load's restore stands (the new iterator draws its seed from it, as uninterrupted).
-        if self._async_saves is not None:  # a background save whose writes all ended becomes complete here
-            self._async_saves.poll()
-        if batch_idx > 0:
-            self._resumed_random_state.restore()
-        self._resumed_random_state.discard()
-
-    @override
     def model_to_device(self) -> None:
         # Tensors on the meta device get their memory after sharding (``_materialize``).
         assert self.model is not None
@@ -334,32 +256,28 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def _setup_model(self, model: nn.Module) -> nn.Module:
         """Parallelize the LightningModule in place, once: a later fit or validate on it reuses the result."""
         prepare.refuse_fsdp1(model)
-        if not getattr(model, "_d9d_parallelized", False):
-            self._check_pipeline_model(built_only=False)  # on every rank alike, before the first collective
-            prepare.adapt(model, self._options)
-            prepare.broadcast_plain_tensors(model, self.root_device, self.world_size)
-            runner = None
-            if self.parallel_dims.pp_enabled:
-                pipelined, splittable = find_splittable(model, PIPELINE_VIEWS)
-                stages = carve_stages(splittable, self.pipeline, self.parallel_dims, self._stage_layout)
-                prepare.parallelize(model, self.parallel_dims, self.parallel_options(), stages)
-            else:
-                prepare.parallelize(model, self.parallel_dims, self.parallel_options())
-            prepare.materialize(model, self.root_device, self.broadcast)
-            if self.parallel_dims.pp_enabled:
-                runner = PipelineRunner(
-                    self.pipeline, pipelined, stages, self.parallel_dims, self.root_device
-                )
-            model._d9d_parallelized = True  # type: ignore[assignment]
-            model._d9d_runner = runner  # type: ignore[assignment]
-        self._runner = getattr(model, "_d9d_runner", None)
-        # bf16-mixed casts through FSDP's MixedPrecisionPolicy; a model left without FSDP autocasts instead.
-        wrapped = any(isinstance(module, FSDPModule) for module in model.modules())
-        self.precision_plugin.autocast_device = None if wrapped else self.root_device.type
+        self._runner = parallelize_once(model, lambda: self._parallelize(model))
+        self.precision_plugin.autocast_device = autocast_device(model, self.root_device.type)
         if self._runner is not None:
             self.precision_plugin.norm_reduce_groups = self._runner.grad_norm_groups
-        self._sync_metrics_over_data_ranks(model)
+        sync_metrics_over_data_ranks(model, self._dims)
         return model
+
+    def _parallelize(self, model: nn.Module) -> PipelineRunner | None:
+        """The first time: the plans, on this rank's stages under pp; the pipeline runner, if any."""
+        self._check_pipeline_model(built_only=False)  # on every rank alike, before the first collective
+        prepare.adapt(model, self._options)
+        prepare.broadcast_plain_tensors(model, self.root_device, self.world_size)
+        dims = self.parallel_dims
+        if not dims.pp_enabled:
+            prepare.parallelize(model, dims, self.parallel_options())
+            prepare.materialize(model, self.root_device, self.broadcast)
+            return None
+        pipelined, splittable = find_splittable(model, PIPELINE_VIEWS)
+        stages = carve_stages(splittable, self.pipeline, dims, self._stage_layout)
+        prepare.parallelize(model, dims, self.parallel_options(), stages)
+        prepare.materialize(model, self.root_device, self.broadcast)
+        return PipelineRunner(self.pipeline, pipelined, stages, dims, self.root_device)
 
     def _check_pipeline_model(self, *, built_only: bool) -> None:
         """Pipeline settings against the model (stages vs. layers, tied weights); ``built_only``: skip if the
@@ -400,41 +318,9 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: Any | None = "mean"
     ) -> torch.Tensor | Any:
-        """All-reduce for ``self.log(..., sync_dist=True)`` over the ranks that hold different tokens (by
-        default, the ``loss`` view): pipeline and tp peers hold the same batch, so a sum over the world would
-        count it ``pp * tp`` times. No barrier before it
-        (Lightning puts one there; on NCCL it blocks the host every step, and an all-reduce needs none)."""
-        if not isinstance(tensor, torch.Tensor) or not dist.is_initialized():
-            return tensor
-        if group is None:
-            group = self._data_parallel_group()
-        name = reduce_op.lower() if isinstance(reduce_op, str) else None
-        mean = name in ("mean", "avg")
-        op = dist.ReduceOp.SUM if mean else (getattr(dist.ReduceOp, name.upper()) if name else reduce_op)
-        dist.all_reduce(tensor, op=op, group=group)
-        if mean:
-            size = dist.get_world_size(group)
-            return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)
-        return tensor
-
-    def _data_parallel_group(self) -> dist.ProcessGroup | None:
-        """The ranks that hold different tokens (the ``loss`` view: data replicas times the cp ranks that each
-        hold part of every sequence); the world before the mesh exists."""
-        if self._dims is None or self._dims.mesh is None:
-            return None
-        return self._dims.mesh_for("loss").get_group()
-
-    def _sync_metrics_over_data_ranks(self, module: nn.Module) -> None:
-        """torchmetrics syncs over the world unless told otherwise; point metrics without a group of their own
-        at the ranks that hold different tokens, for the same reason as :meth:`reduce`."""
-        from torchmetrics import Metric
-
-        group = self._data_parallel_group()
-        if group is None or dist.get_world_size(group) == self.parallel_dims.world_size:
-            return  # those ranks are the world: nothing to change
-        for metric in module.modules():
-            if isinstance(metric, Metric) and metric.process_group is None:
-                metric.process_group = group
+        """All-reduce for ``self.log(..., sync_dist=True)``, by default over the ranks that hold different tokens
+        (:mod:`~lightning_d9d.strategies.data_ranks`), with no barrier before it."""
+        return reduce_over_data_ranks(tensor, self._dims, group, reduce_op)
 
     # --------------------------------------------------------------------------------------- the loss
     def model_loss(
@@ -508,15 +394,10 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         self.post_backward(closure_loss)
         return closure_loss
 
-    # ------------------------------------------------------------------------------------ CUDA graphs
+    # ------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.lightning_module
-        trainer = trainer_of(module) if module is not None else None
-        opens_window = True  # of gradient accumulation: every step without it, and under manual optimization
-        if module is not None and trainer is not None and module.automatic_optimization:
-            opens_window = trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0
-        if opens_window:
+        if cuda_graphs.training_step_marks(self.lightning_module):
             self._mark_cudagraph_step()
         output = super().training_step(*args, **kwargs)
         if self.memory_plan is None:
@@ -554,184 +435,13 @@ class D9DStrategy(MeshTopology, ModelParallelStrategy):
         return super().predict_step(*args, **kwargs)
 
     def _mark_cudagraph_step(self) -> None:
-        """Tell cudagraph trees that a new step begins, where the blocks may run as CUDA graphs.
+        """A new step begins, for cudagraph trees (:func:`~lightning_d9d.strategies.cuda_graphs.mark_step`)."""
+        cuda_graphs.mark_step(self.root_device, self._options.compile)
 
-        cudagraph trees reuse a step's graph memory only once they know the step is over: at a new "generation"
-        (``CUDAGraphTreeManager.can_start_new_generation``), which without this call comes only when no forward
-        waits for its backward; otherwise the next forward records behind the previous step's still-live
-        outputs, or reading one of them fails ("accessing tensor output of CUDAGraphs that has been overwritten").
-        A training step marks only where it opens a window of gradient accumulation: the gradients of the
-        window's earlier micro-steps may live in the graphs' memory (the backward's outputs that autograd keeps
-        as ``.grad``), which a new generation would hand out again; the window's opening comes after the
-        zero-grad-first closure (used in every fit: see :meth:`setup`) set them to ``None``.
-        Marking where no block records graphs (the plan fell back, or the device is not CUDA) changes nothing."""
-        if self._may_record_cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
-
-    @property
-    def _may_record_cuda_graphs(self) -> bool:
-        """A CUDA-graph compile mode on CUDA (the plan may still fall back: marking a step then changes nothing)."""
-        return self.root_device.type == "cuda" and uses_cudagraphs(compile_mode(self._options.compile))
-
-    # ----------------------------------------------------------------------------------- gradient sync
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """No reduce-scatter / all-reduce on accumulation micro-steps; the last micro-step reduces the sum
-        (under pp the runner's stages hold back the reduction torch's schedule would make every step)."""
-        if self._runner is not None:
-            self._runner.sync_gradients = False
-            try:
-                yield None
-            finally:
-                self._runner.sync_gradients = True
-            return
-        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.model else []
-        for module in modules:
-            module.set_requires_gradient_sync(False, recurse=False)
-        try:
-            yield None
-        finally:
-            for module in modules:
-                module.set_requires_gradient_sync(True, recurse=False)
-
-    # ------------------------------------------------------------------------------------- checkpoints
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not (self._async_saves is not None and self._in_training_loop()):
-            state = super().lightning_module_state_dict()
-        else:  # a background save stages the tensors into its pinned buffers: no synchronous copy to CPU here
-            assert self.model is not None
-            state = get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
-        if self._options.lora is not None and self._save_distributed_checkpoint:
-            # LoRA: the frozen base is left out, its fingerprint recorded instead (save_checkpoint, state/frozen.py)
-            assert self.model is not None
-            frozen = frozen_checkpoint.frozen_names(self.model)
-            state = {key: value for key, value in state.items() if key not in frozen}
-        return state
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self._save_distributed_checkpoint:
-            return super().optimizer_state(optimizer)
-        optimizer = unwrap_optimizer(optimizer)
-        assert self.model is not None
-        # a background save stages the state into its pinned buffers: no synchronous copy to CPU here first
-        on_device = self._async_saves is not None and self._in_training_loop()
-        return training_checkpoint.optimizer_state(self.model, optimizer, cpu_offload=not on_device)
-
-    @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: FilePath, storage_options: Any | None = None
-    ) -> None:
-        resume_where_fit_stopped(checkpoint)  # saved after fit returned: resume at the next batch, not epoch
-        if not self._save_distributed_checkpoint:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            return
-        if storage_options is not None:
-            raise TypeError("D9DStrategy.save_checkpoint(..., storage_options=...) is not supported")
-        # Collective: every rank returns once the directory is in place, or raises (all, with the reason).
-        # with the model's HF config when it has one: `convert dcp-to-hf` then needs no --config
-        path, content = self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
-        if self._options.lora is not None and self.model is not None:
-            content[frozen_checkpoint.FINGERPRINT_KEY] = frozen_checkpoint.fingerprint(self.model)
-        if self._async_saves is not None and self._in_training_loop():
-            self._async_saves.save(path, content)
-            return
-        # the save in flight first: it is the older checkpoint, and a save of the same name (last.ckpt at the end
-        # of the last epoch) would remove its temporary directory
-        self.finish_pending_saves()
-        training_checkpoint.save(path, content)
-
-    def finish_pending_saves(self) -> None:
-        """Complete the checkpoint being written in the background (``async_save=True``), if any: every rank calls
-        it (a collective). ``Preemption`` does before the requeue that ends the job."""
-        if self._async_saves is not None:
-            self._async_saves.finish()
-
-    def _in_training_loop(self) -> bool:
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.training and not trainer.fit_loop.done
-
-    @override
-    def on_train_start(self) -> None:
-        super().on_train_start()
-        if self._async_saves is not None:
-            self._async_saves.setup()
-            assert self.lightning_module is not None
-            # ModelCheckpoint(save_last="link") links last.ckpt as soon as save_checkpoint returns
-            self._async_saves.link_when_complete(self.lightning_module.trainer.checkpoint_callbacks)
-
-    @override
-    def on_train_end(self) -> None:
-        if self._async_saves is not None:  # the last save in flight completes before fit returns
-            self._async_saves.close()
-            self._async_saves.restore_links()
-        super().on_train_end()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        if self._async_saves is not None:
-            self._async_saves.abandon()
-            self._async_saves.restore_links()
-        super().on_exception(exception)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: FilePath, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(checkpoint_path))
-        if path.is_file():  # a checkpoint saved without a distributed checkpoint (Lightning's own format)
-            refusal = checkpoint_selection.hf_model_error(path)  # a model's safetensors: LoadHFWeights' input
-            if refusal is not None:
-                raise refusal
-            # weights_only unless the caller asked otherwise, as for meta.pt: a checkpoint is untrusted input
-            checkpoint = super().load_checkpoint(path, weights_only is not False)
-            resume_where_fit_stopped(checkpoint)  # written by another strategy, or by Lightning itself
-            return checkpoint
-        assert self.model is not None and self.lightning_module is not None
-        optimizers = {i: opt for i, opt in enumerate(self.optimizers)}
-        meta = training_checkpoint.load(
-            path,
-            self.model,
-            optimizers,
-            strict=self.lightning_module.strict_loading,
-            weights_only=weights_only,
-            frozen=self._frozen_base() if self._options.lora is not None else None,
-        )
-        self._resumed_random_state.capture()  # the states the load put back
-        resume_where_fit_stopped(meta)
-        return meta
-
-    def _frozen_base(self) -> dict[str, tuple[float, float, int]]:
-        """LoRA: the frozen base's fingerprint, once ``LoadHFWeights`` loaded it (a LoRA checkpoint holds none)."""
-        assert self.model is not None and self.lightning_module is not None
-        trainer = self.lightning_module.trainer
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]
-            if isinstance(callback, LoadHFWeights):
-                callback.load_frozen_base(trainer, self.lightning_module)
-        return frozen_checkpoint.fingerprint(self.model)
-
-    @override
-    def remove_checkpoint(self, filepath: FilePath) -> None:
-        # ModelCheckpoint deletes the checkpoint a new one replaces as soon as save_checkpoint returns: while that
-        # one is written in the background the deletion waits for it to be complete
-        path = Path(filepath)
-        if self._async_saves is None or not self._async_saves.remove_when_complete(path, self._remove_now):
-            self._remove_now(path)
-
-    def _remove_now(self, path: Path) -> None:
-        # save_top_k / keep-last-N never deletes the only complete checkpoint of its folder (it logs why)
-        if self.is_global_zero and checkpoint_selection.keep(path):
-            return
-        super().remove_checkpoint(path)
-
-
-def _as_d9d_precision(plugin: Precision) -> D9DPrecision:
-    if isinstance(plugin, D9DPrecision):
-        return plugin
-    # Lightning's own plugins, chosen from Trainer(precision=...): keep the choice, replace the mechanism.
-    if type(plugin) in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
-        return D9DPrecision(str(getattr(plugin, "precision", "32-true")))
-    raise TypeError(
-        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__}; pass "
-        "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true') instead of a plugin"
-    )
+        (:mod:`~lightning_d9d.strategies.gradient_sync`)."""
+        with gradient_sync_held_back(self.model, self._runner):
+            yield

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast, get_args, overload
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.plugins.precision import HalfPrecision as FabricHalfPrecision
+from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.fabric.utilities.types import Steppable
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -149,3 +151,62 @@ class D9DPrecision(D9DPrecisionBase, Precision):
 def master_weight_scale(optimizer: Optimizer) -> Callable[[Tensor], None] | None:
     """Where norm clipping hands its coefficient: a ``MasterWeightAdamW`` applies it in its step."""
     return optimizer.scale_gradients if isinstance(optimizer, MasterWeightAdamW) else None
+
+
+def as_trainer_precision(plugin: Precision) -> D9DPrecision:
+    """The Trainer strategy's plugin for ``plugin``: a :class:`D9DPrecision` stays; one of Lightning's own, chosen
+    from ``Trainer(precision=...)``, keeps its choice with our mechanism (an unsupported name refused by name)."""
+    if isinstance(plugin, D9DPrecision):
+        return plugin
+    if type(plugin) in (Precision, MixedPrecision, HalfPrecision, DoublePrecision):
+        return D9DPrecision(str(getattr(plugin, "precision", "32-true")))
+    raise TypeError(
+        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__}; pass "
+        "Trainer(precision='32-true' | 'bf16-mixed' | 'bf16-true') instead of a plugin"
+    )
+
+
+def as_fabric_precision(plugin: FabricPrecision) -> D9DPrecisionBase:
+    """The Fabric strategy's plugin for ``plugin``: a :class:`D9DPrecisionBase` stays; one of Fabric's own, chosen
+    from ``Fabric(precision=...)`` with a name we support, keeps its choice with our mechanism."""
+    if isinstance(plugin, D9DPrecisionBase):
+        return plugin
+    name = getattr(plugin, "precision", "32-true")
+    fabric_plugins = (FabricPrecision, FabricMixedPrecision, FabricHalfPrecision)
+    if type(plugin) in fabric_plugins and name in SUPPORTED_PRECISIONS:
+        return D9DPrecisionBase(str(name))
+    raise TypeError(
+        f"the d9d strategy brings its own precision plugin and cannot use {type(plugin).__name__} "
+        f"(precision={name!r}); pass Fabric(precision='32-true' | 'bf16-mixed' | 'bf16-true')"
+    )
+
+
+PluginT = TypeVar("PluginT", bound=D9DPrecisionBase)
+
+
+class PrecisionSlot(Generic[PluginT]):
+    """A strategy's precision plugin property (the Trainer's ``precision_plugin``, Fabric's ``precision``), stored
+    in the ``attribute`` Lightning keeps it in: whatever Lightning sets goes through ``convert``, and the first read
+    without one converts ``default()``. Kept, not made anew on each read: the strategy sets state on it (the
+    autocast device, the norm-reduce groups)."""
+
+    def __init__(self, attribute: str, convert: Callable[[Any], PluginT], default: Callable[[], Any]) -> None:
+        self.attribute, self.convert, self.default = attribute, convert, default
+
+    @overload
+    def __get__(self, strategy: None, owner: type) -> PrecisionSlot[PluginT]: ...
+
+    @overload
+    def __get__(self, strategy: object, owner: type) -> PluginT: ...
+
+    def __get__(self, strategy: object | None, owner: type) -> PrecisionSlot[PluginT] | PluginT:
+        if strategy is None:
+            return self
+        current = getattr(strategy, self.attribute)
+        plugin = self.convert(current or self.default())
+        if plugin is not current:
+            setattr(strategy, self.attribute, plugin)
+        return plugin
+
+    def __set__(self, strategy: object, plugin: Any | None) -> None:
+        setattr(strategy, self.attribute, None if plugin is None else self.convert(plugin))

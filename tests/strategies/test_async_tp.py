@@ -64,11 +64,11 @@ def test_the_strategy_enables_it_with_its_tp_group_once_the_mesh_exists(
 ) -> None:
     """setup_environment on one process (a 1-rank gloo group, the device check passed as if on CUDA): the tp view's
     group name reaches enable_async_tp; the mesh is built first."""
-    import lightning_d9d.strategies.d9d as d9d
+    import lightning_d9d.strategies.topology as topology
 
     calls: list[str] = []
-    monkeypatch.setattr(d9d, "check_options_on_device", lambda *args, **kwargs: None)
-    monkeypatch.setattr(d9d, "enable_async_tp", calls.append)
+    monkeypatch.setattr(topology, "check_options_on_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(topology, "enable_async_tp", calls.append)
     strategy = D9DStrategy(tp=2, compile=True, async_tp=True)
     strategy._requested_dims = strategy._requested_dims.__class__(
         tp=1
@@ -85,11 +85,11 @@ def test_the_strategy_enables_it_with_its_tp_group_once_the_mesh_exists(
 
 def test_fabric_enables_it_with_its_tp_group_once_the_mesh_exists(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same for Fabric's strategy: its setup_environment builds the mesh, then hands the tp group on."""
-    import lightning_d9d.fabric.strategy as fabric_strategy
+    import lightning_d9d.strategies.topology as topology
 
     calls: list[str] = []
-    monkeypatch.setattr(fabric_strategy, "check_options_on_device", lambda *args, **kwargs: None)
-    monkeypatch.setattr(fabric_strategy, "enable_async_tp", calls.append)
+    monkeypatch.setattr(topology, "check_options_on_device", lambda *args, **kwargs: None)
+    monkeypatch.setattr(topology, "enable_async_tp", calls.append)
     strategy = D9DFabricStrategy(tp=2, compile=True, async_tp=True)
     strategy._requested_dims = strategy._requested_dims.__class__(tp=1)  # one process: a 1-rank tp view
     fabric = L.Fabric(strategy=strategy, accelerator="cpu", devices=1)

@@ -102,13 +102,14 @@ def _sum_logged_under_pipelining() -> tuple[float, float]:
     import torchmetrics
 
     from lightning_d9d.mesh import ParallelDims
+    from lightning_d9d.strategies.data_ranks import sync_metrics_over_data_ranks
 
     strategy = D9DStrategy(pp=2, dp_shard=1)
     strategy._dims = ParallelDims(pp=2, dp_shard=1).resolve(2).build_mesh("cpu")
     logged = strategy.reduce(torch.tensor(1.0), reduce_op="sum")
     holder = nn.Module()
     holder.metric = torchmetrics.SumMetric()
-    strategy._sync_metrics_over_data_ranks(holder)
+    sync_metrics_over_data_ranks(holder, strategy.parallel_dims)
     holder.metric.update(torch.tensor(1.0))
     return float(logged), float(holder.metric.compute())
 
