@@ -23,6 +23,15 @@ class MicroStep:
     )
 
 
+def micro_steps_per_step(module: Any) -> int:
+    """``accumulate_grad_batches`` of ``module``'s trainer: the micro-steps of one optimizer step (1 outside a
+    Trainer)."""
+    from lightning_d9d.compat import trainer_of  # imports Lightning: not at this module's import
+
+    trainer = trainer_of(module) if module is not None else None
+    return trainer.accumulate_grad_batches if trainer is not None else 1
+
+
 def current_micro_step(module: Any) -> MicroStep | None:
     """The training micro-step ``module``'s trainer runs; None outside training under automatic optimization,
     where no window groups the steps (each stands alone). The one place the accumulation window is computed."""

@@ -39,6 +39,7 @@ from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.memory import MemoryPlan
 from lightning_d9d.strategies import cuda_graphs, prepare
+from lightning_d9d.strategies.accumulation import micro_steps_per_step
 from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.base import D9DStrategyBase, autocast_device, parallelize_once
 from lightning_d9d.strategies.checkpoint_hooks import CheckpointHooks, check_checkpoint_format
@@ -359,11 +360,10 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
         step_tokens = self.precision_plugin.step_tokens
         accumulating = step_tokens.enter(self.lightning_module, counted=isinstance(loss_fn, CountedLoss))
         module = self.lightning_module
-        trainer = trainer_of(module) if module is not None else None
         context = LossContext(
             self,
             self._runner,
-            accumulate=trainer.accumulate_grad_batches if trainer is not None else 1,
+            accumulate=micro_steps_per_step(module),
             tokens=step_tokens if accumulating else None,
             internal_losses=module is not None,
         )
