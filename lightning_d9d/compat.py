@@ -135,6 +135,7 @@ _AUTOMATIC = "lightning.pytorch.loops.optimization.automatic"
 _PIPELINING = ("strategies/pipelining.py",)
 _STRATEGY = ("strategies/d9d.py",)
 _FABRIC = ("fabric/strategy.py",)
+_MESH = ("strategies/topology.py",)  # the mesh both strategies build (their shared base)
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # ------------------------------------------------------------------ Lightning: the optimization loop
@@ -179,7 +180,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._setup_distributed",
-        _STRATEGY,
+        _MESH,
         "creates the process group; setup_environment builds our own mesh after it",
     ),
     PrivateName(
@@ -220,21 +221,21 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._device_mesh",
-        _STRATEGY,
+        _MESH,
         "set to our 6-D mesh so Lightning's device_mesh users see it",
         instance=True,
     ),
     PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._timeout",
-        _STRATEGY,
+        _MESH,
         "the collective timeout, handed to the mesh's groups",
         instance=True,
     ),
     PrivateName(
         "lightning.pytorch.strategies.model_parallel",
         "ModelParallelStrategy._save_distributed_checkpoint",
-        _STRATEGY,
+        ("strategies/checkpoint_hooks.py",),
         "the save_distributed_checkpoint flag: sharded DCP or one full file",
         instance=True,
     ),
@@ -242,7 +243,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.pytorch.strategies.strategy",
         "Strategy._precision_plugin",
         _STRATEGY,
-        "the precision_plugin property is overridden to store a D9DPrecision",
+        "the precision_plugin property is overridden (strategies/precision.PrecisionSlot) to store a D9DPrecision",
         instance=True,
     ),
     PrivateName(
@@ -255,7 +256,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.pytorch.core.module",
         "LightningModule._trainer",
-        ("strategies/loss.py", "strategies/d9d.py"),
+        ("strategies/loss.py", "strategies/d9d.py", "strategies/accumulation.py"),
         "model_loss and reduce() work outside a Trainer: .trainer raises there (trainer_of)",
         instance=True,
     ),
@@ -263,7 +264,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.fabric.strategies.model_parallel",
         "ModelParallelStrategy._setup_distributed",
-        _FABRIC,
+        _MESH,
         "creates the process group; setup_environment builds our own mesh after it",
     ),
     PrivateName(
@@ -275,14 +276,14 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "lightning.fabric.strategies.model_parallel",
         "ModelParallelStrategy._device_mesh",
-        _FABRIC,
+        _MESH,
         "set to our 6-D mesh",
         instance=True,
     ),
     PrivateName(
         "lightning.fabric.strategies.model_parallel",
         "ModelParallelStrategy._timeout",
-        _FABRIC,
+        _MESH,
         "the collective timeout, handed to the mesh's groups",
         instance=True,
     ),
@@ -290,7 +291,7 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "lightning.fabric.strategies.strategy",
         "Strategy._precision",
         _FABRIC,
-        "the precision property is overridden to store a D9DPrecisionBase",
+        "the precision property is overridden (strategies/precision.PrecisionSlot) to store a D9DPrecisionBase",
         instance=True,
     ),
     PrivateName(
