@@ -1,11 +1,13 @@
 """This rank's pipeline stages and the schedule over them: one training or forward-only step per batch.
 
-The loss bookkeeping lives here: torch's schedule calls the loss once per microbatch, and each call is
-scaled so that the summed gradients are those of one process on the whole batch (``scale_grads=False``; see
-``build_schedule``). With a :class:`~lightning_d9d.modules.loss.CountedLoss` each microbatch weighs by the items
-it counts (tokens that are not padding), otherwise every microbatch weighs the same. Under token-weighted
-gradient accumulation the strategy also hands over the batch's gradient factor (``grad_factor``), which scales
-the gradients and not the returned loss.
+The loss layer (:mod:`lightning_d9d.loss.step`) hands a batch over with everything its loss needs, so that the
+runner never calls back up: the inputs, the labels, the token scale of the global batch (``item_scale``), the
+gradient factor of token-weighted accumulation (``grad_factor``) and whether the last stage computes the loss
+fused (``fused_ignore_index``). The per-microbatch scaling lives here: torch's schedule calls the loss once per
+microbatch, and each call is scaled so that the summed gradients are those of one process on the whole batch
+(``scale_grads=False``; see ``build_schedule``). With a :class:`~lightning_d9d.modules.loss.CountedLoss` each
+microbatch weighs by the items it counts (tokens that are not padding) times ``item_scale``, otherwise every
+microbatch weighs the same; ``grad_factor`` scales the gradients and not the returned loss.
 
 With ``fused_ignore_index`` the last stage computes the loss itself: it gets each microbatch's labels as
 ``labels=`` / ``ignore_index=`` keyword arguments (torch splits keyword arguments into microbatches like the
