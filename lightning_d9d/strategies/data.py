@@ -12,6 +12,11 @@ depends on seed and epoch only, and Lightning sets the epoch before the first ba
 saved as batches of a global batch (per-rank batch x ranks), so it moves to another number of data-parallel
 ranks, or another global batch, whenever it falls on a whole global batch of the new run; otherwise loading it
 raises an error naming both sizes (the ranks would have to split a batch).
+
+torchdata's ``StatefulDataLoader`` keeps its position too, and Lightning saves and restores it the same way: a
+user's ``StatefulDataLoader`` is taken as it is (:func:`resumable` leaves every loader but a plain ``DataLoader``
+alone). The conversion is for plain loaders, so that a run resumes exactly without a change to the user's code or
+another dependency, and so that the position survives a change of the data-parallel size.
 """
 
 from __future__ import annotations
@@ -131,9 +136,10 @@ def resumable(dataloader: object) -> object:
     """``dataloader`` as a :class:`ResumableDataLoader`, or unchanged where a skip could not be exact.
 
     Converted: a plain ``torch.utils.data.DataLoader`` over a map-style dataset that batches with
-    ``batch_size`` (its own ``BatchSampler``). Left alone: loaders that already have a ``state_dict``, custom
-    ``DataLoader`` subclasses and batch samplers (their constructor arguments are unknown), iterable datasets
-    (no indices to skip). Lightning warns when such a loader is resumed mid-epoch.
+    ``batch_size`` (its own ``BatchSampler``). Left alone: loaders that keep their own position (torchdata's
+    ``StatefulDataLoader``, any loader with a ``state_dict``: Lightning saves and restores it), other ``DataLoader``
+    subclasses and custom batch samplers (their constructor arguments are unknown), iterable datasets (no indices
+    to skip). Lightning warns when a loader without a ``state_dict`` is resumed mid-epoch.
     """
     if type(dataloader) is not DataLoader:
         return dataloader

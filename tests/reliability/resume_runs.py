@@ -8,14 +8,17 @@ the loss depends on the draw, so a random stream that resumes differently change
 A run trains to ``run["max_steps"]`` from ``run.get("resume_from")``; ``run["save"]`` writes a checkpoint at
 ``run["save_step"]`` in one of the ways a user can: ``"callback"`` (``ModelCheckpoint(every_n_train_steps)``),
 ``"during"`` (``trainer.save_checkpoint`` from a callback's ``on_train_batch_end``) or ``"after"``
-(``trainer.save_checkpoint`` once ``fit`` has returned, ``max_steps`` being the save step). With
-``run["own_loader"]`` the training loader is an ``OwnPositionLoader``.
+(``trainer.save_checkpoint`` once ``fit`` has returned, ``max_steps`` being the save step). ``run["loader"]``
+is the training loader's class: ``"plain"`` (a ``DataLoader``, the default), ``"own"`` (an
+``OwnPositionLoader``) or ``"stateful"`` (torchdata's ``StatefulDataLoader``); every rank also writes the class of
+the loader the Trainer drew from (``"loader"``).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +89,19 @@ class OwnPositionLoader(DataLoader):
         self.skip = state["seen"]
 
 
+def _stateful_loader() -> type[DataLoader]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader
+
+
+LOADERS: dict[str, Callable[[], type[DataLoader]]] = {
+    "plain": lambda: DataLoader,
+    "own": lambda: OwnPositionLoader,
+    "stateful": _stateful_loader,
+}
+
+
 def _samples() -> torch.Tensor:
     return torch.stack([torch.arange(SAMPLES), torch.ones(SAMPLES, dtype=torch.int64)], dim=1)
 
@@ -112,7 +128,7 @@ def resume_run(run: dict[str, Any]) -> None:
         limit_val_batches=2,
         val_check_interval=0.5,  # validation mid-epoch and at its end: its iterator draws a seed too
     )
-    loader = OwnPositionLoader if run.get("own_loader") else DataLoader
+    loader = LOADERS[run.get("loader", "plain")]()
     train, val = loader(_samples(), batch_size=1), DataLoader(_samples(), batch_size=1)
     trainer.fit(module, train, val, ckpt_path=run.get("resume_from"))
     if save == "after":
@@ -123,6 +139,7 @@ def resume_run(run: dict[str, Any]) -> None:
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = Path(run["out"])
     result = {"batches": module.batches, "draws": module.draws, "params": params, "step": trainer.global_step}
+    result["loader"] = type(trainer.train_dataloader).__name__
     torch.save(result, out.with_name(f"{out.stem}-{rank}{out.suffix}"))
 
 

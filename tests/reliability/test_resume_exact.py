@@ -16,10 +16,11 @@ import torch
 SCRIPT = Path(__file__).with_name("resume_runs.py")
 STEPS = 10  # 8 batches an epoch on 1 rank, 4 on 2: every run crosses an epoch boundary
 SAMPLES = 8
-# (how the checkpoint is written, its step; None: the first epoch's last), the first mid-epoch with a loader
-# that keeps its own position (the strategy's fallback puts the random states back)
-CASES = [("callback", 3, False), ("during", 3, False), ("after", 3, False), ("after", None, False)]
-CASES += [("callback", 3, True)]
+# (how the checkpoint is written, its step; None: the first epoch's last; the training loader: resume_runs.py's
+# LOADERS). Mid-epoch also with loaders that keep their own position, which the strategy takes as they are (it
+# puts the random states back itself): one of the user's, and torchdata's StatefulDataLoader.
+CASES = [("callback", 3, "plain"), ("during", 3, "plain"), ("after", 3, "plain"), ("after", None, "plain")]
+CASES += [("callback", 3, "own"), ("callback", 3, "stateful")]
 
 
 def _first_run_steps(save: str, step: int) -> int:
@@ -27,25 +28,25 @@ def _first_run_steps(save: str, step: int) -> int:
     return step if save == "after" else step + 2
 
 
-def _runs(tmp: Path) -> tuple[list[dict[str, Any]], list[tuple[int, str, int, Path]]]:
+def _runs(tmp: Path) -> tuple[list[dict[str, Any]], list[tuple[int, str, int, str, Path]]]:
     runs: list[dict[str, Any]] = []
     cases = []
     for devices in (1, 2):
         runs.append(
             {"kind": "resume", "devices": devices, "max_steps": STEPS, "out": str(tmp / f"u{devices}.pt")}
         )
-        for save, at, own_loader in CASES:
+        for save, at, loader in CASES:
             step = at or SAMPLES // devices
-            name = f"{save}{step}{'-own' if own_loader else ''}-{devices}"
+            name = f"{save}{step}-{loader}-{devices}"
             ckpt = tmp / name / ("ckpts" if save == "callback" else "ckpt")
             first = {"kind": "resume", "devices": devices, "save": save, "save_step": step, "ckpt": str(ckpt)}
-            first["own_loader"] = own_loader
+            first["loader"] = loader
             first.update(max_steps=_first_run_steps(save, step), out=str(tmp / f"{name}-first.pt"))
             resumed = {"kind": "resume", "devices": devices, "max_steps": STEPS, "resume_from": str(ckpt)}
-            resumed["own_loader"] = own_loader
+            resumed["loader"] = loader
             resumed["out"] = str(tmp / f"{name}-resumed.pt")
             runs += [first, resumed]
-            cases.append((devices, save, step, tmp / name))
+            cases.append((devices, save, step, loader, tmp / name))
     return runs, cases
 
 
@@ -56,13 +57,15 @@ def _load(path: Path, rank: int) -> dict[str, Any]:
 def test_a_resume_continues_the_batches_and_random_streams_exactly(tmp_path: Path) -> None:
     runs, cases = _runs(tmp_path)
     subprocess.run([sys.executable, str(SCRIPT), json.dumps(runs)], check=True, timeout=600)
-    for devices, save, step, folder in cases:
+    for devices, save, step, loader, folder in cases:
         for rank in range(devices):
             straight = _load(tmp_path / f"u{devices}.pt", rank)
             first = _load(tmp_path / f"{folder.name}-first.pt", rank)
             resumed = _load(tmp_path / f"{folder.name}-resumed.pt", rank)
-            where = f"{save} at step {step}, {devices} process(es), rank {rank}"
+            where = f"{save} at step {step}, {loader} loader, {devices} process(es), rank {rank}"
             assert resumed["step"] == STEPS, where
+            if loader == "stateful":  # taken as it is: Lightning saves and restores its position itself
+                assert first["loader"] == resumed["loader"] == "StatefulDataLoader", where
             # the steps before the checkpoint, then the resumed ones, are the uninterrupted run's
             assert first["batches"][:step] + resumed["batches"] == straight["batches"], where
             assert first["draws"][:step] + resumed["draws"] == straight["draws"], where

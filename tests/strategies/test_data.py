@@ -59,3 +59,15 @@ def test_loaders_it_cannot_skip_exactly_are_left_alone() -> None:
         Custom(DATA, batch_size=2),  # unknown constructor arguments
     ):
         assert resumable(dataloader) is dataloader
+
+
+def test_a_stateful_dataloader_is_taken_as_it_is() -> None:
+    # torchdata's loader keeps its own position, which Lightning saves and restores (tests/reliability/
+    # test_resume_exact.py resumes a Trainer run with one), with its own sampler or one Lightning puts in.
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    for dataloader in (
+        StatefulDataLoader(DATA, batch_size=2),
+        StatefulDataLoader(DATA, batch_size=2, sampler=DistributedSampler(DATA, num_replicas=2, rank=0)),
+    ):
+        assert resumable(dataloader) is dataloader
