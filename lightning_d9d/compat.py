@@ -4,24 +4,20 @@ Private names (a leading underscore, or a module path with one; also a few undoc
 ``torch.utils.checkpoint.SAC_IGNORED_OPS`` or ``PipelineStage.perform_reduce_grad``, and public methods we rely on
 being called in a way torch does not document) can change in any release without notice. So:
 
-- we avoid them where we can: a private type or a two-line helper becomes our own (the section "our own"
-  below), a private attribute with a public accessor is read through the accessor;
-- :data:`PRIVATE_NAMES` lists each one we still use: where it lives, which of our files use it, and why;
-- code imports them from here (typed aliases below) or calls the small helpers below for attribute accesses,
-  never from Lightning or torch directly;
-- ``tests/test_compat.py`` pins the behaviour we rely on for every entry (not only that the name exists): the
-  closure order, what a hook we override is called with, what a private attribute we set feeds;
-- a missing name raises :class:`PrivateAPIError` (an ``ImportError``) that names the missing names, the installed
-  versions and the tested ones, instead of a bare ``ImportError`` from deep inside the package.
+- we avoid them where we can: a private type or two-line helper becomes our own (section "our own" below), a
+  private attribute with a public accessor is read through it;
+- :data:`PRIVATE_NAMES` lists each one we still use: where it lives, which of our files use it, and why; code
+  imports them from here (typed aliases below) or calls the small helpers below, never Lightning or torch directly;
+- ``tests/test_compat.py`` pins the behaviour we rely on for every entry, not only that the name exists;
+- a missing name raises :class:`PrivateAPIError` (an ``ImportError``) naming the missing names, the installed
+  versions and the tested ones.
 
-When a missing name fails: :func:`check_versions` runs when this module is first imported (by the first of our
-modules that relies on a private name; ``import lightning_d9d`` alone imports no Lightning). It refuses the import
-if a required entry is missing, and warns once when torch or Lightning is outside the tested range. Required
-entries are checked there, not where they are used, because most of them are never "used" by our code: they are
-methods we override (Lightning calls them, or stops calling them) and attributes we set (Lightning reads them, or
-stops reading them), and their loss would change training silently; checking them first also fails a run before
-any process starts, not after its model is built. Entries of optional features (``optional=True``: the schedule
-timeline, selective checkpointing, async TP, FP8 experts) are resolved where the feature is used and fail there.
+:func:`check_versions` runs when this module is first imported (by the first of our modules that relies on a
+private name; ``import lightning_d9d`` alone imports no Lightning): a missing required entry refuses the import, and
+torch or Lightning outside the tested range warns once. Required entries are checked there, not where they are
+used, because most are never "used" by our code: methods we override and attributes we set, which Lightning calls or
+reads, or silently stops calling or reading; a run also fails before any process starts, not after its model is
+built. Entries of optional features (``optional=True``) are resolved where the feature runs, and fail there.
 
 A leaf module: it imports only Lightning and torch, so every layer may use it.
 """
@@ -571,8 +567,7 @@ class StrategyRegistryType(Protocol):
 
 @runtime_checkable
 class Stateful(Protocol):
-    """An object whose ``state_dict()`` a checkpoint holds and whose ``load_state_dict`` restores it in place (an
-    optimizer, a scheduler): Fabric's own test, ``isinstance`` against both methods."""
+    """What a checkpoint saves as its ``state_dict()`` and restores in place (a scheduler), as Fabric tells it."""
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -585,19 +580,17 @@ def convert_fp_tensor(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tens
 
 
 class DtypeContextManager:
-    """``torch``'s default dtype is ``dtype`` inside (tensors and modules created there take it), the previous one
-    again afterwards."""
+    """torch's default dtype is ``dtype`` inside (tensors and modules created there take it)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self.dtype = dtype
-        self._previous: list[torch.dtype] = []
+        self.dtype, self._previous = dtype, torch.get_default_dtype()
 
     def __enter__(self) -> None:
-        self._previous.append(torch.get_default_dtype())
+        self._previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
 
     def __exit__(self, *exc_info: object) -> None:
-        torch.set_default_dtype(self._previous.pop())
+        torch.set_default_dtype(self._previous)
 
 
 # Resolved once: in_backward_pass runs in every training forward of every router.
