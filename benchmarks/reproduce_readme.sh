@@ -15,6 +15,7 @@
 #       installs FlashAttention 4, then Qwen3-0.6B at seq 4096 x 4: the plain recipe, torchtitan, ours with cuDNN
 #       and with FA4 (U1); the Qwen3-MoE shape: the plain recipe, ours and your transformers MoE (U2); the table
 #   OUT=$OUT benchmarks/reproduce_readme.sh table   the table's rows from what $OUT holds
+# ENV_ONLY=1 stops each call after installing what it carries (a minute: checks the wheels before the runs).
 # Exits non-zero when a run fails or a path's final loss leaves the 2 % band of its baseline's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -56,6 +57,7 @@ call1() {
   rc=$?  # 3: this call's part is stashed and the other is still to come, as it should be here
   [[ $rc = 3 || $rc = 0 ]] || { echo "FlashAttention 4 part 1 not stashed (carry .whl/fa4_part1)" >&2; status=1; }
   titan_env || return 1
+  [[ ${ENV_ONLY:-} ]] && { python3 -c "import torchtitan, torchao; print('torchtitan and torchao import')"; return $status; }
   MOE_LARGE_BATCH=2 MOE_LARGE_PATHS=hf_fsdp_compiled,titan_compiled,ours_trainer_compiled_nofsdp \
     OUT="$OUT" benchmarks/h200_runs.sh moe_large lora || status=1
   return $status
@@ -64,6 +66,7 @@ call1() {
 call2() {
   local status=0
   titan_env && fa4_env || return 1
+  [[ ${ENV_ONLY:-} ]] && { python3 -c "import torchtitan, flash_attn.cute; print('torchtitan and FA4 import')"; return 0; }
   python3 benchmarks/train_throughput.py --compile-threads 16 --matmul-peak --seq-len 4096 --batch-size 4 \
     --steps 30 --path-timeout 200 --out "$OUT/dense" \
     --paths hf_fsdp_compiled,titan_compiled,ours_trainer_compiled_nofsdp_cudnn,ours_trainer_compiled_nofsdp_fa4 \
