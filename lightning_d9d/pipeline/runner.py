@@ -23,6 +23,7 @@ A stage whose forward does not take them is refused before the schedule runs (:m
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,6 +82,10 @@ class AccumulatingStage(PipelineStage):
             return super()._prepare_forward_infra(*args, **kwargs)
 
 
+def _unweighted(microbatch: torch.Tensor) -> float:
+    return 1.0
+
+
 def _digest(tensor: torch.Tensor) -> torch.Tensor:
     """Three numbers that differ, in practice, between any two different batches (and never for equal ones)."""
     flat = tensor.detach().reshape(-1).to(torch.float64)
@@ -100,7 +105,9 @@ class PipelineRunner:
         device: torch.device,
     ) -> None:
         self.config = config
-        self.model = model  # the trimmed model the stages share their modules with
+        # The trimmed model the stages share their modules with, held weakly: the strategies keep the runner in a
+        # weak map keyed by the user's module, which may be this model itself.
+        self._model = weakref.ref(model)
         self.stages = dict(stages)
         self.pp = dims.pp
         self.num_stages = config.num_stages(dims.pp)
@@ -117,11 +124,16 @@ class PipelineRunner:
         ]
         self._schedule: Any = None
         self._user_loss: LossFn | None = None
-        self._weight: Callable[[torch.Tensor], torch.Tensor | float] = lambda target: 1.0
+        self._weight: Callable[[torch.Tensor], torch.Tensor | float] = _unweighted
         self._grad_factor: torch.Tensor | None = None  # see train_step's grad_factor
         self._stage_computes_loss = False  # the last stage was handed the labels (see the module docstring)
         self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
         self._accepted_kwargs: set[frozenset[str]] = set()  # keyword-input names every local stage takes
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The pipelined model (None once it is gone)."""
+        return self._model()
 
     @property
     def grad_norm_groups(self) -> list[dist.ProcessGroup]:
@@ -149,10 +161,17 @@ class PipelineRunner:
         return scale_gradient(weighted, self._grad_factor)  # the same value, the gradient times the factor
 
     def _schedule_for(self, loss_fn: LossFn) -> Any:
-        if self._schedule is None or loss_fn is not self._user_loss:
-            self._user_loss = loss_fn
+        # The schedule calls _scaled_loss, which reads the step's loss_fn: one schedule serves any loss.
+        self._user_loss = loss_fn
+        if self._schedule is None:
             self._schedule = build_schedule(self.config, self._torch_stages, self._scaled_loss)
         return self._schedule
+
+    def _forget_step(self) -> None:
+        """Drop the step's loss function: it may be a bound method of the user's module, which the runner must
+        not keep alive (see ``_model``)."""
+        self._user_loss = None
+        self._weight = _unweighted
 
     def check_stage_kwargs(self, stage_kwargs: Mapping[str, Any]) -> None:
         """Refuse keyword inputs a local stage's forward does not take, naming the stage and the keyword (before
@@ -239,8 +258,11 @@ class PipelineRunner:
         self._grad_factor = grad_factor
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
-        with maybe_loss_parallel(self.loss_parallel):
-            schedule.step(*args, **kwargs)
+        try:
+            with maybe_loss_parallel(self.loss_parallel):
+                schedule.step(*args, **kwargs)
+        finally:
+            self._forget_step()
         if self.holds_last:
             # The schedule's own list, not every loss_fn call: on its first step torch also calls the loss on
             # shape-inference outputs.

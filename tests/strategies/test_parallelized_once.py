@@ -101,3 +101,53 @@ def test_the_record_keeps_the_runner_and_goes_with_its_module() -> None:
     del module
     gc.collect()
     assert gone() is None
+
+
+class _PipelinedLM(L.LightningModule):
+    """A pipelined Qwen3 whose loss is a bound method of the module: the runner must not keep it alive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+
+        self.model = Qwen3ForCausalLM(Qwen3Config.tiny(tie_word_embeddings=False, num_hidden_layers=2))
+
+    def loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), target.flatten())
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        from lightning_d9d import model_loss
+
+        return model_loss(self, self.model, (batch[:, :-1],), batch[:, 1:], self.loss)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _pipelined_module_is_freed_after_fit() -> bool:
+    import os
+
+    os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], TORCHELASTIC_RUN_ID="freed")
+    trainer = L.Trainer(
+        strategy=D9DStrategy(pp=2, microbatches=2),
+        accelerator="cpu",
+        devices=2,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    module = _PipelinedLM()
+    data = torch.randint(0, 64, (8, 9), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, DataLoader(data, batch_size=4))
+    gone = weakref.ref(module)
+    del module, trainer
+    gc.collect()
+    return gone() is None
+
+
+def test_a_pipelined_module_whose_loss_is_its_own_method_is_freed_after_fit() -> None:
+    from distributed import run_distributed
+
+    assert run_distributed(_pipelined_module_is_freed_after_fit, 2, timeout=180) == [True, True]
