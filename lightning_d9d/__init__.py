@@ -20,17 +20,20 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from lightning_d9d.fabric import D9DFabricStrategy
     from lightning_d9d.mesh import ParallelDims
+    from lightning_d9d.modules.metrics import CausalLMPerplexity, TokenAccuracy
     from lightning_d9d.plans import LoRA, ParallelOptions
     from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
 __version__ = "0.1.0"
 __all__ = [
+    "CausalLMPerplexity",
     "D9DFabricStrategy",
     "D9DPrecision",
     "D9DStrategy",
     "LoRA",
     "ParallelDims",
     "ParallelOptions",
+    "TokenAccuracy",
     "__version__",
     "model_loss",
 ]
@@ -44,6 +47,8 @@ _PUBLIC = {
     "ParallelDims": "lightning_d9d.mesh",
     "ParallelOptions": "lightning_d9d.plans",
     "LoRA": "lightning_d9d.plans",
+    "CausalLMPerplexity": "lightning_d9d.modules.metrics",  # torchmetrics: loaded on first access only
+    "TokenAccuracy": "lightning_d9d.modules.metrics",
 }
 
 

@@ -67,3 +67,17 @@ def test_strategy_name_registered_when_lightning_was_imported_first() -> None:
 @pytest.mark.parametrize("name", lightning_d9d.__all__)
 def test_public_names_load_on_access(name: str) -> None:
     assert getattr(lightning_d9d, name) is not None
+
+
+def test_metrics_are_public_names() -> None:
+    from lightning_d9d.modules import metrics
+
+    assert {"CausalLMPerplexity", "TokenAccuracy"} <= set(lightning_d9d.__all__)
+    assert lightning_d9d.CausalLMPerplexity is metrics.CausalLMPerplexity
+    assert lightning_d9d.TokenAccuracy is metrics.TokenAccuracy
+
+
+def test_import_loads_no_torchmetrics() -> None:
+    proc = _run("-c", "import sys, lightning_d9d\nprint('torchmetrics' in sys.modules)")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == "False"
