@@ -3,12 +3,13 @@
     PYTHONPATH=. python benchmarks/adamw_tiles.py [--numel 268435456]
 
 ``MasterWeightAdamW``'s Triton pass (``lightning_d9d.kernels.adamw``) moves 28 bytes an element (reads fp32
-master, moments and a bf16 gradient; writes them and the bf16 copy). Session 26 timed it at ~2.9 TB/s on both
-an H100 and an H200 (``master_weights_speed.py``): the same rate on cards of 3.35 and 4.8 TB/s says the pass
-is not at the bandwidth. This times the kernel alone at each tile (CUDA-event median of
+master, moments and a bf16 gradient; writes them and the bf16 copy). Timed inside the optimizer step
+(``master_weights_speed.py``) it reaches about the same rate on an H100 and an H200, cards of 3.35 and 4.8 TB/s,
+which asks whether the pass is at the bandwidth. This times the kernel alone at each tile (CUDA-event median of
 ``triton.testing.do_bench``), the package's first, beside a plain copy of the same bytes; a faster tile belongs in
-``kernels/adamw.py``. Session 27 (H100): the copy 3.05 TB/s, the kernel 3.02 at every tile from 1024 to 8192
-elements a program (16,384: 2.63), so on the H100 it is at the bandwidth; the H200 has not run it.
+``kernels/adamw.py``. On an H100 (docs/benchmarks.md, run U11): the copy 3.05 TB/s, the kernel 3.02 at every tile
+from 1024 to 8192 elements a program (16,384: 2.63, in the run's raw results), so there it is at the bandwidth;
+the H200 has no such run.
 """
 
 from __future__ import annotations

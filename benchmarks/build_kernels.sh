@@ -6,8 +6,8 @@
 #   benchmarks/build_kernels.sh [grouped_gemm] [flash_attn]   # default: both, in parallel
 #   benchmarks/build_kernels.sh fetch                         # needs PyPI, nvcc and a (CPU) torch; see README
 #
-# Sources come from $FETCHED (default .fetched/ in the repo root: git-ignored, carried to the GPU machine); a
-# package whose source is absent is skipped with a message. Each build works on a copy under $BUILD_DIR
+# Sources come from $FETCHED (default .fetched/ in the repo root: git-ignored, carried to a GPU host without a
+# network); a package whose source is absent is skipped with a message. Each build works on a copy under $BUILD_DIR
 # (default /tmp/d9d_kernel_build), installs into $SITE (default /tmp/site: use it with PYTHONPATH=$SITE:.),
 # prints its wall time, and leaves its log beside the copy. Exit status: non-zero if any selected build that
 # had its source failed. benchmarks/README.md ("Optional kernels built from source") says what is trimmed and why.

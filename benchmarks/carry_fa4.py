@@ -1,4 +1,4 @@
-"""FlashAttention 4 (``flash_attn.cute``) for the GPU machine, which has no network: its wheels, unpacked and
+"""FlashAttention 4 (``flash_attn.cute``) for a GPU host without a network: its wheels, unpacked and
 recompressed here, travel in parts small enough for one device call each, and are put back together there.
 
     python benchmarks/carry_fa4.py prepare            # here: .whl/fa4/*.whl -> .whl/fa4_part1/, .whl/fa4_part2/, ...
@@ -157,7 +157,7 @@ def prepare(wheel_dir: Path, out_root: Path, part_mib: float, use_python: bool =
     cuda12 = [w.name for w in wheels if w.name.startswith("nvidia_cutlass_dsl_libs_cu12")]
     if cuda12:
         raise SystemExit(
-            f"{cuda12[0]} is not needed (the GPU machine's torch is CUDA 13): remove it from {wheel_dir}"
+            f"{cuda12[0]} is not needed (the GPU host's torch is CUDA 13): remove it from {wheel_dir}"
         )
     with tempfile.TemporaryDirectory() as scratch:
         tar_path, xz_path = Path(scratch) / f"{NAME}.tar", Path(scratch) / ARCHIVE

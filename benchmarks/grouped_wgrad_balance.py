@@ -2,18 +2,20 @@
 
     python benchmarks/grouped_wgrad_balance.py [--tokens 16384 --top-k 8 --experts 64 --hidden 1024 --ffn 384]
 
-Session 27's profiles (one H100, the MoE benchmark shape): the weight-gradient grouped GEMM (``dW_e = X_e^T
-dY_e``, the tokens the contraction) took 386 us a call on the plain loop's uniformly drawn tokens and 534 us in
-the Trainer run on the benchmark's Zipf-drawn tokens; the other two grouped GEMMs took the same time in both.
+Profiles of the MoE benchmark shape on one H100 (``benchmarks/profile_step.py``): the weight-gradient grouped GEMM
+(``dW_e = X_e^T dY_e``, the tokens the contraction) takes longer a call in the Trainer run on the benchmark's
+Zipf-drawn tokens than in the plain loop on uniformly drawn tokens; the other two grouped GEMMs take the same time
+in both.
 Each expert's output tiles cost in proportion to its tokens, so an expert with many tokens keeps its tiles'
 programs busy after the rest are done. This times torch's ``_grouped_mm`` as autograd calls it for the weight
 gradient, at even group sizes and at sizes routed from Zipf-drawn tokens (each vocabulary id sent to a fixed
 random top-k set of experts: routing by the token alone, as a fresh router roughly does), and the forward's
 product at the same sizes for comparison; and two made-up spreads, a ramp (0 to twice the mean) and 8 experts at
-three times the mean. Session 27 (H100): 314 us even, 348-370 us at the uneven sizes for gate_up (docs/benchmarks.md).
+three times the mean. On an H100 (docs/benchmarks.md, run U7's raw results): 319 us even, 355-367 us at the
+uneven sizes for gate_up.
 
-The lever it prices (measured and dropped, session 30 on an H100: 582-597 us at 2 pieces and 644-663 us at 4
-against 319-367 us unsplit for gate_up; docs/benchmarks.md): split every expert's tokens into ``--splits`` consecutive pieces,
+The lever it prices (measured and dropped, docs/benchmarks.md, run U7: 582-597 us at 2 pieces and 644-663 us at 4
+against 319-367 us unsplit for gate_up): split every expert's tokens into ``--splits`` consecutive pieces,
 run the weight-gradient GEMM over ``experts x splits`` groups (shorter contractions, the heavy expert's work
 spread over more programs) and sum each expert's pieces (``wgrad_split{S}_us``, the sum included; ``split{S}_err``:
 its error against an fp32 reference, beside the unsplit GEMM's ``err``: the pieces are rounded to bf16 before the

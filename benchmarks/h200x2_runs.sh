@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28's two-GPU runs, for one `nvidia-h200-x2` lease, most wanted first. Each throughput part appends
+# The two-GPU runs, on one host with two H200s (or H100s), most wanted first. Each throughput part appends
 # benchmarks/layouts.py's JSON lines (every step's loss, tokens/s per GPU, each rank's peak memory) to
 # $OUT/<part>/layouts.jsonl beside its own one-GPU (or plain) reference, then `compare` holds every row to that
 # reference (benchmarks/compare_layouts.py: final loss within 2 %, tokens/s per GPU and peak memory beside it).

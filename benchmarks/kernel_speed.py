@@ -352,7 +352,7 @@ def attention_rows(quick: bool) -> list[dict[str, Any]]:
             rows.append(flops_row("attention", shape, name, forward, [q, k, v], flops, 3.5 * flops, iters=10))
         # The attention block's layout: [B, heads, T, D] views of [B, T, heads, D], which the flash kernels take
         # without a copy (the rows above hand them contiguous [B, heads, T, D], which they would copy first);
-        # cuDNN beside them on the same inputs, the pair auto's choice waits on (issue 25).
+        # cuDNN beside them on the same inputs: the pair that auto's choice of attention backend rests on.
         qb, kb, vb = (
             x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_() for x in (q, k, v)
         )
@@ -582,7 +582,7 @@ def main() -> None:
     if "moe" in parts:
         try:
             rows += moe_rows(copy_gbs)
-        except Exception:  # not yet run on a GPU: a failure here must not lose the rows above
+        except Exception:  # the MoE rows need the most: a failure here must not lose the rows above
             traceback.print_exc()
     result = {"env": env, "copy_GBs": copy_gbs, "rows": rows, "seconds": time.time() - started}
     if args.out:

@@ -8,8 +8,8 @@ The parameters of the benchmark model's shape (built on meta, then one tensor pe
 - **master**: bf16 parameters with bf16 gradients, ``MasterWeightAdamW``'s step (the Triton kernel).
 Only the bytes outside the matmuls differ between the two, so this is the lever's size; the whole step's
 difference is ``train_throughput.py``'s ``ours_trainer_compiled_nofsdp_master`` path. Median of CUDA-event times.
-Session 26, one H200, the MoE shape (1.62 B parameters): 21.3 ms against 15.6 ms (5.8 ms a step less; each at
-~3 TB/s).
+One H200, the MoE shape (1.62 B parameters; docs/benchmarks.md, run G5): 21.3 ms against 15.6 ms (5.8 ms a step
+less; each at ~3 TB/s).
 """
 
 from __future__ import annotations

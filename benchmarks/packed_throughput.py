@@ -1,5 +1,5 @@
 """Useful tokens per second of packed rows against padded ones, and of the attention paths for packed rows, on one
-GPU, in one run (issue 26's benchmark row).
+GPU, in one run (docs/benchmarks.md's packed-documents table, run G7).
 
 Every path trains our Qwen3 (``--model 0.6b``: the Qwen3-0.6B shape) with per-block ``torch.compile`` (the product's
 compile), bf16 autocast over fp32 master weights, fused AdamW, and the LM head fused with the loss, on documents
@@ -15,7 +15,7 @@ drawn from one length mix (below). Paths, each on a fresh model from the same se
     packed_flash_attn4, packed_flash_attn
                   the same rows through FlashAttention 4's / 2's varlen kernel on the rows end to end
                   (``=flash_attn4`` / ``=flash_attn``; not in the default list: each needs its package, carried or
-                  built for the GPU machine, benchmarks/README.md)
+                  built for a GPU host without a network, benchmarks/README.md)
 
 Useful tokens are the labels that are not -100 (a padded row's padding is not useful). The masked packed paths
 train on the same batches: their losses must agree with ``packed_sdpa``'s (else ``packed_flex``'s; the loss guard,

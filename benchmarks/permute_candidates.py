@@ -2,12 +2,12 @@
 
     python benchmarks/permute_candidates.py [--tokens 16384 --hidden 1024 --top-k 8 --experts 64]
 
-Session 23's profile (one H100, the MoE benchmark shape) timed the permutation's gather (grouped row ``r``
-reads token ``order[r] // k``) at 160 us for 268 MB written: 1.7 TB/s, half the copy bandwidth. The
-token-major copy (``lightning_d9d.kernels.permute_triton.spread_rows``) reads each token's row once and writes
-it to its ``k`` grouped rows (``inverse``; every row written once, no atomics). Session 26 (one H200): 86 us
-against 114 us, so the package took it; the gather stays here as the baseline, with the copy's tile sizes the
-package did not pick. Both must produce the same rows bit for bit.
+A profile of the MoE benchmark shape on one H100 (``benchmarks/profile_step.py``) shows the permutation's gather
+(grouped row ``r`` reads token ``order[r] // k``) at about half the copy bandwidth. The token-major copy
+(``lightning_d9d.kernels.permute_triton.spread_rows``) reads each token's row once and writes it to its ``k``
+grouped rows (``inverse``; every row written once, no atomics). It is the faster of the two at the MoE shape
+(this script's table), so the package takes it; the gather stays here as the baseline, with the copy's tile sizes
+the package did not pick. Both must produce the same rows bit for bit.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _gather_rows(  # type: ignore[no-untyped-def]
 
 
 def gather(source: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``source[index]`` with the tile the package used before session 26 (4 rows of up to 1024 a program)."""
+    """``source[index]`` with the tile of the package's former gather (4 rows of up to 1024 a program)."""
     out = torch.empty((index.numel(), source.shape[1]), dtype=source.dtype, device=source.device)
     block = max(16, min(1024, triton.next_power_of_2(source.shape[1])))
     _gather_rows[(triton.cdiv(index.numel(), 4),)](
@@ -73,7 +73,7 @@ def main() -> None:
     expected = x[sources]
     written = expected.numel() * expected.element_size()
     variants = {
-        "gather (before session 26)": lambda: gather(x, sources),
+        "gather (the former kernel)": lambda: gather(x, sources),
         "token-major (the package's)": lambda: spread_rows(x, inverse, args.top_k),
     }
     for rows, warps in [(1, 4), (2, 4), (2, 8), (4, 8)]:

@@ -6,7 +6,7 @@ in a 20-step window moves the mean by several per cent.
     python benchmarks/plot.py --out docs/benchmarks.png \\
         "dense, run A=benchmarks/results/<dir>/dense/run2.json" "MoE=benchmarks/results/<dir>/moe/run5.json"
 
-The scale ladder (issue 25) is the same plot with one run per model size (``h200_runs.sh ladder1.7b ladder4b``):
+The scale ladder (docs/ladder.png) is the same plot with one run per model size (``h200_runs.sh ladder1.7b ladder4b``):
 
     python benchmarks/plot.py --out docs/ladder.png "0.6B=<run>.json" "1.7B=$OUT/ladder1.7b/train_throughput.json" \\
         "4B=$OUT/ladder4b/train_throughput.json"

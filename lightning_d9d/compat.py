@@ -49,7 +49,7 @@ from torch.optim import Optimizer
 TORCH_RANGE = ((2, 11), (2, 14))
 LIGHTNING_RANGE = ((2, 6, 4), (2, 7))
 # What "tested" means: the whole suite ran on these.
-TESTED = "torch 2.11 (GPU machine) and 2.13 (CPU), lightning 2.6.4 to 2.6.6"
+TESTED = "torch 2.11 (GPU) and 2.13 (CPU), lightning 2.6.4 to 2.6.6"
 INSTALL_HINT = "pip install 'torch>=2.11,<2.14' 'lightning>=2.6.4,<2.7'"
 
 

@@ -69,7 +69,7 @@ def _shared_launch_scopes() -> dict[str, str]:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``make test``'s ``--dist loadfile``: a test file runs in one worker (a module fixture's one launch serves
     all its cases), and so do the files that share a session fixture's launch. (Not ``--dist loadgroup`` with
-    marks: pytest 9.2's structured node ids drop the group suffix xdist 3.8 writes, pytest-xdist issue 1386.)"""
+    marks: pytest 9.2's structured node ids drop the group suffix xdist 3.8 writes, pytest-dev/pytest-xdist#1386.)"""
     if config.getvalue("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling
@@ -87,7 +87,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)

@@ -131,14 +131,14 @@ def gradient_differences(got: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 # The first step of two float8 runs that sum in different orders (a parallel layout against one process): the
-# first loss within fp32's last bits at ~5.6 (4.8e-7 measured on every CPU so far), the first gradients within
+# first loss within fp32's last bits at ~5.6 (4.8e-7 measured on x86 CPUs with and without AMX), the first gradients within
 # GRADIENTS of each other by norm (gradient_differences: flipped float8 roundings move them by ~1e-5, a wrong
 # scale by ~1e-2).
 FIRST_LOSS = 2e-6
 GRADIENTS = 1e-4
 # Under torchao's float8 tp styles (tensorwise) the first gradients part further (most in layer 0's attention,
-# which the most flipped roundings reach). Measured on the AVX-512 / AMX CPU of session 23: 1.8e-3 (our Qwen3),
-# 5.6e-3 (transformers' Qwen3), 9.5e-3 (our Qwen3-MoE). Scales taken per tp shard instead of over the whole
+# which the most flipped roundings reach). Where the CPU's matmul kernels (AVX-512 / AMX) block their fp32 sums
+# differently per shard, measured: 1.8e-3 (our Qwen3), 5.6e-3 (transformers' Qwen3), 9.5e-3 (our Qwen3-MoE). Scales taken per tp shard instead of over the whole
 # tensor move them by 0.2 to 0.4 (these tests' per-shard references), a gradient 5 % off by 5e-2 (injected into
 # the tp loss's backward: all four tensorwise tp tests failed).
 TENSORWISE_TP_GRADIENTS = 2e-2
@@ -156,8 +156,8 @@ def assert_first_step_agrees(
     has flipped float8 roundings (an element moves by 1/8 in e4m3, 1/4 in e5m2), the tensorwise scales spread each
     flip over a whole tensor and AdamW turns near-zero gradients' flips into lr-sized steps, so the two runs part
     by up to 4e-3 in the loss from the second step on. How soon depends on how the CPU's kernels block their
-    sums: on the AVX-512 / AMX machine of session 23 they parted from the second step on, where earlier CPUs had
-    kept all five steps within fp32's last bit. Later steps are compared with the same layout's runs (bitwise), not with one process.
+    sums: with AVX-512 / AMX matmul kernels they part from the second step on, with others all five steps can stay
+    within fp32's last bit. Later steps are compared with the same layout's runs (bitwise), not with one process.
     Returns the gradient differences."""
     assert abs(run["losses"][0] - reference["losses"][0]) <= first_loss, (run["losses"], reference["losses"])
     differences = gradient_differences(run["grads"], reference["grads"])

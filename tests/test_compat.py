@@ -348,7 +348,7 @@ def test_import_fails_readably_when_a_private_name_is_missing(monkeypatch: pytes
         "strategies/pipelining.py: overridden to build the zero-grad-first closure"
     ) in message
     assert f"Installed: torch {torch.__version__}, lightning {lightning_version}. " in message
-    assert "Tested: torch 2.11 (GPU machine) and 2.13 (CPU), lightning 2.6.4 to 2.6.6" in message
+    assert "Tested: torch 2.11 (GPU) and 2.13 (CPU), lightning 2.6.4 to 2.6.6" in message
 
 
 def test_import_private_names_the_missing_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,7 +19,7 @@ PATHS: dict[str, str] = {
     # Diagnostics: the example's module with fused AdamW and its loss logged without prog_bar (no .item()).
     "ours_trainer_lean": "ours_trainer, module with fused AdamW and self.log(..., prog_bar=False)",
     "ours_trainer_compiled_lean": "ours_trainer_compiled, the same lean module",
-    # transformers' model under the Trainer (issue 24): the strategy picks the transformers adapter's plan.
+    # transformers' model under the Trainer: the strategy picks the transformers adapter's plan.
     "hf_trainer": "HF Qwen3ForCausalLM built on meta, Trainer(strategy=D9DStrategy(), bf16-mixed), fused AdamW",
     "hf_trainer_compiled": "hf_trainer with D9DStrategy(compile=True) (the adapter compiles per decoder layer)",
     "hf_trainer_compiled_lean": "hf_trainer_compiled, the loss on output.logits outside model_loss (as *_lean)",
@@ -30,7 +30,8 @@ PATHS: dict[str, str] = {
     # --model moe: the adapter's experts forward without ep (transformers' own, compiled over fp32 weights, loops
     # over the experts on the host), replayed as CUDA graphs
     "hf_trainer_compiled_nofsdp_cudagraphs": 'hf_trainer_compiled_nofsdp with compile="reduce-overhead"',
-    # the configuration of our model's best MoE step (session 28), for the adapter against it in one run
+    # the configuration of our model's best MoE step (docs/benchmarks.md, runs U2 and G5), for the adapter against
+    # it in one run
     "hf_trainer_compiled_nofsdp_master": "hf_trainer_compiled_nofsdp with MasterWeightAdamW (bf16 parameters, fp32"
     " masters in the optimizer)",
     "ours_trainer_compiled_selective": 'ours_trainer_compiled with activation_checkpointing="selective"',
@@ -45,7 +46,7 @@ PATHS: dict[str, str] = {
     # The Trainer paths run the example's GarbageCollection callback (collector every 50 steps, as the example);
     # this one leaves Python's automatic collector on, to measure that lever.
     "ours_trainer_compiled_nofsdp_autogc": "ours_trainer_compiled_nofsdp without the GarbageCollection callback",
-    # FP8 training of the decoder blocks' linear layers through torchao (issue 25): D9DStrategy(fp8=...). Under
+    # FP8 training of the decoder blocks' linear layers through torchao: D9DStrategy(fp8=...). Under
     # --model moe the grouped experts' GEMMs too (float8 rowwise under either recipe, torchao's grouped GEMM, on
     # compute capability 9.0+: fp8_experts=None, which these paths pass); the _bf16experts path keeps them bf16.
     "ours_trainer_compiled_fp8_tensorwise": 'ours_trainer_compiled with fp8="tensorwise" (float8 FSDP all-gather;'
@@ -65,19 +66,19 @@ PATHS: dict[str, str] = {
     # ours leaves the head in bf16) applied before parallelize_qwen3, as its trainer does.
     "titan_compiled_fp8_rowwise": 'titan_compiled with its converter "quantize.linear.float8", recipe rowwise',
     "titan_compiled_fp8_tensorwise": 'titan_compiled with its converter "quantize.linear.float8", recipe tensorwise',
-    # CUDA graphs (issue 25): compile="reduce-overhead" (Inductor's CUDA graph trees around each compiled block);
+    # CUDA graphs: compile="reduce-overhead" (Inductor's CUDA graph trees around each compiled block);
     # without FSDP on the one rank, whose per-step all-gathers would give the blocks new parameter addresses.
     "ours_trainer_compiled_nofsdp_cudagraphs": 'ours_trainer_compiled_nofsdp with compile="reduce-overhead"',
     "ours_trainer_compiled_nofsdp_master": "ours_trainer_compiled_nofsdp with MasterWeightAdamW: bf16 parameters,"
     " fp32 master weights in the optimizer",
-    # the MoE step's routing waits on the host (session 27's profile): graphs replay its many small launches
+    # the MoE step launches many short kernels (docs/benchmarks.md, run U9): graphs replay them
     "ours_trainer_compiled_nofsdp_cudagraphs_master": "ours_trainer_compiled_nofsdp_master with"
     ' compile="reduce-overhead"',
-    # FlashAttention 4 (issue 25): the attention backend forced by LIGHTNING_D9D_ATTENTION=flash_attn4 in the
+    # FlashAttention 4: the attention backend forced by LIGHTNING_D9D_ATTENTION=flash_attn4 in the
     # worker (refused, so the path fails, where flash_attn.cute cannot run); the pair to measure against cuDNN
     "ours_trainer_compiled_fa4": "ours_trainer_compiled with the flash_attn4 attention backend (FlashAttention 4)",
     "ours_trainer_compiled_nofsdp_fa4": "ours_trainer_compiled_nofsdp with the flash_attn4 attention backend",
-    # auto takes FA4 where it is installed (since 2026-12-05), so the cuDNN side of the pair is forced by name
+    # auto takes FA4 where it is installed, so the cuDNN side of the pair is forced by name
     "ours_trainer_compiled_nofsdp_cudnn": "ours_trainer_compiled_nofsdp with the sdpa_cudnn attention backend",
     # the MoE shape's best path (master weights) with each attention by name: FA4 against cuDNN in one run
     "ours_trainer_compiled_nofsdp_master_cudnn": "ours_trainer_compiled_nofsdp_master with the sdpa_cudnn"
@@ -86,8 +87,8 @@ PATHS: dict[str, str] = {
     " backend",
     "hf_trainer_compiled_nofsdp_master_fa4": "hf_trainer_compiled_nofsdp_master with the flash_attn4 attention"
     " backend (the adapter routes transformers' attention to ours)",
-    # FA4 launched from graphs, not through the CuTe DSL's Python runtime: session 32 (H100, MoE shape) 1.004x the
-    # same without graphs, so the GPU's waits before FA4's forward kernel were not the host's launch cost
+    # FA4 launched from graphs, not through the CuTe DSL's Python runtime: 1.00x the same without graphs
+    # (docs/benchmarks.md, run U3), so the GPU's waits before FA4's forward kernel were not the host's launch cost
     "ours_trainer_compiled_nofsdp_cudagraphs_master_fa4": "ours_trainer_compiled_nofsdp_cudagraphs_master with"
     " the flash_attn4 attention backend",
 }

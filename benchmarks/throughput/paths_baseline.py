@@ -147,7 +147,7 @@ def causal_lm_training(
             if self.lean:
                 loss = causal_lm_loss(self.model(input_ids=ids).logits, target)
             elif self.loss_fn is None:  # step 0: does causal_lm_loss take the transformers output yet?
-                try:  # (then the strategy computes the fused LM head + loss from the hidden states: issue 24)
+                try:  # (then the strategy computes the fused LM head + loss from the hidden states)
                     loss = lightning_d9d.model_loss(self, self.model, (ids,), target, causal_lm_loss)
                     self.loss_fn = causal_lm_loss
                 except AttributeError as error:  # not yet: it wants logits (LogitsLoss's docstring)

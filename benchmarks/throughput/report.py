@@ -80,7 +80,7 @@ def markdown(
 
     rows = [r for r in results if r["path"] != "matmul_peak"]
     lines = [
-        # the ratios of the median step, which issue 25's targets name; tokens/s (and MFU) count the whole
+        # the ratios of the median step, which the targets of docs/benchmarks.md name; tokens/s (and MFU) count the whole
         # measured window, so one slow step of a path moves them and not its median
         "| path | tokens/s | MFU | step ms (median) | peak mem GiB | "
         + " | ".join(f"vs {name}" for name in ratios)

@@ -47,7 +47,7 @@ def run_trainer(path: str, args: argparse.Namespace) -> dict[str, Any]:
     device = _device(args)
     config = _config(args)
     # The strategy initialises the meta-built model from torch.initial_seed(): unseeded, every path started from
-    # other weights (two runs of the same model differed by 0.02-0.03 in their first step's loss, 2026-12-05)
+    # other weights (two runs of the same model differed by 0.02-0.03 in their first step's loss)
     torch.manual_seed(args.seed)
     total = args.warmup + args.steps
     probe = SyncProbe(device)

@@ -21,8 +21,8 @@ from lightning_d9d.kernels.dispatch import launchable, use_triton
 from lightning_d9d.kernels.triton_compat import tl, triton
 
 BLOCK = 4096
-# tests/gpu/test_master_weights_gpu.py passed on an H200 (session 26), so ``auto`` runs the kernel on CUDA
-# (``LIGHTNING_D9D_KERNELS=torch`` keeps the reference).
+# tests/gpu/test_master_weights_gpu.py checks the kernel against the reference on a GPU, so ``auto`` runs it on
+# CUDA (``LIGHTNING_D9D_KERNELS=torch`` keeps the reference).
 ADAMW_MASTER_GPU_CHECKED = True
 
 

@@ -43,8 +43,8 @@ def _cute_installed() -> bool:
     """Whether FA4 can run: ``flash_attn.cute`` and the CuTe DSL it is written in (``cutlass.cute``, from
     ``nvidia-cutlass-dsl``), found without importing ``flash_attn`` (flash-attn 2's ``flash_attn/__init__.py``
     loads its CUDA extension on import; FA4's wheel ships ``flash_attn`` as a namespace package holding ``cute``
-    only). flash-attn 2.8's own package carries ``flash_attn/cute`` too, without the DSL: seen on an H100
-    (2026-12-05), where ``auto`` then chose FA4 and its first call raised ``No module named 'cutlass'``."""
+    only). flash-attn 2.8's own package carries ``flash_attn/cute`` too, without the DSL: with it alone installed,
+    ``auto`` would choose FA4 and its first call raise ``No module named 'cutlass'``."""
     return _has_cute("flash_attn") and _has_cute("cutlass")
 
 

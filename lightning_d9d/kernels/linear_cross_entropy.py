@@ -25,12 +25,11 @@ from lightning_d9d.kernels.triton_compat import tl, triton
 
 REDUCTIONS = ("mean", "sum")
 # Logits per chunk: 2**28 + 2**26 elements (0.625 GiB in bf16, plus twice that in fp32 on the torch path), 2176
-# tokens at Qwen3's vocabulary. Measured on an H200 at 16384 tokens x vocab 151,936 (docs/benchmarks.md,
-# session 6; two runs): 1024 / 1664 / 2048 / 4096 / 8192-token chunks took 29.9 / 29.2 / 27.6 / 26.3 / 26.3 ms
-# and 28.9 / - / 26.9 / 25.7 / 25.6 ms forward + backward at 1.51 / 1.51 / 1.51 / 1.77 / 2.93 GiB above the inputs
-# (torch.compile of logits + CE: 27.7 and 26.7 ms at 4.96 GiB). Fewer chunks mean fewer fp32 weight-gradient
-# accumulations, but each chunk's logits add to a training step's peak: 4352-token chunks cost the 0.6B Trainer
-# run 0.7 GiB (selective recompute 23.5 -> 24.3 GiB) for ~1 ms, so the chunk stays near 2048 tokens.
+# tokens at Qwen3's vocabulary. Measured on an H200 at 16384 tokens x vocab 151,936 (benchmarks/kernel_speed.py's
+# chunk sweep, docs/benchmarks.md, run G2's raw results): 1024 / 2048 / 4096 / 8192-token chunks took 29.8 / 27.6 /
+# 26.3 / 26.0 ms forward + backward at 0.93 / 1.19 / 1.77 / 2.93 GiB above the inputs (torch.compile of logits +
+# CE: 27.4 ms at 4.96 GiB). Fewer chunks mean fewer fp32 weight-gradient accumulations, but each chunk's logits add
+# to a training step's peak: twice the chunk saves ~1 ms for ~0.6 GiB more, so the chunk stays near 2048 tokens.
 CHUNK_ELEMENTS = 2**28 + 2**26
 
 

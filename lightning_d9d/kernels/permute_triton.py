@@ -88,9 +88,9 @@ def _unpermute_backward(  # type: ignore[no-untyped-def]
 
 # The ops below that an MoE layer's forward calls (permute_rows, sum_rows, unpermute_rows) launch their kernels
 # through these plain functions, not through the spread_rows / weighted_gather_sum ops: a second custom-op dispatch
-# costs the host a few microseconds a call (~4 on a CPU here), and the layer's routing is where the GPU waits for
-# the host (docs/benchmarks.md, session 27). The two ops exist for the autograd formulas, which compile traces and
-# which must call ops.
+# costs the host a few microseconds a call, and an MoE layer's many short launches are where a small step waits
+# for the host (docs/benchmarks.md, run U9: CUDA graphs make the MoE step 3x faster at 1024 tokens). The two ops
+# exist for the autograd formulas, which compile traces and which must call ops.
 def _spread(source: torch.Tensor, inverse: torch.Tensor, top_k: int) -> torch.Tensor:
     source = source.contiguous()
     tokens, width = source.shape

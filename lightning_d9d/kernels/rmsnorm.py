@@ -76,16 +76,17 @@ def _rms_norm_backward(  # type: ignore[no-untyped-def]
 
 
 # The launch shape: rows per program tile (TILE_ELEMENTS / the padded row length, at most 32) and the backward's
-# persistent programs per SM. benchmarks/kernels.py sweeps both on the GPU; on the H200 (2026-12-01) 4096 / 8 was
-# the fastest pair for both shapes, fwd+bwd 0.059 ms at [4, 4096, 1024] (67 % of copy bandwidth; 4 per SM: 0.062,
-# torch.compile 0.060) and 0.113 ms for the q/k-norm shape (compile 0.317); 2048 or 8192 elements were slower.
+# persistent programs per SM. benchmarks/kernel_speed.py sweeps both on the GPU (docs/benchmarks.md, run G10's raw
+# results, H200): 4096 / 8 is the fastest pair for both shapes, 2048 or 8192 elements slower; with the stages below,
+# fwd+bwd 0.059 ms at [4, 4096, 1024] (torch.compile 0.060) and 0.106 ms for the q/k-norm shape (compile 0.318; run
+# G2's raw results).
 TILE_ELEMENTS = 4096
 PROGRAMS_PER_SM = 8
 # The backward's software pipelining (Triton prefetching the next tiles' rows while one is reduced): pays once
-# each program loops over enough tiles. In the session-6 sweep (tile 4096, 8 per SM) 3 stages against 1: q/k-norm
-# shape (7.8 tiles per program) 0.105 vs 0.112 ms, hidden 4096 (15.5) 0.183 vs 0.190 ms, hidden 1024 (3.9)
-# 0.060 vs 0.058 ms; session 8 (the rule in place): 0.106 vs 0.112, 0.183 vs 0.189, 0.0589 vs 0.0590 ms. None
-# picks by that count; an int forces it (the benchmark's sweep).
+# each program loops over enough tiles. 3 stages against 1 at tile 4096, 8 per SM (docs/benchmarks.md, run G10's
+# raw results): q/k-norm shape (7.8 tiles per program) 0.107 vs 0.112 ms, hidden 4096 (15.5) 0.183 vs 0.190 ms,
+# hidden 1024 (3.9) 0.060 vs 0.058 ms; with the rule in place (run G2): 0.106 vs 0.112, 0.183 vs 0.189, 0.0589 vs
+# 0.0590 ms. None picks by that count; an int forces it (the benchmark's sweep).
 BACKWARD_STAGES: int | None = None
 PIPELINED_STAGES = 3
 PIPELINE_FROM_TILES_PER_PROGRAM = 6

@@ -25,8 +25,8 @@ from lightning_d9d.kernels.triton_compat import tl, triton
 BLOCK = 2048
 # Elements of one weighted-SwiGLU tile (rows x columns).
 ROW_TILE = 4096
-# tests/gpu/test_kernels_gpu.py's weighted SwiGLU test passed on an H200 (session 26), so ``auto`` runs it on
-# CUDA (``LIGHTNING_D9D_KERNELS=torch`` keeps the reference).
+# tests/gpu/test_kernels_gpu.py's weighted SwiGLU test checks it against the reference on a GPU, so ``auto`` runs
+# it on CUDA (``LIGHTNING_D9D_KERNELS=torch`` keeps the reference).
 WEIGHTED_SWIGLU_GPU_CHECKED = True
 
 

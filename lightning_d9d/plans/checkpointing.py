@@ -79,8 +79,8 @@ def replay_ignores_profiler_ranges() -> None:
     more often than the forward did. A block that holds an FSDP unit of its own (an MoE block's experts under
     ep) runs that unit's hooks inside the region, and their ``record_function`` ranges differ between forward
     and recompute: "profiler._record_function_enter_new.default invocation index 3 encountered during backward
-    but not found in storage", eager or compiled (torchtitan issue 3427; the torch fix, pytorch PR 185178 /
-    196862, is not in torch 2.13). Torch's own ignore list is where that fix puts these ops too.
+    but not found in storage", eager or compiled (pytorch/torchtitan#3427; the torch fix, pytorch/pytorch#185178
+    / #196862, is not in torch 2.13). Torch's own ignore list is where that fix puts these ops too.
     """
     ignore_in_selective_replay(profiler_range_ops())
 

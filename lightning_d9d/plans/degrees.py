@@ -17,7 +17,7 @@ FEATURES = {
 }
 # What the data-parallel plan (FSDP / HSDP / replication) covers on its own.
 DATA_PARALLEL = ("dp_replicate", "dp_shard")
-# What lightning_d9d has plans for today (tp and cp: for models whose plan splits them, Qwen3; ep: for models
+# What lightning_d9d has plans for (tp and cp: for models whose plan splits them, Qwen3; ep: for models
 # with MoE blocks, Qwen3-MoE, through plans/expert.py).
 IMPLEMENTED = ("pp", *DATA_PARALLEL, "cp", "tp", "ep")
 

@@ -24,7 +24,7 @@ class ParallelOptions:
             FSDP2 still gathers into a buffer of its own (under ``bf16-mixed``, the bf16 cast): ``True`` frees
             that copy of the blocks' weights from forward to backward for one more cast per block in backward
             (on one H100: 3.3 GiB less at Qwen3-4B's layer x 18 for a 1.7 % slower step, 0.8 GiB for 2 % at
-            0.6B; ``docs/benchmarks.md``, session 22). The experts of an MoE free theirs unless it is
+            0.6B; ``docs/benchmarks.md``, run U14). The experts of an MoE free theirs unless it is
             ``False``.
         activation_checkpointing: recompute each repeated block's activations in backward: ``True`` (or
             ``"full"``) the whole block, ``"selective"`` only its element-wise ops (matmul and attention

@@ -1,5 +1,5 @@
-"""benchmarks/layouts.py's transformers baseline runs on two gloo processes (the two-GPU issue's runs use it: a
-broken script would cost a scarce device lease to find out). Its Trainer side is the example module that the
+"""benchmarks/layouts.py's transformers baseline runs on two gloo processes (the two-GPU runs use it: a broken
+script would cost a run on scarce GPUs to find out). Its Trainer side is the example module that the
 strategy tests run on every layout; one launch of it here would double this file's time in CI."""
 
 from __future__ import annotations

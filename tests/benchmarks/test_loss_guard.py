@@ -97,7 +97,8 @@ def test_a_master_weight_path_keeps_its_optimizer_under_an_attention_suffix() ->
 
 def test_the_ratios_are_of_median_steps_not_of_the_window_s_tokens() -> None:
     """One slow step in the baseline's window moves its mean tokens/s, not its median step: the table's ``vs``
-    columns are ratios of median steps (issue 25's targets), the mean ratio stays in the JSON beside them."""
+    columns are ratios of median steps (what the targets of docs/benchmarks.md name), the mean ratio stays in the
+    JSON beside them."""
     args = parse_args(["--seq-len", "8", "--batch-size", "2", "--steps", "4"])
     results = [
         {

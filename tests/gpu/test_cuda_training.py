@@ -1,6 +1,6 @@
 """``Trainer(strategy="d9d")`` on one CUDA GPU: an NCCL process group of one rank, fp32 with padded data and
 accumulation, and bf16-mixed with per-block compile (inductor's CUDA kernels) and activation checkpointing,
-each against the single-process CPU loop of ``tests/strategies/reference.py``. Run on the GPU machine:
+each against the single-process CPU loop of ``tests/strategies/reference.py``. Run on a CUDA GPU:
 ``pytest -m gpu``."""
 
 from __future__ import annotations

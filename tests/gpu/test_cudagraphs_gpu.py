@@ -4,7 +4,7 @@ CUDA graphs (cudagraph trees recorded graphs, Inductor skipped none) and train a
 The tiny Qwen3 in fp32, and the tiny Qwen3-MoE in bf16-mixed (its experts on torch's grouped GEMM, selection
 biases moved after every step from the loads the graphs counted), 20 steps each, in this process (one device: no
 launcher); the MoE in fp32 too, where the grouped GEMM is the host-reading loop, which Inductor must keep out of
-the recorded graphs. Run on the GPU machine: ``pytest -m gpu tests/gpu/test_cudagraphs_gpu.py``.
+the recorded graphs. Run on a CUDA GPU: ``pytest -m gpu tests/gpu/test_cudagraphs_gpu.py``.
 """
 
 from __future__ import annotations
@@ -128,8 +128,8 @@ def test_reduce_overhead_records_cuda_graphs_and_trains_as_default_compile(caplo
     )  # it learnt: the comparison is not of two flat runs
 
 
-# The MoE in bf16-mixed: the same kernels in both modes again (losses and biases came out bitwise equal on an
-# H100, 2026-12-06); TOLERANCE allows the atomics above. A selection bias moves by the callback's rate (1e-3) a
+# The MoE in bf16-mixed: the same kernels in both modes again (losses and biases come out bitwise equal on an
+# H100); TOLERANCE allows the atomics above. A selection bias moves by the callback's rate (1e-3) a
 # step, so one rate is one step on which a single expert's load compared differently with the mean.
 BIAS_TOLERANCE = 1e-3
 

@@ -99,7 +99,7 @@ def test_a_compiled_block_on_flash_attn4_is_one_graph_and_compiles_once() -> Non
     shape compiles nothing.
 
     Compiled against eager directly is no bound: Inductor fuses the norms, RoPE and casts around the kernel in
-    another order, and on the H200 (2026-12-05) the two bf16 blocks were 4.8e-3 apart, over one bf16 rounding
+    another order, and on an H200 the two bf16 blocks are 4.8e-3 apart, over one bf16 rounding
     (2**-8), while both are right. So each is held to the fp32 block (the same weights, fp32 math attention) and
     the compiled one may be at most twice as far from it as the eager one (the ratio flash-attention's own tests
     use against a bf16 reference); a wrong fake layout or a dropped operand in the graph is O(1) off."""

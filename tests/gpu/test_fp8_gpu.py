@@ -59,6 +59,6 @@ def test_fp8_training_tracks_bf16_over_120_steps(recipe: str) -> None:
         f"fp8 {recipe}: last-10 mean loss {tail_fp8:.4f} vs bf16 {tail_bf16:.4f} ({100 * relative:.2f} %), "
         f"first {fp8[0]:.3f} / {bf16[0]:.3f}"
     )
-    # both learnt: 12.12 -> 9.54 over the 120 steps on the H200 (2026-12-04), a run that does not stays near 12
+    # both learnt: 12.12 -> 9.54 over the 120 steps on an H200; a run that does not learn stays near 12
     assert tail_bf16 < 0.85 * bf16[0] and tail_fp8 < 0.85 * fp8[0]
     assert relative < 0.02

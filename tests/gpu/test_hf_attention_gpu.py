@@ -3,7 +3,7 @@
 models take: cuDNN's SDPA on Hopper, FlashAttention 4 where ``auto`` prefers it), never transformers' SDPA
 function, and the logits and gradients match the untouched ``sdpa`` model's within bf16 rounding (another kernel:
 not bit for bit), eager and with its decoder layers compiled whole (``fullgraph=True``, as the compile plan
-compiles a dense layer). Run on the GPU machine: ``pytest -m gpu``. Not run yet on a GPU when written."""
+compiles a dense layer). Run on a CUDA GPU: ``pytest -m gpu``."""
 
 from __future__ import annotations
 

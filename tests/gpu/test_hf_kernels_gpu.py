@@ -1,7 +1,7 @@
 """transformers' Qwen3 and Llama on one CUDA GPU with our kernels swapped in (``models/hf/kernels.py``): the
 RMSNorms run our Triton rms_norm and the SwiGLU MLPs our Triton swiglu (each seen called), and the logits and
 gradients match the unswapped model's within bf16 rounding (the kernels compute in fp32 and round once, torch's
-eager ops round after each op). Run on the GPU machine: ``pytest -m gpu``."""
+eager ops round after each op). Run on a CUDA GPU: ``pytest -m gpu``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ swiglu = importlib.import_module("lightning_d9d.kernels.swiglu")
 
 pytestmark = pytest.mark.gpu
 
-# Relative errors (Frobenius) against the unswapped model. Measured on an H200 (torch 2.11, 2026-12-03): gradients
+# Relative errors (Frobenius) against the unswapped model. Measured on an H200 (torch 2.11): gradients
 # at most 1.6e-2 (Qwen3's q_proj; Llama's 1.25e-2), logits under 1e-2; a wrong gate (the activation on up)
 # would be ~100 % off.
 LOGITS_RTOL, GRADS_RTOL = 0.01, 0.04

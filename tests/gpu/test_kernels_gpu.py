@@ -1,5 +1,5 @@
 """The Triton kernels and the fused LM-head loss at Qwen3-0.6B shapes, bf16, on one CUDA GPU: each equals its
-PyTorch reference forward and backward, outputs poisoned with NaN first. Run on the GPU machine: ``pytest -m gpu``.
+PyTorch reference forward and backward, outputs poisoned with NaN first. Run on a CUDA GPU: ``pytest -m gpu``.
 
 The references are run in fp32 on the same bf16 inputs (the exact answer the bf16 kernels round); the bound
 is what bf16 rounding allows: each output element is rounded once or twice (2**-9 relative each), so the

@@ -1,6 +1,6 @@
 """The memory plan's activation estimate against the measured CUDA peak of one training step: a Qwen3-0.6B-shaped
 model (28 layers, hidden 1024, vocabulary 151936) in bf16 on one GPU, 4 x 2048 tokens, with and without
-activation checkpointing. Run on the GPU machine: ``pytest -m gpu tests/gpu/test_memory_plan_gpu.py -s``.
+activation checkpointing. Run on a CUDA GPU: ``pytest -m gpu tests/gpu/test_memory_plan_gpu.py -s``.
 
 Measured: the step's peak of allocated memory minus what was allocated before its forward (parameters, gradients
 kept allocated by ``zero_grad(set_to_none=False)``, optimizer state), i.e. what forward and backward add at

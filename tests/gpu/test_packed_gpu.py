@@ -62,7 +62,7 @@ def test_packed_rows_on_cuda_match_the_cpu_path(kind: str) -> None:
     )
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         bf16 = causal_lm_loss(model(*cuda_inputs), labels)
-    # measured on the H200 (2026-12-03): 3.2e-5 (Qwen3) and 2.1e-5 (Qwen3-MoE) relative to the fp32 CPU loss; a
+    # measured on an H200: 3.2e-5 (Qwen3) and 2.1e-5 (Qwen3-MoE) relative to the fp32 CPU loss; a
     # bf16 loss over ~60 tokens averages its per-token rounding (2^-8 each): the band is 30x the measurement
     reference = float(fp32_loss.detach())  # CUDA fp32, equal to the CPU loss at 1e-5
     relative = abs(float(bf16) - reference) / reference

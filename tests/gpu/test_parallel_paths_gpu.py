@@ -1,5 +1,5 @@
 """The tensor- and context-parallel code paths on one CUDA GPU, in bf16 over NCCL (a one-rank group: one GPU
-allows degree 1 only; degree 2 belongs to the two-GPU runs). Run on the GPU machine: ``pytest -m gpu``.
+allows degree 1 only; degree 2 belongs to the two-GPU runs). Run on a CUDA GPU: ``pytest -m gpu``.
 
 - torch's ring attention (``TorchRingAttention``, the ``"auto"`` choice on CUDA) and our portable all-gather
   path against fp32 causal attention of the whole sequence, forward and the gradients of q, k and v, at the
@@ -13,7 +13,7 @@ Errors are ``||out - ref|| / ||ref||``. bf16 keeps 8 bits of mantissa (a roundin
 element); sums over 128-4096 terms and the softmax of bf16 scores put whole-tensor errors near 1e-2 at most, so
 the band is 2e-2. A wrong result (attention without the causal mask) is ~1 off and must fail it.
 
-Measured on an H200 (torch 2.11, 2026-12-01): both attention paths 3.4e-3 (output), 4.4e-3 / 4.7e-3 / 4.0e-3
+Measured on an H200 (torch 2.11): both attention paths 3.4e-3 (output), 4.4e-3 / 4.7e-3 / 4.0e-3
 (dq / dk / dv); Qwen3 with both plans: the same loss to 5 digits, largest gradient error 5.8e-3.
 """
 

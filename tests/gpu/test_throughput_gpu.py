@@ -1,5 +1,5 @@
 """``Throughput`` on one CUDA GPU adds no host synchronisation between window boundaries, and its CUDA-event
-timing agrees with the host's clock. Run on the GPU machine: ``pytest -m gpu``.
+timing agrees with the host's clock. Run on a CUDA GPU: ``pytest -m gpu``.
 
 Synchronisations are counted with ``torch.cuda.set_sync_debug_mode("warn")`` (one warning per synchronising
 call: ``.item()``, ``.cpu()``, ``torch.cuda.synchronize()``, ...), around each of the callback's hooks and,

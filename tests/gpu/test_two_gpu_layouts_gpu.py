@@ -1,7 +1,7 @@
-"""Issue 28's layouts on two GPUs over NCCL: transformers' Qwen3 and Qwen3-MoE under the strategy's plans, trained
-in bf16 against the one-GPU run of the same model. Needs 2 GPUs (the ``nvidia-h200-x2`` kind); FP8 needs torchao
-(on the GPU machine the carried wheel: ``benchmarks/README.md``'s FP8 section, ``benchmarks/h200x2_runs.sh gpu``
-installs it) and compute capability 8.9+; DeepEP needs ``deep_ep`` (``h200x2_runs.sh deepep`` builds it).
+"""Two-GPU layouts over NCCL: transformers' Qwen3 and Qwen3-MoE under the strategy's plans, trained in bf16
+against the one-GPU run of the same model. Needs 2 GPUs; FP8 needs torchao (on a host without a network the
+carried wheel: ``benchmarks/README.md``'s FP8 section, ``benchmarks/h200x2_runs.sh gpu`` installs it) and compute
+capability 8.9+; DeepEP needs ``deep_ep`` (``h200x2_runs.sh deepep`` builds it).
 
 Each test spawns two NCCL ranks (``tests/distributed.py``, NVLink multicast off) that run
 ``tests/models/hf/layout_runs.train_layout``: the adapter's plans (``parallelize_hf``; under pp the stages carved
@@ -28,7 +28,7 @@ router scores are within bf16's rounding of each other, sending it through other
 difference moves a value across a float8 e4m3 rounding boundary (2^-4 relative), and at tensorwise one GPU casts
 its weights to float8 from their bf16 copy, dp_shard=2's float8 all-gather from the fp32 shards.
 
-Measured with the same worker and shape on two gloo ranks in bf16 (CPU, torch 2.13, 2026-12-05; CPU and GPU
+Measured with the same worker and shape on two gloo ranks in bf16 (CPU, torch 2.13; CPU and GPU
 both accumulate bf16 products in fp32): loss / gradient norm / parameter movement at most 5.2e-4 / 3.7e-4 / 3.5e-2
 for the dense layouts (tp, cp all-gather, pp), 3.3e-3 / 1.9e-2 / 0.25 for ep=2, 4.0e-3 / 5.2e-3 / 0.33 for FP8
 tensorwise (rowwise: the same bits as its one-rank run). The bands below are 4-30x the dense numbers and 2-6x the
@@ -76,7 +76,7 @@ def needs(layout: Layout) -> None:
     """Skip, naming the reason, where this machine cannot run ``layout``."""
     if layout.fp8 is not None:
         if importlib.util.find_spec("torchao") is None:
-            pytest.skip("FP8 needs torchao (on the GPU machine: the carried wheel, benchmarks/README.md)")
+            pytest.skip("FP8 needs torchao (without a network: the carried wheel, benchmarks/README.md)")
         if torch.cuda.get_device_capability(0) < (8, 9):
             pytest.skip("float8 matmuls need compute capability 8.9 (Ada) or newer")
     if layout.dispatch == "deepep" and importlib.util.find_spec("deep_ep") is None:

@@ -162,7 +162,7 @@ def test_a_missing_package_or_a_cpu_tensor_is_refused_by_name(monkeypatch: pytes
 def test_auto_takes_it_first_where_it_runs_on_hopper(
     monkeypatch: pytest.MonkeyPatch, runs: bool, capability: tuple[int, int], expected: str
 ) -> None:
-    """Measured ahead of cuDNN on an H200 only (docs/benchmarks.md, 2026-12-05): ``auto`` takes FA4 on
+    """Measured ahead of cuDNN on Hopper (docs/benchmarks.md, runs G4 and U1): ``auto`` takes FA4 on
     compute capability 9.x where it runs, cuDNN on Blackwell (not measured) and where FA4 cannot run (not
     installed, a head dim it does not take). The CUDA checks are stood in for: this runs on CPU."""
     monkeypatch.setattr(fa4, "flash_attn4_unsupported", lambda q: None if runs else "stand-in: cannot run")

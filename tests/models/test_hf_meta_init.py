@@ -1,5 +1,5 @@
 """A transformers model built on ``meta`` in ``configure_model`` is initialised by its own rules, alike on any
-layout (issue 24). Its ``init_weights()`` was taken for our ``SeededInit`` and called with a seed (a
+layout. Its ``init_weights()`` was taken for our ``SeededInit`` and called with a seed (a
 ``TypeError``); initialised shard by shard it would also differ between one process and FSDP over two.
 
 Each run records, after the strategy's setup, the full parameters and buffers and the logits of one batch, then

@@ -532,11 +532,11 @@ def test_moe_under_ep_x_tp_trains_as_one_process_per_data_rank() -> None:
             if recipe == "rowwise":  # first loss bitwise, first gradients 2.7e-7 apart (measured)
                 assert_first_step_agrees(run, reference)
             else:
-                # tensorwise: on the AVX-512 / AMX CPU of session 23 the first loss is 1.2e-5 apart and the first
-                # gradients up to 8 % (layer 2's experts the most: the pattern of a flipped routing choice, beyond
-                # what float8 roundings do elsewhere); its pieces are held to one process's first step on their own
-                # (tp: the test above; ep: test_moe_under_ep_trains_as_one_process_per_data_rank), the first loss
-                # here to 1e-4
+                # tensorwise: where the CPU's matmul kernels (AVX-512 / AMX) block the fp32 sums differently per
+                # shard, the first loss is 1.2e-5 apart and the first gradients up to 8 % (layer 2's experts the
+                # most: the pattern of a flipped routing choice, beyond what float8 roundings do elsewhere); its
+                # pieces are held to one process's first step on their own (tp: the test above; ep:
+                # test_moe_under_ep_trains_as_one_process_per_data_rank), the first loss here to 1e-4
                 assert abs(run["losses"][0] - reference["losses"][0]) <= 1e-4
 
 
@@ -578,6 +578,7 @@ def test_full_recompute_of_compiled_blocks_under_tp_trains_as_one_process() -> N
         assert run["calls"] == 2 * 2 * STEPS
         assert_equal_runs(run, rank["eager"])
         # one process, the first step: its loss within fp32's last bit at 5.6, its gradients 1.8e-3 apart by norm
-        # on the AMX CPU of session 23 (4.2e-7 on earlier CPUs); later steps part (assert_first_step_agrees)
+        # where AMX matmul kernels block the sums differently per shard (4.2e-7 where they block them alike); later
+        # steps part (assert_first_step_agrees)
         assert_first_step_agrees(run, one, gradients=TENSORWISE_TP_GRADIENTS)
     assert ranks[0]["compiled"]["losses"][-1] < 0.95 * ranks[0]["compiled"]["losses"][0]  # it learns

@@ -105,11 +105,9 @@ def test_command_line_conversion_peak_rss_is_a_few_groups_plus_a_shard(tmp_path:
         # would hide part of the conversion's own peak).
         growth = report["peak_rss_bytes"] - report["rss_before_bytes"]
         # A few groups plus a shard, far below the 2304 MiB model. Alone this run grows 585-595 MiB (3 groups + a
-        # shard would be 640); inside the full suite on 2 cores it grew 730-747 MiB in 3 of 3 runs since
-        # `convert` stopped importing Lightning before the measurement (cause not found: lazily loaded modules
-        # are the suspect), hence 5 groups + a shard (896 MiB) until 2026-12-05, when a fresh-clone suite run on
-        # 2 cores shared with another full test process grew 903 MiB: now 6 groups + a shard (1024 MiB). Loading
-        # the model whole (2304 MiB) still fails it 2.25 times over.
+        # shard would be 640); inside the full suite on 2 cores it grows more, up to 903 MiB beside another full
+        # test process (cause not found: modules that `convert` loads lazily are the suspect), hence 6 groups + a
+        # shard (1024 MiB). Loading the model whole (2304 MiB) still fails it 2.25 times over.
         bound = 6 * largest + MAX_SHARD_BYTES
         print(
             f"\ncheckpoint {report['bytes_read'] / MiB:.0f} MiB in {FILES} files -> {report['bytes_written'] / MiB:.0f}"

@@ -1,7 +1,7 @@
 """D9DStrategy(async_tp=True): refused by name where torch's micro-pipelined TP cannot apply (tp = 1, compile
 off, not CUDA), before any process group; where it applies, Inductor's pass is switched on and the tp group is
 registered with symmetric memory once the mesh exists. The fused operators themselves run only on CUDA GPUs
-(issue 28's two-GPU runs)."""
+(``benchmarks/h200x2_runs.sh asynctp`` runs them at tp=2)."""
 
 from __future__ import annotations
 

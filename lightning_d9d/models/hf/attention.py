@@ -4,9 +4,8 @@ Called without an ``attention_mask`` and without a cache (a pretraining batch), 
 still runs its mask preparation (``masking_utils.create_causal_mask``): it checks the ``position_ids`` it built
 itself for packed sequences (``find_packed_sequence_indices``), and that check reads a GPU value on the host in
 every forward. The CPU then waits for the GPU at the start of each step, and what it queues next (FSDP's hooks,
-the compiled layers' launches) is no longer hidden behind GPU work: the step time varies from step to step
-(``docs/benchmarks.md``, session 12). The mask it would build is none anyway: for SDPA a plain causal mask is
-skipped in favour of ``is_causal``.
+the compiled layers' launches) is no longer hidden behind GPU work, and the step time varies from step to step.
+The mask it would build is none anyway: for SDPA a plain causal mask is skipped in favour of ``is_causal``.
 
 ``transformers`` skips the whole preparation for an attention implementation that has no mask function of its
 own (its rule for external backends). :func:`causal_attention_without_mask_sync` registers our causal attention

@@ -1,5 +1,5 @@
 """A transformers causal LM trained on one layout of the strategy's plans, without the Trainer, and the comparison
-of such a run with the one-rank run of the same model: the body of issue 28's two-GPU layout tests
+of such a run with the one-rank run of the same model: the body of the two-GPU layout tests
 (``tests/gpu/test_two_gpu_layouts_gpu.py``, NCCL, bf16) and of their CPU dry run (``test_hf_layout_runs.py``,
 gloo, fp32). Rank ``r`` runs on ``cuda:r`` when the group is NCCL's, on the CPU otherwise.
 
@@ -109,7 +109,7 @@ TWO_GPU = Shape(
     moe={"num_experts": 8, "moe_intermediate_size": 256},
 )
 
-# Issue 28's two-rank layouts (tp with sequence and loss parallelism as the adapter plans it, both cp paths,
+# The two-rank layouts (tp with sequence and loss parallelism as the adapter plans it, both cp paths,
 # 1F1B over two stages, the experts over ep by all-to-all and by DeepEP, FP8 at dp_shard=2).
 LAYOUTS: dict[str, Layout] = {
     "tp2": Layout("qwen3", 2, {"tp": 2}),

@@ -126,8 +126,8 @@ def _protocol_check_of_python_312(cls: type, instance: object) -> bool:
 
 def test_routers_are_found_under_the_protocol_check_of_python_312(monkeypatch: pytest.MonkeyPatch) -> None:
     """Routers keep ``expert_load`` / ``expert_bias`` as buffers. On Python 3.12 an ``isinstance`` against the
-    protocol found none (measured on the GPU machine's 3.12: biases never moved, the counters never reset,
-    both left as ``to_empty`` made them); the routers are found by their members instead."""
+    protocol found none (seen on a Python 3.12: biases never moved, the counters never reset, both left as
+    ``to_empty`` made them); the routers are found by their members instead."""
     monkeypatch.setattr(type(typing.Protocol), "__instancecheck__", _protocol_check_of_python_312)
     config = Qwen3MoeConfig.tiny(router_selection_bias=True)
     with torch.device("meta"):
