@@ -15,9 +15,9 @@ the template instantiations of every kernel file; ``flash_api.cpp`` refuses such
 ``TORCH_CHECK`` under the same macros), so the macros go to the C++ compiler as well as to nvcc.
 
 The trims remove what no build reads (composable_kernel for AMD, the Hopper FA3 sources, tests, CUTLASS's tests,
-examples and tools) so that both sources travel to a GPU host without a network in a few MiB. The CUTLASS headers kept are
-exactly those the compiler opened for the kept files (``nvcc -M`` for the device pass and the host pass, with the
-build's flags; ``build_kernels.sh fetch`` makes that list), checked by compiling the trimmed copy.
+examples and tools) so that both sources travel to a GPU host without a network in a few MiB. The CUTLASS headers
+kept are exactly those the compiler opened for the kept files (``nvcc -M`` for the device pass and the host pass,
+with the build's flags; ``build_kernels.sh fetch`` makes that list), checked by compiling the trimmed copy.
 """
 
 from __future__ import annotations

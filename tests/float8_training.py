@@ -131,15 +131,15 @@ def gradient_differences(got: dict[str, torch.Tensor], expected: dict[str, torch
 
 
 # The first step of two float8 runs that sum in different orders (a parallel layout against one process): the
-# first loss within fp32's last bits at ~5.6 (4.8e-7 measured on x86 CPUs with and without AMX), the first gradients within
-# GRADIENTS of each other by norm (gradient_differences: flipped float8 roundings move them by ~1e-5, a wrong
-# scale by ~1e-2).
+# first loss within fp32's last bits at ~5.6 (4.8e-7 measured on x86 CPUs with and without AMX), the first
+# gradients within GRADIENTS of each other by norm (gradient_differences: flipped float8 roundings move them by
+# ~1e-5, a wrong scale by ~1e-2).
 FIRST_LOSS = 2e-6
 GRADIENTS = 1e-4
 # Under torchao's float8 tp styles (tensorwise) the first gradients part further (most in layer 0's attention,
 # which the most flipped roundings reach). Where the CPU's matmul kernels (AVX-512 / AMX) block their fp32 sums
-# differently per shard, measured: 1.8e-3 (our Qwen3), 5.6e-3 (transformers' Qwen3), 9.5e-3 (our Qwen3-MoE). Scales taken per tp shard instead of over the whole
-# tensor move them by 0.2 to 0.4 (these tests' per-shard references), a gradient 5 % off by 5e-2 (injected into
+# differently per shard, measured: 1.8e-3 (our Qwen3), 5.6e-3 (transformers' Qwen3), 9.5e-3 (our Qwen3-MoE).
+# Scales taken per tp shard instead of over the whole tensor move them by 0.2 to 0.4 (these tests' per-shard references), a gradient 5 % off by 5e-2 (injected into
 # the tp loss's backward: all four tensorwise tp tests failed).
 TENSORWISE_TP_GRADIENTS = 2e-2
 

@@ -80,8 +80,8 @@ def markdown(
 
     rows = [r for r in results if r["path"] != "matmul_peak"]
     lines = [
-        # the ratios of the median step, which the targets of docs/benchmarks.md name; tokens/s (and MFU) count the whole
-        # measured window, so one slow step of a path moves them and not its median
+        # the ratios of the median step, which the targets of docs/benchmarks.md name; tokens/s (and MFU) count the
+        # whole measured window, so one slow step of a path moves them and not its median
         "| path | tokens/s | MFU | step ms (median) | peak mem GiB | "
         + " | ".join(f"vs {name}" for name in ratios)
         + " (median steps) | GPU |",

@@ -197,7 +197,8 @@ def _can_always(q: torch.Tensor) -> str | None:
 def _flash_attn4_preferred(q: torch.Tensor) -> bool:
     """FA4 where it runs on Hopper: on an H200 (docs/benchmarks.md, run G4) its forward + backward takes 1.79 ms
     against cuDNN's 1.94 at the 0.6B block's shape (seq 4096 x 4) and the compiled 0.6B step 176.4 ms against
-    180.2; on an H100 the step 181.0 ms against 186.5 (run U1). Blackwell is not measured, so there it stays by name only."""
+    180.2; on an H100 the step 181.0 ms against 186.5 (run U1). Blackwell is not measured, so there it stays by
+    name only."""
     return fa4.flash_attn4_unsupported(q) is None and torch.cuda.get_device_capability(q.device)[0] == 9
 
 

@@ -75,19 +75,21 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
         compile: ``torch.compile`` each transformer block: ``True`` (torch's default mode) or a mode name, e.g.
             ``"max-autotune-no-cudagraphs"`` (Triton GEMM templates benchmarked against cuBLAS per shape at
-            compile time: minutes once, measured in ``docs/benchmarks.md``), or ``"reduce-overhead"``: CUDA
+            compile time: minutes once, ``docs/benchmarks.md`` run G10), or ``"reduce-overhead"``: CUDA
             graphs per block, on one GPU with ``fsdp_on_one_rank=False`` and dense blocks; elsewhere the blocks
             compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
             ``None`` (default): where they are sharded; ``True`` also on one rank, where the gathered copy is
-            the bf16 cast of the weights (3.3 GiB less at Qwen3-4B's layer x 18 on one H100, 1.7 % slower).
+            the bf16 cast of the weights (3.3 GiB less at Qwen3-4B's layer x 18 on one H100, 1.7 % slower:
+            ``docs/benchmarks.md``, run U14).
         fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
             are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
-            per-block all-gather copies, but autocast's own casts; no faster than the default in the H200
-            runs so far (``docs/benchmarks.md``).
+            per-block all-gather copies, but autocast's own casts; at Qwen3-0.6B on one H200, 2 % faster than
+            the default for 2.3 GiB more (``docs/benchmarks.md``, run G2); the fastest one-GPU paths of that
+            page use it.
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0
             (Lightning's own format, without the guarantees of ``docs/reliability.md``: no atomic directory,
             manifest or RNG states). Refused with ``pp > 1``, where rank 0 holds only its own stages.
@@ -107,13 +109,14 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
         fp8_experts: with ``fp8`` on, the MoE experts (ours, and a ``transformers`` MoE's stacked experts through
             the adapter's forward) run their GEMMs in float8 rowwise through torchao (under either recipe:
             torchao's grouped GEMM is rowwise): ``False`` (default: at our MoE shape, experts of width
-            384, the step was 1.57x slower with them on an H100, 2026-12-05) keeps them in bf16; ``None`` where
-            the GPU allows it (compute capability 9.0+), bf16 elsewhere with one log line; ``True`` requires it
-            (refused elsewhere; :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
+            384, the step is 1.57x slower with them on an H100, ``docs/benchmarks.md`` run U13) keeps them in
+            bf16; ``None`` where the GPU allows it (compute capability 9.0+), bf16 elsewhere with one log line;
+            ``True`` requires it (refused elsewhere; :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
         async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
             overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
             Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
-            default. Not yet measured on GPUs (issue 28's two-GPU runs).
+            default. ``docs/benchmarks.md`` has no measurement of its speed (``benchmarks/h200x2_runs.sh
+            asynctp`` takes one at tp=2).
         lora: low-rank adapters (:class:`~lightning_d9d.LoRA`: rank, alpha, dropout, the layers by name pattern,
             the frozen weights' dtype) on the model's linear layers, every other parameter frozen; applied before
             every other plan, so the adapters are sharded with their layers on every degree. Return only the
@@ -231,8 +234,8 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             # does (a private Lightning class: see compat). Under pp the schedule computes gradients inside
             # training_step, which a later zero_grad would erase; with CUDA graphs the forward may reuse the memory
             # of the last step's gradients (see _mark_cudagraph_step); and in every run the last step's gradients
-            # would otherwise stay allocated through the forward, where a step's memory peaks (3.0 GiB of the
-            # MoE benchmark shape's 40.6, docs/benchmarks.md, session 27).
+            # would otherwise stay allocated through the forward, where a step's memory peaks (a few GiB at the
+            # MoE benchmark shape).
             use_automatic_optimization(trainer, ZeroGradFirstOptimization)
 
     @override

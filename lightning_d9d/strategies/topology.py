@@ -42,7 +42,7 @@ class MeshTopology:
         def _setup_distributed(self) -> None: ...
 
     def _take_degrees(self, dims: ParallelDims, **options: Any) -> None:
-        """The constructor's part: the degrees (one without a plan refused: every degree has one today, this
+        """The constructor's part: the degrees (one without a plan refused: every degree has one, and this
         keeps a degree added to ParallelDims from training without one) and the plan options, each refused here
         if it cannot apply, before any process group."""
         require_degrees(dims, supported=IMPLEMENTED, owner=self._owner)

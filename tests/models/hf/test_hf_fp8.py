@@ -276,7 +276,8 @@ def test_moe_under_tp_trains_as_one_process_with_its_scales() -> None:
 
     Held to one process on the first step (``assert_first_step_agrees``): later, the fp32 sums' last bits flip
     float8 roundings that AdamW turns into lr-sized steps, and from there the routers' top-2 choice for a few
-    tokens (tensorwise: 6 of 128 at step 3 where the CPU's kernels block the sums so), which moves the loss by up to 7e-3 here."""
+    tokens (tensorwise: 6 of 128 at step 3 under one CPU's summation order), which moves the loss by up to 7e-3
+    here."""
     ranks = run_distributed(moe_tp_rank, 2, timeout=240)
     for recipe in ("tensorwise", "rowwise"):
         # both compared on their first step
