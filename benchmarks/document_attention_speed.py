@@ -13,7 +13,7 @@ bf16), to pick ``auto``'s choice by measurement.
                     hands them over (transposed views of [B, T, heads, D]); their cu_seqlens are built once per
                     forward in training, so outside the timing: ``varlen_mask_build`` times that build (one host sync)
 
-Rows come from benchmarks/packed_throughput.py's length mix. Run from the repository root on a GPU machine:
+Rows come from benchmarks/packed_throughput.py's length mix. Run from the repository root on a CUDA GPU:
 
     PYTHONPATH=. python benchmarks/document_attention_speed.py --out runs/attention
 """

@@ -26,7 +26,7 @@ tokens, at most 16 x the row (a long tail cut into row-long pieces by the packer
 this shape (most documents a few hundred tokens, a heavy tail of long ones). The mix's own numbers (mean, the share
 of tokens in documents longer than a row) are printed and written with the results.
 
-Run on a GPU machine from the repository root:
+Run on a CUDA GPU from the repository root:
 
     PYTHONPATH=. python benchmarks/packed_throughput.py --out runs/packed
     PYTHONPATH=. python benchmarks/packed_throughput.py --device cpu --model tiny --seq-len 128 --batch-size 2 \

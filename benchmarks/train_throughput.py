@@ -62,7 +62,7 @@ MFU = ``num_flops_per_token(seq_len) * tokens/s / peak`` with ``Qwen3ForCausalLM
 After the window, ``--probe-steps`` more steps run under ``torch.cuda.set_sync_debug_mode("warn")`` to count
 host<->device synchronisations per step and where they come from (``sync_probe`` in the JSON).
 
-Run (on a GPU machine, from the repository root):
+Run (on a CUDA GPU, from the repository root):
 
     PYTHONPATH=. python benchmarks/train_throughput.py --out runs/bench            # all paths, GPU 0
     PYTHONPATH=. python benchmarks/train_throughput.py --gpus 0,1 --out runs/bench  # spread paths over 2 GPUs
