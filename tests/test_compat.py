@@ -33,7 +33,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_d9d import compat
+from lightning_d9d.fabric.checkpoint import Stateful
+from lightning_d9d.strategies.optimizers import unwrap_optimizer
 from lightning_d9d.strategies.pipelining import ZeroGradFirstClosure, ZeroGradFirstOptimization
+from lightning_d9d.strategies.precision import DtypeContextManager, convert_fp_tensor
 from lightning_d9d.strategies.put_back import DirectLauncher, checkpoint_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,8 +246,8 @@ def test_attribute_helpers() -> None:
     assert compat.trainer_of(module) is trainer
 
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert compat.unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
-    assert compat.unwrap_optimizer(optimizer) is optimizer
+    assert unwrap_optimizer(LightningOptimizer(optimizer)) is optimizer
+    assert unwrap_optimizer(optimizer) is optimizer
 
     trainer.accumulate_grad_batches = 2
     trainer.fit_loop.epoch_loop.batch_progress.current.ready = 1  # the first of two micro-steps
@@ -848,20 +851,21 @@ def test_torchao_fp8_grouped_mm_takes_what_the_experts_pass() -> None:
 
 # ------------------------------------------------------------------------- our own, instead of private names
 def test_our_stand_ins_behave_as_the_private_names_they_replace() -> None:
+    # Lightning's private _convert_fp_tensor, _DtypeContextManager and _Stateful, as our own beside their users.
     floats, ids = torch.ones(2), torch.ones(2, dtype=torch.int64)
-    assert compat.convert_fp_tensor(floats, torch.bfloat16).dtype == torch.bfloat16
-    assert compat.convert_fp_tensor(ids, torch.bfloat16) is ids
+    assert convert_fp_tensor(floats, torch.bfloat16).dtype == torch.bfloat16
+    assert convert_fp_tensor(ids, torch.bfloat16) is ids
     before = torch.get_default_dtype()
-    with compat.DtypeContextManager(torch.bfloat16):
+    with DtypeContextManager(torch.bfloat16):
         assert nn.Linear(2, 2).weight.dtype == torch.bfloat16
     assert torch.get_default_dtype() == before
-    with pytest.raises(KeyError), compat.DtypeContextManager(torch.float64):
+    with pytest.raises(KeyError), DtypeContextManager(torch.float64):
         raise KeyError("a failed build")
     assert torch.get_default_dtype() == before
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         torch.optim.SGD([nn.Parameter(torch.zeros(1))]), lambda s: 1.0
     )
-    assert isinstance(scheduler, compat.Stateful) and not isinstance({"step": 1}, compat.Stateful)
+    assert isinstance(scheduler, Stateful) and not isinstance({"step": 1}, Stateful)
 
 
 # ------------------------------------------------------------------ every entry is pinned by a behaviour

@@ -14,18 +14,26 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import Optimizer
 
-from lightning_d9d.compat import Stateful
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.state.rng import RNG_KEY
 from lightning_d9d.strategies.hf_record import with_hf_config
 
 FABRIC_NAMES = "fabric_names"  # in meta.pt: {"model": name, "optimizers": [names]}
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What a checkpoint saves as its ``state_dict()`` and restores in place (a scheduler), as Fabric tells it."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclass(frozen=True)

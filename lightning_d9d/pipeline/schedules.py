@@ -4,12 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    get_schedule_class,
+)
 
-from lightning_d9d.compat import PipelineSchedule
+# Every torch schedule is one of the two (both derive from torch's private ``_PipelineSchedule``).
+PipelineSchedule: TypeAlias = PipelineScheduleSingle | PipelineScheduleMulti
 
 # name -> (stages per rank: fixed number or None for "any, default 2", V-shaped placement)
 SCHEDULES: dict[str, tuple[int | None, bool]] = {

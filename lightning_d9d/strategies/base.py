@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any, Protocol
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_d9d.compat import StrategyRegistryType
 from lightning_d9d.pipeline import PipelineRunner
 from lightning_d9d.strategies.topology import MeshTopology
 
@@ -19,6 +19,21 @@ from lightning_d9d.strategies.topology import MeshTopology
 # of the same module (a new Trainer brings a new strategy) finds it parallel and reuses its runner. Weak: an entry
 # goes with its module.
 _PARALLELIZED: weakref.WeakKeyDictionary[nn.Module, PipelineRunner | None] = weakref.WeakKeyDictionary()
+
+
+class StrategyRegistryType(Protocol):
+    """What ``register_strategies`` uses of the registry Lightning or Fabric hands it (a dict of names)."""
+
+    def __contains__(self, name: object, /) -> bool: ...
+
+    def register(
+        self,
+        name: str,
+        strategy: Callable[..., Any] | None = None,
+        description: str | None = None,
+        override: bool = False,
+        **init_params: Any,
+    ) -> Callable[..., Any]: ...
 
 
 def parallelize_once(

@@ -6,7 +6,7 @@ their place in the fit, a LoRA run's frozen base (``state/frozen.py``), and wher
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -14,14 +14,16 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_d9d.callbacks.hf import LoadHFWeights
-from lightning_d9d.compat import FilePath, unwrap_optimizer
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.state import frozen as frozen_checkpoint
 from lightning_d9d.state import selection as checkpoint_selection
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies.async_save import AsyncSaves
 from lightning_d9d.strategies.hf_record import with_hf_config
+from lightning_d9d.strategies.optimizers import unwrap_optimizer
 from lightning_d9d.strategies.resume import PendingRandomState, resume_where_fit_stopped
+
+FilePath: TypeAlias = str | Path  # a checkpoint path, as Lightning's strategy hooks take it
 
 
 def check_checkpoint_format(save_distributed_checkpoint: bool, *, pp: int) -> None:

@@ -16,7 +16,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.optim import Optimizer
 
-from lightning_d9d.compat import unwrap_optimizer
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.pipeline import PipelineConfig
 from lightning_d9d.plans import ParallelOptions
@@ -27,6 +26,7 @@ from lightning_d9d.plans.memory import (
     optimizer_states_per_parameter,
     plan_memory,
 )
+from lightning_d9d.strategies.optimizers import unwrap_optimizer
 
 
 @dataclass(frozen=True)

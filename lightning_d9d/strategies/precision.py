@@ -20,7 +20,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_d9d.compat import DtypeContextManager, convert_fp_tensor
 from lightning_d9d.optim import MasterWeightAdamW
 from lightning_d9d.strategies.accumulation import StepTokens
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
@@ -30,6 +29,25 @@ if TYPE_CHECKING:
 
 PrecisionName = Literal["32-true", "bf16-mixed", "bf16-true"]
 SUPPORTED_PRECISIONS: tuple[str, ...] = get_args(PrecisionName)
+
+
+def convert_fp_tensor(tensor: torch.Tensor, dst_type: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dst_type`` if it is floating point; other tensors (token ids, masks) as they are."""
+    return tensor.to(dst_type) if torch.is_floating_point(tensor) else tensor
+
+
+class DtypeContextManager:
+    """torch's default dtype is ``dtype`` inside (tensors and modules created there take it)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype, self._previous = dtype, torch.get_default_dtype()
+
+    def __enter__(self) -> None:
+        self._previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+
+    def __exit__(self, *exc_info: object) -> None:
+        torch.set_default_dtype(self._previous)
 
 
 def check_precision(precision: str) -> PrecisionName:
