@@ -81,13 +81,19 @@ def to_checkpoint(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_into(
-    path: Path, state: Mapping[str, Any], *, strict: bool, weights_only: bool | None
+    path: Path,
+    state: Mapping[str, Any],
+    *,
+    strict: bool,
+    weights_only: bool | None,
+    frozen: Mapping[str, tuple[float, float, int]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Load the checkpoint at ``path`` into ``state``'s model and optimizers (in place) and return ``(values,
     remainder)``: the new values of ``state``'s other entries (objects with ``load_state_dict`` are loaded in
     place and not among them) and what the checkpoint holds beyond them. ``strict``: every entry of ``state``
     must be in the checkpoint, and the model's keys must match. The names are checked with the files, before
-    the model is touched."""
+    the model is touched. ``frozen``: the model's frozen base fingerprint, for a LoRA checkpoint that left the base
+    out (``training.load``)."""
     split = split_state(state, action="load")
     optimizers = dict(enumerate(split.optimizers.values()))
     meta = training_checkpoint.load(
@@ -97,6 +103,7 @@ def load_into(
         strict=strict,
         weights_only=weights_only,
         check=lambda meta: _check_names(path, meta, split, strict=strict),
+        frozen=frozen,
     )
     meta.pop(FABRIC_NAMES, None)
     values: dict[str, Any] = {}

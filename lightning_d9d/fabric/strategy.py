@@ -37,6 +37,7 @@ from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import Fp8Filter
 from lightning_d9d.plans.lora import LoRA
+from lightning_d9d.state import frozen as frozen_checkpoint
 from lightning_d9d.state import training as training_checkpoint
 from lightning_d9d.strategies import prepare
 from lightning_d9d.strategies.base import D9DStrategyBase, autocast_device, parallelize_once
@@ -238,7 +239,9 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
-        """The Trainer's checkpoint format (``lightning_d9d/fabric/checkpoint.py``): atomic, checksummed."""
+        """The Trainer's checkpoint format (``lightning_d9d/fabric/checkpoint.py``): atomic, checksummed. Under LoRA
+        the frozen base is left out and its fingerprint recorded instead (``state/frozen.py``), as the Trainer's
+        strategy saves it."""
         if storage_options is not None:
             raise TypeError("D9DFabricStrategy.save_checkpoint(..., storage_options=...) is not supported")
         if filter is not None:
@@ -247,7 +250,16 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
                 "resumed whole; export weights with `python -m lightning_d9d.convert dcp-to-hf`"
             )
         directory = Path(self.broadcast(path))  # one path, rank 0's
-        training_checkpoint.save(directory, fabric_checkpoint.to_checkpoint(state))
+        checkpoint = fabric_checkpoint.to_checkpoint(state)
+        if self._options.lora is not None:
+            model = fabric_checkpoint.split_state(state, action="save").model
+            frozen = frozen_checkpoint.frozen_names(model)
+            section = checkpoint[training_checkpoint.MODEL_SECTION]
+            checkpoint[training_checkpoint.MODEL_SECTION] = {
+                k: v for k, v in section.items() if k not in frozen
+            }
+            checkpoint[frozen_checkpoint.FINGERPRINT_KEY] = frozen_checkpoint.fingerprint(model)
+        training_checkpoint.save(directory, checkpoint)
 
     @override
     def load_checkpoint(
@@ -258,7 +270,9 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Load into ``state`` in place (any layout: DCP reshards) and return what the checkpoint holds beyond
-        it. Every file is checked before the model is touched, on every rank alike."""
+        it. Every file is checked before the model is touched, on every rank alike. A LoRA checkpoint holds no
+        frozen base: load the base weights into the model first (``lightning_d9d.state.hf.load_hf``); the load
+        checks by fingerprint that they are the base the adapters were trained on, and refuses another by name."""
         if not state:
             raise ValueError(
                 "fabric.load(path, state) under the d9d strategy needs the state to load into, with the model: "
@@ -270,11 +284,20 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
                 "{'model': model, 'optimizer': optimizer}"
             )
         directory = Path(self.broadcast(path))
+        model = (
+            state
+            if isinstance(state, nn.Module)
+            else fabric_checkpoint.split_state(state, action="load").model
+        )
+        # LoRA: the base the user loaded, fingerprinted on every rank (a collective) to check against the checkpoint's
+        frozen = frozen_checkpoint.fingerprint(model) if self._options.lora is not None else None
         if isinstance(state, nn.Module):
-            training_checkpoint.load(directory, state, {}, strict=strict, weights_only=weights_only)
+            training_checkpoint.load(
+                directory, state, {}, strict=strict, weights_only=weights_only, frozen=frozen
+            )
             return {}
         values, remainder = fabric_checkpoint.load_into(
-            directory, state, strict=strict, weights_only=weights_only
+            directory, state, strict=strict, weights_only=weights_only, frozen=frozen
         )
         state.update(values)
         return remainder

@@ -116,5 +116,7 @@ def check_same_base(
                 f"{path} holds the trained parameters only, and the model's frozen {key} is not the one it was "
                 f"trained on (sum {total:.6g} vs {saved_total:.6g}, sum of squares {squares:.6g} vs "
                 f"{saved_squares:.6g}): load the base weights first — LoadHFWeights(<the base model's folder>) "
-                "loads them on a resume too — and keep the base's dtype (LoRA(base_dtype=...)) as it was"
+                "loads them on a Trainer's resume too; a Fabric loop loads them itself before fabric.load "
+                "(lightning_d9d.state.hf.load_hf(model, <the folder>)) — and keep the base's dtype "
+                "(LoRA(base_dtype=...)) as it was"
             )
