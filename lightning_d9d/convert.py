@@ -5,13 +5,16 @@ time, so memory stays near a few of the largest tensors plus one shard, whatever
 check that needs no data (keys, shapes, config) runs before the first tensor is read, and the output directory
 appears complete or not at all. ``dcp-to-hf`` first checks every file of the checkpoint against its
 ``manifest.json`` (sizes and CRC-32s, as a resume does), and refuses a checkpoint without one unless given
-``--no-verify``. A LoRA run's checkpoint holds the adapters and not the frozen base, so ``dcp-to-hf`` refuses it
-(``ExportHF`` exports such runs while they train).
+``--no-verify``. A LoRA run's checkpoint holds the adapters and not the frozen base: ``dcp-to-hf --base <folder>``
+streams the base from its Hugging Face folder, checks it against the fingerprint the checkpoint records, and writes
+the weights with the adapters merged in (``--lora adapter``: the ``peft`` adapter directory instead, which needs no
+base); without ``--base`` a merge is refused (``state/hf/lora_checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -38,11 +41,12 @@ from lightning_d9d.state import (
     parse_size,
 )
 from lightning_d9d.state.errors import MissingShardError, format_keys
-from lightning_d9d.state.frozen import FINGERPRINT_KEY
+from lightning_d9d.state.frozen import FINGERPRINT_KEY, LoRARecord, is_fingerprint, read_lora_record
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
     check_layer_count,
+    check_same_model,
     code_fields,
     hf_config_json,
     hf_format,
@@ -52,6 +56,14 @@ from lightning_d9d.state.hf import (
     reading_mapper,
     transformers_model_format,
     writing_mapper,
+)
+from lightning_d9d.state.hf.lora_checkpoint import JoinedReader, merged_mapper, strip_prefix
+from lightning_d9d.state.hf.peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    peft_mapper,
+    recorded_adapters,
+    recorded_peft_config,
 )
 from lightning_d9d.state.training import (
     CALLBACKS_SECTION,
@@ -170,26 +182,33 @@ def _recorded_base(meta: dict[str, Any]) -> str | None:
     return None
 
 
-def _refuse_lora_checkpoint(checkpoint: Path) -> None:
-    """A LoRA run's checkpoint holds the adapters and a fingerprint of the frozen base, not the base: no model
-    folder can be written from it alone. Refused first, naming what is missing and the exports that hold it."""
+def _lora_meta(checkpoint: Path) -> dict[str, Any] | None:
+    """``meta.pt``'s content when ``checkpoint`` is a LoRA run's (it records a fingerprint of the frozen base in place
+    of the base), else ``None``."""
     try:
         meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
     except CheckpointError:  # missing, or unreadable: the conversion's own checks say why
-        return
-    fingerprint = meta.get(FINGERPRINT_KEY)
-    if not isinstance(fingerprint, dict):
-        return
+        return None
+    return meta if FINGERPRINT_KEY in meta else None
+
+
+def _refuse_merge_without_base(checkpoint: Path, meta: dict[str, Any]) -> None:
+    """A LoRA run's checkpoint holds the adapters and a fingerprint of the frozen base, not the base: no model folder
+    can be written from it alone. Refused first, naming what is missing and the option that supplies it."""
+    fingerprint = meta[FINGERPRINT_KEY]
+    count = (
+        f"{len(fingerprint)} tensors: {format_keys(fingerprint, limit=3)}"
+        if isinstance(fingerprint, dict)
+        else ""
+    )
     base = _recorded_base(meta)
     where = f"; its base was loaded from {base}" if base is not None else ""
     raise CheckpointError(
         f"{checkpoint} is a LoRA run's checkpoint: it holds the adapters and a fingerprint of the frozen base, not "
-        f"the base its adapters were trained on ({len(fingerprint)} tensors: {format_keys(fingerprint, limit=3)}"
-        f"{where}), so dcp-to-hf cannot write a model from it. Export LoRA runs while they train: "
-        "ExportHF(dirpath, lora='merged' | 'adapter' | 'both') (lightning_d9d.callbacks) writes the weights with "
-        "the adapters merged in, which transformers loads as they are, and/or the peft adapter; a run that "
-        "continues from this checkpoint for more steps, with LoadHFWeights(<the base model's folder>) and ExportHF "
-        "among its callbacks, exports when it ends"
+        f"the base its adapters were trained on ({count}{where}), so dcp-to-hf needs that base to merge them into: "
+        "pass --base <the base model's folder> (checked against the fingerprint), or --lora adapter for the peft "
+        "adapter alone. While a run trains, ExportHF(dirpath, lora='merged' | 'adapter' | 'both') "
+        "(lightning_d9d.callbacks) exports the same"
     )
 
 
@@ -296,13 +315,19 @@ def _check_module_shapes(
 
 
 def _format_of_checkpoint(
-    reader: DCPReader, config: dict[str, Any], args: argparse.Namespace, checkpoint: str, config_path: str
+    reader: DCPReader,
+    config: dict[str, Any],
+    args: argparse.Namespace,
+    checkpoint: str,
+    config_path: str,
+    frozen_keys: Collection[str] = (),
 ) -> tuple[HFFormat, Any, str]:
     """The format whose module keys and shapes the checkpoint holds, its writing mapper and the keys' prefix:
     ours for the config's model type where it has one (our white-box model's checkpoint), else the
     ``transformers`` class the config names, built on ``meta`` (a ``transformers`` model trained under the strategy
     keeps its class's names and layout: Qwen3-MoE's fused experts, any family without a format of ours). The
-    shapes decide where the names agree: our experts' ``gate_up_proj`` is transformers' transposed."""
+    shapes decide where the names agree: our experts' ``gate_up_proj`` is transformers' transposed. ``frozen_keys``:
+    the model keys a LoRA checkpoint left out (its fingerprint's), which count as held when the prefix is found."""
     dtype = DTYPES[args.dtype] if args.dtype else None
     unknown: list[CheckpointError] = []  # no such format
     failures: list[CheckpointError] = []  # a format that does not fit the checkpoint
@@ -320,7 +345,7 @@ def _format_of_checkpoint(
             mapper = writing_mapper(fmt, config, dtype, args.layout)
             prefix = args.prefix
             if prefix is None:
-                prefix = detect_prefix(reader.all_keys(), mapper.input_keys(), checkpoint)
+                prefix = detect_prefix(reader.all_keys() | set(frozen_keys), mapper.input_keys(), checkpoint)
             _check_module_shapes(
                 reader.with_prefix(prefix), fmt, config, args.layout, checkpoint, config_path
             )
@@ -359,24 +384,12 @@ def _refuse_layers_beyond_config(
         )
 
 
-def dcp_to_hf(args: argparse.Namespace) -> None:
-    checkpoint = Path(args.checkpoint)
-    output = Path(args.output).absolute()
-    # the directory a config is read from: replacing it would lose what the export does not carry
-    if args.config is not None:
-        given = Path(args.config)
-        why = (
-            "the directory --config is read from (it would be replaced, with files the export does not carry)"
-        )
-        if given.is_dir():
-            _refuse_output_at(output, given, "dcp-to-hf", why)
-        else:
-            _refuse_output_at(output, given.parent, "dcp-to-hf", why, inside=False)
-    _refuse_lora_checkpoint(checkpoint)
-    if args.verify:
-        verify_checkpoint(checkpoint)
-    reader = DCPReader(checkpoint, section=MODEL_SECTION)
-    side: dict[str, bytes] = {}
+def _checkpoint_config(
+    args: argparse.Namespace, checkpoint: Path, side_from: Path | None = None
+) -> tuple[dict[str, Any], str, dict[str, bytes]]:
+    """The checkpoint's Hugging Face config (``--config``, else the one recorded in it), where it was read, and the
+    non-weight files to copy beside the weights (``--config``'s directory's, else ``side_from``'s)."""
+    side: dict[str, bytes] = hf_side_files(side_from) if side_from is not None else {}
     if args.config is not None:
         config = read_hf_config(args.config)
         config_path = str(Path(args.config) / CONFIG_NAME if Path(args.config).is_dir() else args.config)
@@ -390,26 +403,64 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
                 "pass --config with the model's config.json or its Hugging Face directory"
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
-    check_layer_count(config, reader.all_keys(), config_path=config_path, source=f"checkpoint {checkpoint}")
     left_out = code_fields(config)
     if left_out:
         print(
             f"dcp-to-hf: left out of config.json, as fields that make transformers fetch or import code: {left_out}"
         )
+    return config, config_path, side
+
+
+def _beyond_class(
+    fmt: HFFormat, keys: Collection[str], read: Collection[str], checkpoint: Path, config_path: str
+) -> set[str]:
+    """Of a ``transformers`` model's checkpoint ``keys``, those its class does not build (a router's selection
+    bias: not HF state), which the mapper does not ``read``; layers beyond the config are refused."""
+    if not fmt.from_transformers:
+        return set()
+    beyond = sorted(set(keys) - set(read))
+    _refuse_layers_beyond_config(beyond, read, str(checkpoint), config_path)
+    if beyond:
+        print(f"dcp-to-hf: left out {len(beyond)} tensors transformers' class has no field for: {beyond[:3]}")
+    return set(beyond)
+
+
+def dcp_to_hf(args: argparse.Namespace) -> None:
+    checkpoint = Path(args.checkpoint)
+    output = Path(args.output).absolute()
+    # the directory a config is read from: replacing it would lose what the export does not carry
+    if args.config is not None:
+        given = Path(args.config)
+        why = (
+            "the directory --config is read from (it would be replaced, with files the export does not carry)"
+        )
+        if given.is_dir():
+            _refuse_output_at(output, given, "dcp-to-hf", why)
+        else:
+            _refuse_output_at(output, given.parent, "dcp-to-hf", why, inside=False)
+    lora = _lora_meta(checkpoint)
+    if lora is not None:
+        _lora_to_hf(args, checkpoint, output, lora)
+        return
+    if args.base is not None or args.lora is not None:
+        option = "--base" if args.base is not None else "--lora"
+        raise CheckpointError(
+            f"{option} is for a LoRA run's checkpoint, and {checkpoint} is none (it holds every weight and no base "
+            f"fingerprint): leave {option} out"
+        )
+    if args.verify:
+        verify_checkpoint(checkpoint)
+    reader = DCPReader(checkpoint, section=MODEL_SECTION)
+    config, config_path, side = _checkpoint_config(args, checkpoint)
+    check_layer_count(config, reader.all_keys(), config_path=config_path, source=f"checkpoint {checkpoint}")
     dtype = DTYPES[args.dtype] if args.dtype else None
     fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint), config_path)
     _check_model_type(fmt, args.model, config_path)
     aliases = set(fmt.tied(config))
     reader = reader.with_prefix(prefix)
     ignore = aliases & reader.keys()  # a tied head is saved under both names; read it once
-    if fmt.from_transformers:  # keys the class does not build (a router's selection bias): not HF state
-        beyond = sorted(reader.keys() - mapper.input_keys() - aliases)
-        _refuse_layers_beyond_config(beyond, mapper.input_keys(), str(checkpoint), config_path)
-        if beyond:
-            print(
-                f"dcp-to-hf: left out {len(beyond)} tensors transformers' class has no field for: {beyond[:3]}"
-            )
-        ignore |= set(beyond)
+    # keys the class does not build (a router's selection bias): not HF state
+    ignore |= _beyond_class(fmt, reader.keys() - aliases, mapper.input_keys(), checkpoint, config_path)
     plan = reader.plan(mapper, ignore=ignore)
     written = dtype if dtype is not None else next(iter(reader.dtypes().values()), None)
     extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=written)}
@@ -417,6 +468,128 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
     progress = _Progress("dcp-to-hf", output, plan)
     expected = fmt.hf_shapes(config, fmt.resolve_layout(args.layout)) if fmt.hf_shapes is not None else None
     _write(reader.stream(mapper, ignore=ignore), writer, progress, expected, config_path)
+    progress.report(writer, args.stats)
+
+
+def _lora_to_hf(args: argparse.Namespace, checkpoint: Path, output: Path, meta: dict[str, Any]) -> None:
+    """A LoRA run's checkpoint: merged into the ``--base`` folder's weights (checked against the recorded
+    fingerprint), or, with ``--lora adapter``, the peft adapter directory."""
+    if args.base is None and args.lora != "adapter":
+        _refuse_merge_without_base(checkpoint, meta)
+    fingerprint = meta[FINGERPRINT_KEY]
+    if not is_fingerprint(fingerprint):
+        raise CheckpointError(
+            f"{checkpoint}: meta.pt's {FINGERPRINT_KEY!r} is not a fingerprint of frozen parameters (name -> (sum, "
+            "sum of squares, numel)): the file is damaged or crafted; choose another checkpoint"
+        )
+    record = read_lora_record(meta, str(checkpoint))
+    if record is None:
+        raise CheckpointError(
+            f"{checkpoint} is a LoRA run's checkpoint that records no LoRA settings (rank, alpha, layouts), which "
+            "the merge needs: it was saved by an earlier version of lightning_d9d. Export it from a run that "
+            "resumes it with ExportHF(dirpath, lora='merged' | 'adapter' | 'both') among its callbacks"
+        )
+    base = None if args.base is None or args.lora == "adapter" else Path(args.base)  # read for a merge only
+    base_reader = None
+    if base is not None:
+        _refuse_output_at(output, base, "dcp-to-hf", "the --base folder (it would be replaced)")
+        base_reader = CheckpointReader(base)  # a folder without safetensors weights is refused here
+    if args.verify:
+        verify_checkpoint(checkpoint)
+    reader = DCPReader(checkpoint, section=MODEL_SECTION)
+    config, config_path, side = _checkpoint_config(args, checkpoint, side_from=base)
+    fmt, _, prefix = _format_of_checkpoint(
+        reader, config, args, str(checkpoint), config_path, frozen_keys=fingerprint.keys()
+    )
+    _check_model_type(fmt, args.model, config_path)
+    reader = reader.with_prefix(prefix)
+    record = dataclasses.replace(
+        record,
+        frozen_dtypes=strip_prefix(record.frozen_dtypes, prefix),
+        expert_layouts=strip_prefix(record.expert_layouts, prefix),
+    )
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.lora == "adapter":
+        _write_adapter(args, checkpoint, output, reader, record, _recorded_base(meta))
+        return
+    assert base is not None and base_reader is not None
+    check_same_model(
+        read_hf_config(base),
+        config,
+        path=str(base / CONFIG_NAME),
+        expected_name="the checkpoint's model",
+        fmt=fmt,
+    )
+    check_layer_count(config, base_reader.keys(), config_path=config_path, source=f"the base {base}")
+    info = base_reader.tensor_info()
+    base_shapes = {key: value.shape for key, value in info.items()}
+    if fmt.hf_shapes is not None:
+        layout_in = fmt.layout_of(base_reader.keys())
+        _check_shapes(
+            base_shapes, fmt.hf_shapes(config, layout_in), lambda key: str(base / info[key].file), config_path
+        )
+    recorded = _recorded_base(meta)
+    fix = (
+        "pass --base the folder the run loaded its base from"
+        + (f" ({recorded})" if recorded is not None else "")
+        + ", holding the weights it held then"
+    )
+    aliases = set(fmt.tied(config))
+    trained = reader.keys() - aliases
+    merged = merged_mapper(
+        fmt,
+        config,
+        base_keys=base_reader.keys(),
+        base_shapes=base_shapes,
+        trained=trained,
+        frozen=strip_prefix(fingerprint, prefix),
+        record=record,
+        dtype=dtype,
+        layout=args.layout,
+        where=f"the base {base}",
+        fix=fix,
+    )
+    ignore = (aliases & reader.keys()) | _beyond_class(
+        fmt, trained, merged.input_keys(), checkpoint, config_path
+    )
+    joined = JoinedReader(base_reader, reader)
+    plan = joined.plan(merged, ignore=ignore)
+    kept = next(iter(record.frozen_dtypes.values()), None)  # the frozen base's dtype: the merged weights'
+    written = dtype if dtype is not None else kept
+    extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=written)}
+    writer = ShardedWriter(output, max_shard_bytes=args.max_shard_size, extra_files=extra)
+    progress = _Progress("dcp-to-hf", output, plan)
+    expected = fmt.hf_shapes(config, fmt.resolve_layout(args.layout)) if fmt.hf_shapes is not None else None
+    _write(joined.stream(merged, ignore=ignore), writer, progress, expected, config_path)
+    progress.report(writer, args.stats)
+
+
+def _write_adapter(
+    args: argparse.Namespace,
+    checkpoint: Path,
+    output: Path,
+    reader: DCPReader,
+    record: LoRARecord,
+    recorded_base: str | None,
+) -> None:
+    """``--lora adapter``: the checkpoint's adapters as a peft adapter directory (no base is read; ``--base``, else
+    the folder the run loaded its base from, is recorded as ``base_model_name_or_path``)."""
+    settings = recorded_adapters(
+        reader.keys(),
+        rank=record.rank,
+        alpha=record.alpha,
+        dropout=record.dropout,
+        expert_layouts=record.expert_layouts,
+    )
+    base_name = args.base if args.base is not None else recorded_base
+    config = recorded_peft_config(settings, base_name, source=str(checkpoint))
+    mapper = peft_mapper(settings, DTYPES[args.dtype] if args.dtype else None)
+    ignore = reader.keys() - mapper.input_keys()  # the trained state beyond the adapters: not peft's
+    plan = reader.plan(mapper, ignore=ignore)
+    extra = {ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    writer = ShardedWriter(output, extra_files=extra, single_file=ADAPTER_WEIGHTS)
+    progress = _Progress("dcp-to-hf", output, plan)
+    _write(reader.stream(mapper, ignore=ignore), writer, progress, None, str(checkpoint))
     progress.report(writer, args.stats)
 
 
@@ -468,7 +641,8 @@ commands:
   dcp-to-hf   a training checkpoint written by Trainer(strategy="d9d") (a directory with .metadata, *.distcp and
               meta.pt; any mesh) -> a Hugging Face directory (safetensors shards, index, config.json) that
               transformers loads with from_pretrained. A LoRA run's checkpoint (the adapters without the frozen
-              base) is refused: ExportHF(lora=...) exports those runs, merged and/or as a peft adapter
+              base) needs --base <the base model's folder> to merge them into, checked against the base's
+              fingerprint the checkpoint records; --lora adapter writes the peft adapter directory instead
   hf-to-hf    a Hugging Face directory -> another one: re-shard (--max-shard-size), cast (--dtype), or change
               the file layout where a model family has several (--layout); every key and shape is checked
               against config.json on the way, and tokenizer and other non-weight files are copied
@@ -482,6 +656,7 @@ ExportHF writes Hugging Face directories during and after training.
 EPILOG = """\
 examples:
   python -m lightning_d9d.convert dcp-to-hf runs/ckpt/step=1000.ckpt exports/step1000 --config ~/models/Qwen3-0.6B
+  python -m lightning_d9d.convert dcp-to-hf runs/lora/last.ckpt exports/merged --base ~/models/Qwen3-0.6B
   python -m lightning_d9d.convert hf-to-hf Qwen3-8B Qwen3-8B-bf16 --dtype bfloat16 --max-shard-size 2GB
 
 models: {models}
@@ -571,6 +746,21 @@ def build_parser() -> argparse.ArgumentParser:
         "reads every file once, optimizer state included); needed to convert a checkpoint without a manifest "
         "(written by something other than D9DStrategy, or by a save that did not finish). Without it, only "
         "what converting itself checks is caught (keys, shapes, missing or truncated files), not flipped bytes",
+    )
+    dcp.add_argument(
+        "--base",
+        metavar="FOLDER",
+        help="a LoRA run's checkpoint holds the adapters, not the frozen base: the Hugging Face folder of the base "
+        "they were trained on, streamed and checked against the fingerprint the checkpoint records (another base "
+        "is refused, naming a tensor), the adapters merged into its weights; its tokenizer and other non-weight "
+        "files are copied unless --config names a directory",
+    )
+    dcp.add_argument(
+        "--lora",
+        choices=("merged", "adapter"),
+        help="a LoRA run's checkpoint: 'merged' (default) writes the base's weights with the adapters merged in "
+        "(needs --base); 'adapter' the peft adapter directory (adapter_config.json, adapter_model.safetensors), "
+        "for peft.PeftModel.from_pretrained on the base; no base is read, --base is only recorded in it",
     )
     _add_common(dcp)
     dcp.set_defaults(run=dcp_to_hf)

@@ -259,6 +259,7 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
                 k: v for k, v in section.items() if k not in frozen
             }
             checkpoint[frozen_checkpoint.FINGERPRINT_KEY] = frozen_checkpoint.fingerprint(model)
+            checkpoint[frozen_checkpoint.LORA_KEY] = frozen_checkpoint.lora_record(self._options.lora, model)
         training_checkpoint.save(directory, checkpoint)
 
     @override

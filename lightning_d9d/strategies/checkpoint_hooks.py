@@ -85,6 +85,10 @@ class CheckpointHooks(ModelParallelStrategy):
         path, content = self.broadcast(Path(filepath)), with_hf_config(checkpoint, self.lightning_module)
         if self._options.lora is not None and self.model is not None:
             content[frozen_checkpoint.FINGERPRINT_KEY] = frozen_checkpoint.fingerprint(self.model)
+            # the settings `convert dcp-to-hf --base` merges the adapters with
+            content[frozen_checkpoint.LORA_KEY] = frozen_checkpoint.lora_record(
+                self._options.lora, self.model
+            )
         if self._async_saves is not None and self._in_training_loop():
             self._async_saves.save(path, content)
             return

@@ -10,8 +10,8 @@ parameter. All runs share one launch (``fabric_lora_loop.py --fork``).
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
-from lightning_d9d.state.frozen import FINGERPRINT_KEY
+from lightning_d9d.state.frozen import FINGERPRINT_KEY, LORA_KEY
 from lightning_d9d.state.hf import save_hf
 from lightning_d9d.state.training import MODEL_SECTION, read_dcp_metadata, read_meta
 
@@ -83,7 +83,14 @@ def test_a_fabric_lora_checkpoint_holds_the_adapters_and_the_base_s_fingerprint(
     }
     assert model_keys == {name for name in params if _adapter(name)}
     frozen = {name for name in params if not _adapter(name)}
-    assert set(read_meta(ckpt, weights_only=True)[FINGERPRINT_KEY]) == frozen
+    meta = read_meta(ckpt, weights_only=True)
+    assert set(meta[FINGERPRINT_KEY]) == frozen
+    # the settings `convert dcp-to-hf --base` merges with
+    assert (meta[LORA_KEY]["rank"], meta[LORA_KEY]["alpha"], set(meta[LORA_KEY]["frozen_dtypes"])) == (
+        4,
+        8.0,
+        frozen,
+    )
     # the adapters and their AdamW moments: far fewer bytes than the base alone
     stored = sum(f.stat().st_size for f in ckpt.iterdir() if f.suffix == ".distcp")
     base_bytes = sum(params[name].numel() * 4 for name in frozen)

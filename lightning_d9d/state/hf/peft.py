@@ -27,7 +27,7 @@ import json
 import os
 import sys
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,15 +198,15 @@ def peft_adapter_config(
     layer in ``rank_pattern`` / ``alpha_pattern``. ``partial``: every rank's layers (a collective). Raises
     ``CheckpointError`` when the adapters cannot be expressed (dropout differs between layers: peft keeps one;
     dropout with adapted experts: peft's wrapper of a parameter takes none)."""
-    return _peft_config(module, _settings(module, partial), base_model_name_or_path)
+    return _peft_config(type(module).__name__, _settings(module, partial), base_model_name_or_path)
 
 
 def _peft_config(
-    module: nn.Module, settings: Mapping[str, _Adapted], base_model_name_or_path: str | None
+    model: str, settings: Mapping[str, _Adapted], base_model_name_or_path: str | None
 ) -> dict[str, Any]:
     if not settings:
         raise CheckpointError(
-            f"{type(module).__name__} has no LoRA adapters: train with D9DStrategy(lora=LoRA(...)) to export one"
+            f"{model} has no LoRA adapters: train with D9DStrategy(lora=LoRA(...)) to export one"
         )
     rank = Counter(s.rank for s in settings.values()).most_common(1)[0][0]
     alpha = Counter(s.alpha for s in settings.values()).most_common(1)[0][0]
@@ -288,21 +288,10 @@ def save_peft_adapter(
     ``base_model_name_or_path`` is recorded for ``peft`` (the base model's folder or Hub name); ``dtype`` casts
     the adapters (default: as they are)."""
     settings = _settings(module, partial)
-    config = _peft_config(module, settings, base_model_name_or_path)
+    config = _peft_config(type(module).__name__, settings, base_model_name_or_path)
     tensors, _ = module_tensors(module)
-    linear = [key for key in tensors if key.rpartition(".lora_")[0] in config["target_modules"]]
-    stacked = {
-        _factor_key(s.experts, part, s.weight): (part, s)
-        for s in settings.values()
-        if s.experts is not None
-        for part in ADAPTER_PARTS
-    }
-    mapper: ModelStateMapper = Parallel(
-        [Rename({key: PEFT_PREFIX + key for key in linear}), PeftExpertFactors(stacked)]
-    )
-    mine = [*linear, *stacked]
-    if dtype is not None:
-        mapper = chain(mapper, Cast(mapper.output_keys(), dtype, floating_only=True))
+    mapper = peft_mapper(settings, dtype, present=tensors)
+    mine = mapper.input_keys()
     return save_from_module(
         module,
         directory,
@@ -312,3 +301,69 @@ def save_peft_adapter(
         leave=frozenset(tensors) - frozenset(mine),
         single_file=ADAPTER_WEIGHTS,
     )
+
+
+def peft_mapper(
+    settings: Mapping[str, _Adapted],
+    dtype: torch.dtype | None = None,
+    *,
+    present: Collection[str] | None = None,
+) -> ModelStateMapper:
+    """Adapter keys (``<layer>.lora_A.weight``, ``<experts>.lora.lora_A.<weight>``, ...) -> peft's, for the
+    adapters ``settings`` describes; cast to ``dtype`` if given. ``present``: the keys this rank holds (a pipeline
+    stage's), to which the adapted layers' keys are limited."""
+    linear = [
+        key
+        for name, s in settings.items()
+        if s.experts is None
+        for key in (f"{name}.{part}.weight" for part in ADAPTER_PARTS)
+        if present is None or key in present
+    ]
+    stacked = {
+        _factor_key(s.experts, part, s.weight): (part, s)
+        for s in settings.values()
+        if s.experts is not None
+        for part in ADAPTER_PARTS
+    }
+    mapper: ModelStateMapper = Parallel(
+        [Rename({key: PEFT_PREFIX + key for key in linear}), PeftExpertFactors(stacked)]
+    )
+    if dtype is not None:
+        mapper = chain(mapper, Cast(mapper.output_keys(), dtype, floating_only=True))
+    return mapper
+
+
+def recorded_adapters(
+    keys: Collection[str], *, rank: int, alpha: float, dropout: float, expert_layouts: Mapping[str, bool]
+) -> dict[str, _Adapted]:
+    """The adapters among a training checkpoint's model ``keys``, as peft records them, from the LoRA settings the
+    checkpoint records (``state/frozen.py``): every layer with a ``lora_A.weight``, and every stacked-experts
+    weight of ``expert_layouts`` (in the experts module's parameter order, which sets peft's nesting)."""
+    by_experts: dict[str, list[str]] = {}
+    for name in expert_layouts:
+        experts, _, weight = name.rpartition(".")
+        by_experts.setdefault(experts, []).append(weight)
+    found: dict[str, _Adapted] = {}
+    for experts, weights in by_experts.items():
+        for position, weight in enumerate(weights):
+            nesting = len(weights) - 1 - position
+            found[f"{experts}.{weight}"] = _Adapted(rank, alpha, dropout, experts, weight, nesting)
+    factors = {
+        _factor_key(s.experts, part, s.weight)
+        for s in found.values()
+        if s.experts is not None
+        for part in ADAPTER_PARTS
+    }
+    suffix = ".lora_A.weight"
+    for key in keys:
+        if key.endswith(suffix) and key not in factors:
+            found[key.removesuffix(suffix)] = _Adapted(rank, alpha, dropout)
+    return found
+
+
+def recorded_peft_config(
+    settings: Mapping[str, _Adapted], base_model_name_or_path: str | None, *, source: str
+) -> dict[str, Any]:
+    """``adapter_config.json`` for the adapters ``settings`` describes (:func:`recorded_adapters`); ``source``
+    names where they come from in errors."""
+    return _peft_config(source, settings, base_model_name_or_path)
