@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # README.md's speed table, measured again on one H100 80 GB in two calls of at most ten minutes each: the commands
-# of docs/benchmarks.md's runs U1, U2, U8 and U10, each path against the plain recipe (and torchtitan) of its own run.
+# of docs/benchmarks.md's runs U1, U2, U8, U17 and U18, each path against the plain recipe (and torchtitan) of its own run.
 #
 # Here, once, with network (into the ignored .whl/): torchtitan 0.2.2 and torchao 0.18.0 (.whl/titan, .whl/ao18,
 # ~5 MiB) and FlashAttention 4's wheels cut into two parts a call can carry (.whl/fa4_part1, .whl/fa4_part2;
@@ -8,9 +8,9 @@
 #   benchmarks/reproduce_readme.sh fetch
 # There, two calls back to back on one warm machine (call 2 finds the FlashAttention 4 part that call 1 stashed;
 # a fresh machine between them means starting again at call 1):
-#   OUT=$OUT benchmarks/reproduce_readme.sh 1   carry .whl/titan .whl/ao18 .whl/fa4_part1   (~7 min)
+#   OUT=$OUT benchmarks/reproduce_readme.sh 1   carry .whl/titan .whl/ao18 .whl/fa4_part1   (~9 min)
 #       Qwen3-30B-A3B's layer x 6 at seq 4096 x 2: the plain recipe, torchtitan, ours (U8); LoRA at Qwen3-8B's
-#       shape: transformers + peft + FSDP2 + compile against ours (U10)
+#       shape: transformers + peft + FSDP2 + compile against ours (U17); the full fine-tune at Qwen3-1.7B's (U18)
 #   OUT=$OUT benchmarks/reproduce_readme.sh 2   carry .whl/titan .whl/ao18 .whl/fa4_part2   (~8 min)
 #       installs FlashAttention 4, then Qwen3-0.6B at seq 4096 x 4: the plain recipe, torchtitan, ours with cuDNN
 #       and with FA4 (U1); the Qwen3-MoE shape: the plain recipe, ours and your transformers MoE (U2); the table
@@ -59,7 +59,7 @@ call1() {
   titan_env || return 1
   [[ ${ENV_ONLY:-} ]] && { python3 -c "import torchtitan, torchao; print('torchtitan and torchao import')"; return $status; }
   MOE_LARGE_BATCH=2 MOE_LARGE_PATHS=hf_fsdp_compiled,titan_compiled,ours_trainer_compiled_nofsdp \
-    OUT="$OUT" benchmarks/h200_runs.sh moe_large lora || status=1
+    OUT="$OUT" benchmarks/h200_runs.sh moe_large lora full1.7b || status=1
   return $status
 }
 
@@ -94,6 +94,8 @@ ROWS = [  # (result file under $OUT, README row, our path, the baseline, the pee
      "hf_fsdp_compiled", "titan_compiled"),
     ("lora/8b/lora_throughput.json", "Qwen3-8B LoRA, 4096 x 1", "hf_trainer_lora_compiled_nofsdp",
      "peft_fsdp_compiled", None),
+    ("full1.7b/train_throughput.json", "Qwen3-1.7B full fine-tune, 4096 x 2", "ours_trainer_compiled_nofsdp",
+     "hf_fsdp_compiled", None),
 ]
 failed = False
 print("| row | ours ms | vs plain recipe | vs torchtitan | peak GiB ours / plain | loss vs baseline |")
