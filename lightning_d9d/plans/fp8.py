@@ -56,7 +56,10 @@ grad_weight) contract over a dim every rank holds whole, and are one process's b
 what one process does when each float8 linear multiplies per block of N (``tests/plans/test_fp8.py``: losses
 within 2 fp32 last bits over 5 steps), not the one-process rowwise model: at tp=2 on the tiny Qwen3 1.2e-5 apart
 in the first loss and 6e-3 in the parameters after 5 AdamW steps at lr=1e-3, float8 rounding that differs, not a
-bias. A shard's amax is at most its row's, so no element is scaled more coarsely than one process scales it. On
+bias. A shard's amax is at most its row's, so no element is scaled more coarsely than one process scales it. LoRA's
+adapted layers (``Float8LoRALinear``) take the same plain styles, their adapters split beside the base
+(``plans/lora.lora_tensor_plan``) and reading the input as it is; tensorwise adapted layers under tp are refused
+(torchao's float8 styles would hand their adapters a float8 input). On
 a transformers Qwen3 (``tests/models/hf/test_hf_fp8.py``) the per-shard model holds for the first step only: after
 it any two rowwise runs whose fp32 sums differ in their last bits part, since a row's power-of-two scale re-rounds
 the whole row when its amax crosses a power of two.
@@ -414,6 +417,7 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
     out: dict[str, ParallelStyle] = {}
     for name, style in plan.items():
         if isinstance(style, (ColwiseParallel, RowwiseParallel)) and tensorwise(name):
+            _refuse_adapted(module.get_submodule(name), name)
             kind = Float8ColwiseParallel if isinstance(style, ColwiseParallel) else Float8RowwiseParallel
             out[name] = kind(
                 input_layouts=style.input_layouts[0],
@@ -445,6 +449,18 @@ def float8_tensor_plan(module: nn.Module, plan: Mapping[str, ParallelStyle]) -> 
             use_local_output=False,
         )
     return out
+
+
+def _refuse_adapted(layer: nn.Module, name: str) -> None:
+    """A tensorwise ``Float8LoRALinear`` under tp: torchao's float8 styles cast its input to float8 (before the
+    sequence gather), which its adapter would then read; the rowwise recipe keeps torch's plain styles, under which
+    the adapter reads the input as it is."""
+    if isinstance(layer, _float8_lora_class()):
+        raise ValueError(
+            f"fp8='tensorwise' under tp: {name} is adapted by LoRA, and torchao's float8 tp styles hand it a float8 "
+            "input its adapter cannot read; use fp8='rowwise' under tp (torch's plain styles, scales per tp "
+            "shard), or tensorwise at tp=1"
+        )
 
 
 @runtime_checkable

@@ -56,17 +56,18 @@ def checked_parallel_options(
 
 def check_lora(lora: LoRA | None, *, fp8: str | None, fp8_experts: bool | None, tp: int, owner: str) -> None:
     """A ``LoRA`` config, and the options it cannot be combined with yet: with ``fp8`` the adapted layers' base
-    matmul runs in float8 and the adapters in their own dtype (``plans/fp8.py``), but not under tp, where torchao's
-    float8 styles hand the layer a float8 input the adapter would read too; nor float8 experts with adapted
-    experts."""
+    matmul runs in float8 and the adapters in their own dtype (``plans/fp8.py``), under tp too with the rowwise
+    recipe (torch's plain styles); not tensorwise under tp, where torchao's float8 styles hand the layer a float8
+    input the adapter would read too; nor float8 experts with adapted experts."""
     if lora is None:
         return
     if not isinstance(lora, LoRA):
         raise TypeError(f"{owner}(lora=...) takes a lightning_d9d.LoRA, got {type(lora).__name__}")
-    if fp8 is not None and tp > 1:
+    if fp8 == "tensorwise" and tp > 1:
         raise ValueError(
-            f"{owner}(lora=..., fp8={fp8!r}, tp={tp}): under tp torchao's float8 styles hand an adapted layer a "
-            "float8 input, which its adapter cannot read; use fp8 with lora at tp=1 (FSDP, pp, cp, ep), or fp8=None"
+            f"{owner}(lora=..., fp8='tensorwise', tp={tp}): under tp torchao's float8 styles hand an adapted layer a "
+            "float8 input, which its adapter cannot read; use fp8='rowwise' under tp (torch's plain styles, "
+            "scales per tp shard), tensorwise at tp=1 (FSDP, pp, cp, ep), or fp8=None"
         )
     if fp8 is not None and fp8_experts is not False and lora.experts:
         raise ValueError(
