@@ -39,6 +39,8 @@ _STATES_PER_PARAMETER = {
 def optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int | None:
     """Tensors of a parameter's size the optimizer keeps per parameter; None for one this table does not know."""
     name = type(optimizer).__name__
+    if name == "StochasticAdamW":  # bf16 parameters; its state depends on its options
+        return int(optimizer.states_per_parameter)  # type: ignore[attr-defined]
     if name == "SGD":
         return int(any(group.get("momentum", 0) for group in optimizer.param_groups))
     if name == "RMSprop":

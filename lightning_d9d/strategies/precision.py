@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_d9d.optim import MasterWeightAdamW
+from lightning_d9d.optim import MasterWeightAdamW, StochasticAdamW
 from lightning_d9d.strategies.accumulation import StepTokens
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 
@@ -167,8 +167,11 @@ class D9DPrecision(D9DPrecisionBase, Precision):
 
 
 def master_weight_scale(optimizer: Optimizer) -> Callable[[Tensor], None] | None:
-    """Where norm clipping hands its coefficient: a ``MasterWeightAdamW`` applies it in its step."""
-    return optimizer.scale_gradients if isinstance(optimizer, MasterWeightAdamW) else None
+    """Where norm clipping hands its coefficient: a ``MasterWeightAdamW`` or ``StochasticAdamW`` applies it in its
+    step (in fp32, rather than a pass rewriting bf16 gradients)."""
+    if isinstance(optimizer, (MasterWeightAdamW, StochasticAdamW)):
+        return optimizer.scale_gradients
+    return None
 
 
 def as_trainer_precision(plugin: Precision) -> D9DPrecision:

@@ -1,0 +1,213 @@
+"""AdamW over bf16 parameters with bf16 state, unbiased through stochastic rounding.
+
+Two ways to keep a bf16 model, both with ``Trainer(precision="bf16-true")`` and any mesh (FSDP, tp, ep, pp):
+
+- ``master_weights=False`` (the default): no fp32 copy anywhere. Each step computes in fp32 and writes the
+  parameter back to bf16 with stochastic rounding, so updates far below one bf16 ulp still move the weight in
+  expectation (round-to-nearest would drop them). 2 + 2 + 2 bytes a parameter with bf16 moments (the default),
+  2 + 4 + 4 with ``moments_dtype=torch.float32``.
+- ``master_weights=True``: an fp32 master per parameter in the optimizer state (started from the bf16
+  parameter), the parameter the master rounded to nearest; the moments still bf16 by default. 2 + 4 + 2 + 2 bytes.
+
+bf16 moments are written with stochastic rounding too: the second moment's decay by ``beta2 = 0.999`` changes it
+by less than half a bf16 ulp, so round-to-nearest would freeze it.
+
+The random bits are a hash of ``(seed, step, stream, global element index)``
+(:mod:`lightning_d9d.optim.stochastic_rounding`): the seed is a parameter-group setting and the step a per-parameter
+counter, both in the optimizer's state dict, so a resume continues the same stream, and a sharded parameter rounds
+as it does whole on one process. Parameters of one shape share their bits at one step (the index knows no
+parameter): each rounding is still unbiased on its own.
+
+DTensor parameters step on their local part (``to_local()``), their state being DTensors of the same placements,
+so checkpoints save it sharded like torch's AdamW's. ``scale_gradients`` takes norm clipping's coefficient into
+the next step (in fp32), as :class:`lightning_d9d.optim.MasterWeightAdamW` does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_d9d.kernels.adamw import AdamWHyper
+from lightning_d9d.optim.stochastic_rounding import (
+    global_element_index,
+    random_bits16,
+    stochastic_round_bf16,
+)
+
+# Which random stream rounds which tensor of a step: independent bits for the weight and each moment.
+_STREAMS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
+_MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class StochasticAdamW(torch.optim.Optimizer):
+    """``torch.optim.AdamW``'s math (decoupled weight decay, its order of operations, in fp32) over bf16
+    parameters, writing bf16 results with stochastic rounding; see the module docstring for the two options.
+
+    ``seed`` (an int, a parameter-group setting) picks the random stream. ``amsgrad``, ``maximize``, ``foreach``,
+    ``fused`` and ``capturable`` are not options."""
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        master_weights: bool = False,
+        moments_dtype: torch.dtype = torch.bfloat16,
+        seed: int = 0,
+    ) -> None:
+        if moments_dtype not in _MOMENT_DTYPES:
+            raise ValueError(
+                f"StochasticAdamW keeps its moments in bf16 or fp32, got moments_dtype={moments_dtype}"
+            )
+        defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "seed": int(seed)}
+        super().__init__(params, defaults)
+        self.master_weights = master_weights
+        self.moments_dtype = moments_dtype
+        self._grad_scale: Tensor | None = None
+        for param in self._parameters():
+            if param.dtype != torch.bfloat16:
+                raise TypeError(
+                    f"StochasticAdamW takes bf16 parameters, got {param.dtype} of {tuple(param.shape)}: train "
+                    "with Trainer(precision='bf16-true'); for fp32 parameters use torch.optim.AdamW"
+                )
+            if param.requires_grad:  # state now: DCP maps a checkpoint's entries onto the keys it finds
+                self.state[param] = self._initial_state(param)
+
+    @property
+    def states_per_parameter(self) -> int:
+        """Tensors of a (bf16) parameter's size the state holds per parameter: the memory plan's unit."""
+        moment = 2 if self.moments_dtype == torch.float32 else 1
+        return 2 * moment + (2 if self.master_weights else 0)
+
+    def _initial_state(self, param: Tensor) -> dict[str, Tensor]:
+        state = {
+            "step": torch.tensor(0.0, dtype=torch.float32),
+            "exp_avg": torch.zeros_like(param, dtype=self.moments_dtype, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(
+                param, dtype=self.moments_dtype, memory_format=torch.preserve_format
+            ),
+        }
+        if self.master_weights:
+            state["master"] = param.detach().to(torch.float32, copy=True)
+        return state
+
+    def _parameters(self) -> Iterable[Tensor]:
+        return chain.from_iterable(group["params"] for group in self.param_groups)
+
+    def scale_gradients(self, scale: Tensor) -> None:
+        """Multiply the gradients by ``scale`` (one element, e.g. norm clipping's coefficient) in the next step,
+        in fp32, instead of rewriting the bf16 gradients now. Scales given before one step multiply."""
+        scale = scale.detach().to(torch.float32).reshape(1)
+        self._grad_scale = scale if self._grad_scale is None else self._grad_scale * scale
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale, self._grad_scale = self._grad_scale, None
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.grad.is_sparse:
+                    raise RuntimeError("StochasticAdamW does not support sparse gradients")
+                state = self.state[param]
+                if not state:
+                    state.update(self._initial_state(param))
+                state["step"] += 1
+                step = int(state["step"].item())
+                if grad_scale is not None and grad_scale.device != param.device:
+                    grad_scale = grad_scale.to(param.device)
+                self._step_one(param, state, _hyper(group, step), int(group["seed"]), grad_scale)
+        return loss
+
+    def _step_one(
+        self,
+        param: Tensor,
+        state: dict[str, Tensor],
+        hyper: AdamWHyper,
+        seed: int,
+        grad_scale: Tensor | None,
+    ) -> None:
+        """torch's single-tensor AdamW in fp32 on the local parts, then each bf16 result rounded stochastically."""
+        grad = param.grad
+        assert grad is not None
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
+            grad = grad.redistribute(param.device_mesh, param.placements)
+        index = global_element_index(param)
+
+        def store(target: Tensor, value: Tensor, stream: str) -> None:
+            local = _local(target)
+            if local.dtype == torch.bfloat16:
+                bits = random_bits16(index, seed=seed, step=hyper.step, stream=_STREAMS[stream])
+                local.copy_(stochastic_round_bf16(value, bits))
+            elif local is not value:
+                local.copy_(value)
+
+        g = _local(grad).to(torch.float32)
+        if grad_scale is not None:
+            g = g * grad_scale
+        master = _local(state["master"]) if self.master_weights else None
+        weight = master if master is not None else _local(param).to(torch.float32)
+        exp_avg, exp_avg_sq = (_local(state[key]).to(torch.float32) for key in ("exp_avg", "exp_avg_sq"))
+        weight.mul_(hyper.decay)
+        exp_avg.lerp_(g, 1.0 - hyper.beta1)
+        exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
+        denom = (exp_avg_sq.sqrt() / hyper.bias_correction2_sqrt).add_(hyper.eps)
+        weight.addcdiv_(exp_avg, denom, value=-hyper.step_size)
+        store(state["exp_avg"], exp_avg, "exp_avg")
+        store(state["exp_avg_sq"], exp_avg_sq, "exp_avg_sq")
+        if master is not None:
+            _local(param).copy_(master)  # round to nearest: the master keeps what rounding drops
+        else:
+            store(param, weight, "param")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """torch's, except that the state keeps its own dtypes (torch casts every floating state tensor but
+        ``step`` to its parameter's dtype, bf16 here): the moments ``moments_dtype``, the masters fp32. A state
+        without masters starts them from the parameters as loaded; masters in a state that needs none go."""
+        saved = {
+            param_id: {k: v for k, v in entries.items() if k != "step" and isinstance(v, Tensor)}
+            for param_id, entries in state_dict["state"].items()
+        }
+        saved_ids = chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        super().load_state_dict(state_dict)
+        with torch.no_grad():
+            for param_id, param in zip(saved_ids, self._parameters(), strict=True):
+                if param_id not in saved:
+                    continue
+                state = self.state[param]
+                for key, value in saved[param_id].items():
+                    dtype = torch.float32 if key == "master" else self.moments_dtype
+                    state[key] = value.to(device=param.device, dtype=dtype)
+                if self.master_weights and "master" not in state:
+                    state["master"] = param.detach().to(torch.float32, copy=True)
+                if not self.master_weights:
+                    state.pop("master", None)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _hyper(group: dict[str, Any], step: int) -> AdamWHyper:
+    beta1, beta2 = group["betas"]
+    return AdamWHyper(
+        lr=float(group["lr"]),
+        beta1=float(beta1),
+        beta2=float(beta2),
+        eps=float(group["eps"]),
+        weight_decay=float(group["weight_decay"]),
+        step=step,
+    )
