@@ -1,0 +1,157 @@
+"""Muon over sharded parameters against one process (fp32, gloo, 2 ranks, one launch).
+
+Tiny Qwen3 under its own plan at dp_shard=2 (FSDP2 ``Shard(0)``) and at tp=2 (``Shard(0)``/``Shard(1)`` and
+replicated norms), 6 steps of the same batches (each data rank its half), parameters within 1e-5 of one
+process; a training checkpoint saved after 3 steps at dp_shard=2 and loaded into a fresh model and optimizer
+continues exactly as the uninterrupted run; expert stacks ``[E, in, out]`` split over their experts (no gather)
+or over a matrix dimension (gathered) take one process's per-expert steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from distributed import run_distributed
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.optim import Muon, muon_param_groups
+from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel
+from lightning_d9d.state.training import load, optimizer_state, save
+
+STEPS, SAVED_AT = 6, 3
+LAYOUTS = {"dp_shard2": {"dp_shard": 2}, "tp2": {"tp": 2}}
+OPTIONS = {"lr": 1e-2, "weight_decay": 0.1}
+
+
+def full(tensor: Tensor) -> Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def batches() -> list[tuple[Tensor, Tensor]]:
+    generator = torch.Generator().manual_seed(7)
+    return [
+        (
+            torch.randint(0, 256, (2, 8), generator=generator),
+            torch.randint(0, 256, (2, 8), generator=generator),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def sharded_model(dims: ParallelDims, seed: int) -> Qwen3ForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(Qwen3Config.tiny())
+    model.parallelize(dims, ParallelOptions())
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    return model
+
+
+def train(model: nn.Module, optimizer: Muon, dims: ParallelDims | None, steps: range) -> None:
+    """Steps ``steps`` of :func:`batches`: one process takes the whole batch, a data rank its rows (FSDP
+    averages the gradients: every row has as many tokens)."""
+    data = batches()
+    for step in steps:
+        ids, labels = data[step]
+        if dims is not None:
+            rank, dp = dims.mesh_for("dp").get_local_rank(), dims.dp
+            rows = slice(rank * 2 // dp, (rank + 1) * 2 // dp)
+            ids, labels = ids[rows], labels[rows]
+        with maybe_loss_parallel(dims is not None and dims.tp > 1):
+            causal_lm_loss(model(ids), labels).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def largest_difference(model: nn.Module, reference: nn.Module) -> float:
+    expected = dict(reference.named_parameters())
+    return max(
+        float((full(p.detach()) - full(expected[n].detach())).abs().max())
+        for n, p in model.named_parameters()
+    )
+
+
+def layout_body(layout: dict[str, int], directory: str) -> dict[str, float]:
+    dims = ParallelDims(**layout).resolve(dist.get_world_size()).build_mesh("cpu")
+    reference = Qwen3ForCausalLM(Qwen3Config.tiny())
+    reference.init_weights(seed=11)
+    reference_optimizer = Muon(muon_param_groups(reference), **OPTIONS)
+    train(reference, reference_optimizer, None, range(STEPS))
+
+    model = sharded_model(dims, seed=11)
+    optimizer = Muon(muon_param_groups(model), **OPTIONS)
+    train(model, optimizer, dims, range(SAVED_AT))
+    result = {}
+    if layout == LAYOUTS["dp_shard2"]:
+        checkpoint = Path(directory) / "step=3.ckpt"
+        save(
+            checkpoint,
+            {
+                "state_dict": get_model_state_dict(model),
+                "optimizer_states": [optimizer_state(model, optimizer)],
+            },
+        )
+        resumed = sharded_model(dims, seed=12)  # other weights: the load must replace them
+        resumed_optimizer = Muon(muon_param_groups(resumed), **OPTIONS)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            load(checkpoint, resumed, {0: resumed_optimizer}, strict=True, weights_only=True)
+        train(resumed, resumed_optimizer, dims, range(SAVED_AT, STEPS))
+    train(model, optimizer, dims, range(SAVED_AT, STEPS))
+    result["difference"] = largest_difference(model, reference)
+    if layout == LAYOUTS["dp_shard2"]:
+        result["resume_difference"] = largest_difference(resumed, model)
+    return result
+
+
+def experts_body() -> dict[str, float]:
+    """A stack of 4 experts ``[4, 32, 16]`` split over 2 ranks by experts (``Shard(0)``, what ep does) and by
+    rows (``Shard(1)``), 3 steps of the same gradients against one process."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    generator = torch.Generator().manual_seed(3)
+    start = torch.randn(4, 32, 16, generator=generator)
+    grads = [torch.randn(4, 32, 16, generator=generator) for _ in range(3)]
+    reference = nn.Parameter(start.clone())
+    sharded = {dim: nn.Parameter(distribute_tensor(start.clone(), mesh, [Shard(dim)])) for dim in (0, 1)}
+    optimizers = [Muon([reference], **OPTIONS), *(Muon([param], **OPTIONS) for param in sharded.values())]
+    for grad in grads:
+        reference.grad = grad.clone()
+        for dim, param in sharded.items():
+            param.grad = distribute_tensor(grad.clone(), mesh, [Shard(dim)])
+        for optimizer in optimizers:
+            optimizer.step()
+    return {
+        f"shard{dim}": float((param.full_tensor() - reference).abs().max()) for dim, param in sharded.items()
+    }
+
+
+def all_bodies(directory: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    results: dict[str, Any] = {name: layout_body(layout, directory) for name, layout in LAYOUTS.items()}
+    results["experts"] = experts_body()
+    return results
+
+
+@functools.cache
+def ranks(directory: str) -> list[dict[str, Any]]:
+    return run_distributed(all_bodies, 2, directory)
+
+
+def test_sharded_muon_matches_one_process(tmp_path_factory: Any) -> None:
+    for rank in ranks(str(tmp_path_factory.getbasetemp())):
+        for name in LAYOUTS:
+            assert rank[name]["difference"] <= 1e-5, name
+        assert rank["dp_shard2"]["resume_difference"] == 0.0
+        assert rank["experts"]["shard0"] <= 1e-6
+        assert rank["experts"]["shard1"] <= 1e-6
