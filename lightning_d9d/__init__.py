@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from lightning_d9d.fabric import D9DFabricStrategy
     from lightning_d9d.mesh import ParallelDims
     from lightning_d9d.modules.metrics import CausalLMPerplexity, TokenAccuracy
+    from lightning_d9d.optim import Muon
     from lightning_d9d.plans import LoRA, ParallelOptions
     from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
@@ -31,6 +32,7 @@ __all__ = [
     "D9DPrecision",
     "D9DStrategy",
     "LoRA",
+    "Muon",
     "ParallelDims",
     "ParallelOptions",
     "TokenAccuracy",
@@ -47,6 +49,7 @@ _PUBLIC = {
     "ParallelDims": "lightning_d9d.mesh",
     "ParallelOptions": "lightning_d9d.plans",
     "LoRA": "lightning_d9d.plans",
+    "Muon": "lightning_d9d.optim",  # Lightning: loaded on first access only
     "CausalLMPerplexity": "lightning_d9d.modules.metrics",  # torchmetrics: loaded on first access only
     "TokenAccuracy": "lightning_d9d.modules.metrics",
 }
