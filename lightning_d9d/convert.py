@@ -14,7 +14,6 @@ base); without ``--base`` a merge is refused (``state/hf/lora_checkpoint.py``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -41,7 +40,7 @@ from lightning_d9d.state import (
     parse_size,
 )
 from lightning_d9d.state.errors import MissingShardError, format_keys
-from lightning_d9d.state.frozen import FINGERPRINT_KEY, LoRARecord, is_fingerprint, read_lora_record
+from lightning_d9d.state.frozen import FINGERPRINT_KEY
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
@@ -57,16 +56,16 @@ from lightning_d9d.state.hf import (
     transformers_model_format,
     writing_mapper,
 )
-from lightning_d9d.state.hf.lora_checkpoint import JoinedReader, merged_mapper, strip_prefix
-from lightning_d9d.state.hf.peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
-    peft_mapper,
-    recorded_adapters,
-    recorded_peft_config,
+from lightning_d9d.state.hf.lora_checkpoint import (
+    adapter_export,
+    base_merge,
+    read_lora_meta,
+    recorded_base,
+    recorded_lora,
+    under_prefix,
 )
+from lightning_d9d.state.hf.peft import ADAPTER_WEIGHTS
 from lightning_d9d.state.training import (
-    CALLBACKS_SECTION,
     DCP_METADATA_NAME,
     META_NAME,
     MODEL_SECTION,
@@ -170,28 +169,6 @@ def detect_prefix(keys: Collection[str], expected: Collection[str], checkpoint: 
     )
 
 
-def _recorded_base(meta: dict[str, Any]) -> str | None:
-    """The folder ``LoadHFWeights`` loaded the model from, as recorded in the checkpoint's callback states."""
-    for name, state in (meta.get(CALLBACKS_SECTION) or {}).items():
-        if (
-            str(name).startswith("LoadHFWeights")
-            and isinstance(state, dict)
-            and isinstance(state.get("source"), str)
-        ):
-            return str(state["source"])
-    return None
-
-
-def _lora_meta(checkpoint: Path) -> dict[str, Any] | None:
-    """``meta.pt``'s content when ``checkpoint`` is a LoRA run's (it records a fingerprint of the frozen base in place
-    of the base), else ``None``."""
-    try:
-        meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
-    except CheckpointError:  # missing, or unreadable: the conversion's own checks say why
-        return None
-    return meta if FINGERPRINT_KEY in meta else None
-
-
 def _refuse_merge_without_base(checkpoint: Path, meta: dict[str, Any]) -> None:
     """A LoRA run's checkpoint holds the adapters and a fingerprint of the frozen base, not the base: no model folder
     can be written from it alone. Refused first, naming what is missing and the option that supplies it."""
@@ -201,7 +178,7 @@ def _refuse_merge_without_base(checkpoint: Path, meta: dict[str, Any]) -> None:
         if isinstance(fingerprint, dict)
         else ""
     )
-    base = _recorded_base(meta)
+    base = recorded_base(meta)
     where = f"; its base was loaded from {base}" if base is not None else ""
     raise CheckpointError(
         f"{checkpoint} is a LoRA run's checkpoint: it holds the adapters and a fingerprint of the frozen base, not "
@@ -411,6 +388,19 @@ def _checkpoint_config(
     return config, config_path, side
 
 
+def _check_hf_folder(
+    reader: CheckpointReader, fmt: HFFormat, config: dict[str, Any], config_path: str, source: str
+) -> None:
+    """A Hugging Face folder's weights have the layer count and the shapes ``config`` implies."""
+    check_layer_count(config, reader.keys(), config_path=config_path, source=source)
+    if fmt.hf_shapes is not None:
+        layout = fmt.layout_of(reader.keys())
+        info = reader.tensor_info()
+        found = {key: value.shape for key, value in info.items()}
+        hf_shapes = fmt.hf_shapes(config, layout)
+        _check_shapes(found, hf_shapes, lambda key: str(reader.directory / info[key].file), config_path)
+
+
 def _beyond_class(
     fmt: HFFormat, keys: Collection[str], read: Collection[str], checkpoint: Path, config_path: str
 ) -> set[str]:
@@ -438,7 +428,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
             _refuse_output_at(output, given, "dcp-to-hf", why)
         else:
             _refuse_output_at(output, given.parent, "dcp-to-hf", why, inside=False)
-    lora = _lora_meta(checkpoint)
+    lora = read_lora_meta(checkpoint)
     if lora is not None:
         _lora_to_hf(args, checkpoint, output, lora)
         return
@@ -473,24 +463,11 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
 
 def _lora_to_hf(args: argparse.Namespace, checkpoint: Path, output: Path, meta: dict[str, Any]) -> None:
     """A LoRA run's checkpoint: merged into the ``--base`` folder's weights (checked against the recorded
-    fingerprint), or, with ``--lora adapter``, the peft adapter directory."""
+    fingerprint), or, with ``--lora adapter``, the peft adapter directory (``state/hf/lora_checkpoint.py``)."""
     if args.base is None and args.lora != "adapter":
         _refuse_merge_without_base(checkpoint, meta)
-    fingerprint = meta[FINGERPRINT_KEY]
-    if not is_fingerprint(fingerprint):
-        raise CheckpointError(
-            f"{checkpoint}: meta.pt's {FINGERPRINT_KEY!r} is not a fingerprint of frozen parameters (name -> (sum, "
-            "sum of squares, numel)): the file is damaged or crafted; choose another checkpoint"
-        )
-    record = read_lora_record(meta, str(checkpoint))
-    if record is None:
-        raise CheckpointError(
-            f"{checkpoint} is a LoRA run's checkpoint that records no LoRA settings (rank, alpha, layouts), which "
-            "the merge needs: it was saved by an earlier version of lightning_d9d. Export it from a run that "
-            "resumes it with ExportHF(dirpath, lora='merged' | 'adapter' | 'both') among its callbacks"
-        )
+    fingerprint, record = recorded_lora(meta, str(checkpoint))
     base = None if args.base is None or args.lora == "adapter" else Path(args.base)  # read for a merge only
-    base_reader = None
     if base is not None:
         _refuse_output_at(output, base, "dcp-to-hf", "the --base folder (it would be replaced)")
         base_reader = CheckpointReader(base)  # a folder without safetensors weights is refused here
@@ -503,16 +480,17 @@ def _lora_to_hf(args: argparse.Namespace, checkpoint: Path, output: Path, meta: 
     )
     _check_model_type(fmt, args.model, config_path)
     reader = reader.with_prefix(prefix)
-    record = dataclasses.replace(
-        record,
-        frozen_dtypes=strip_prefix(record.frozen_dtypes, prefix),
-        expert_layouts=strip_prefix(record.expert_layouts, prefix),
-    )
+    fingerprint, record = under_prefix(prefix, fingerprint, record)
     dtype = DTYPES[args.dtype] if args.dtype else None
-    if args.lora == "adapter":
-        _write_adapter(args, checkpoint, output, reader, record, _recorded_base(meta))
+    if base is None:  # --lora adapter
+        base_name = args.base if args.base is not None else recorded_base(meta)
+        adapter = adapter_export(reader, record, base_name=base_name, dtype=dtype, source=str(checkpoint))
+        plan = reader.plan(adapter.mapper, ignore=adapter.ignore)
+        writer = ShardedWriter(output, extra_files=adapter.files, single_file=ADAPTER_WEIGHTS)
+        progress = _Progress("dcp-to-hf", output, plan)
+        _write(reader.stream(adapter.mapper, ignore=adapter.ignore), writer, progress, None, str(checkpoint))
+        progress.report(writer, args.stats)
         return
-    assert base is not None and base_reader is not None
     check_same_model(
         read_hf_config(base),
         config,
@@ -520,76 +498,34 @@ def _lora_to_hf(args: argparse.Namespace, checkpoint: Path, output: Path, meta: 
         expected_name="the checkpoint's model",
         fmt=fmt,
     )
-    check_layer_count(config, base_reader.keys(), config_path=config_path, source=f"the base {base}")
-    info = base_reader.tensor_info()
-    base_shapes = {key: value.shape for key, value in info.items()}
-    if fmt.hf_shapes is not None:
-        layout_in = fmt.layout_of(base_reader.keys())
-        _check_shapes(
-            base_shapes, fmt.hf_shapes(config, layout_in), lambda key: str(base / info[key].file), config_path
-        )
-    recorded = _recorded_base(meta)
+    _check_hf_folder(base_reader, fmt, config, config_path, source=f"the base {base}")
+    recorded = recorded_base(meta)
     fix = (
         "pass --base the folder the run loaded its base from"
         + (f" ({recorded})" if recorded is not None else "")
         + ", holding the weights it held then"
     )
-    aliases = set(fmt.tied(config))
-    trained = reader.keys() - aliases
-    merged = merged_mapper(
+    merge = base_merge(
+        base_reader,
+        reader,
         fmt,
         config,
-        base_keys=base_reader.keys(),
-        base_shapes=base_shapes,
-        trained=trained,
-        frozen=strip_prefix(fingerprint, prefix),
+        fingerprint=fingerprint,
         record=record,
         dtype=dtype,
         layout=args.layout,
         where=f"the base {base}",
         fix=fix,
     )
-    ignore = (aliases & reader.keys()) | _beyond_class(
-        fmt, trained, merged.input_keys(), checkpoint, config_path
+    ignore = merge.aliases | _beyond_class(
+        fmt, merge.trained, merge.mapper.input_keys(), checkpoint, config_path
     )
-    joined = JoinedReader(base_reader, reader)
-    plan = joined.plan(merged, ignore=ignore)
-    kept = next(iter(record.frozen_dtypes.values()), None)  # the frozen base's dtype: the merged weights'
-    written = dtype if dtype is not None else kept
-    extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=written)}
+    plan = merge.reader.plan(merge.mapper, ignore=ignore)
+    extra: dict[str, bytes | str] = {**side, CONFIG_NAME: hf_config_json(config, dtype=merge.dtype)}
     writer = ShardedWriter(output, max_shard_bytes=args.max_shard_size, extra_files=extra)
     progress = _Progress("dcp-to-hf", output, plan)
     expected = fmt.hf_shapes(config, fmt.resolve_layout(args.layout)) if fmt.hf_shapes is not None else None
-    _write(joined.stream(merged, ignore=ignore), writer, progress, expected, config_path)
-    progress.report(writer, args.stats)
-
-
-def _write_adapter(
-    args: argparse.Namespace,
-    checkpoint: Path,
-    output: Path,
-    reader: DCPReader,
-    record: LoRARecord,
-    recorded_base: str | None,
-) -> None:
-    """``--lora adapter``: the checkpoint's adapters as a peft adapter directory (no base is read; ``--base``, else
-    the folder the run loaded its base from, is recorded as ``base_model_name_or_path``)."""
-    settings = recorded_adapters(
-        reader.keys(),
-        rank=record.rank,
-        alpha=record.alpha,
-        dropout=record.dropout,
-        expert_layouts=record.expert_layouts,
-    )
-    base_name = args.base if args.base is not None else recorded_base
-    config = recorded_peft_config(settings, base_name, source=str(checkpoint))
-    mapper = peft_mapper(settings, DTYPES[args.dtype] if args.dtype else None)
-    ignore = reader.keys() - mapper.input_keys()  # the trained state beyond the adapters: not peft's
-    plan = reader.plan(mapper, ignore=ignore)
-    extra = {ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
-    writer = ShardedWriter(output, extra_files=extra, single_file=ADAPTER_WEIGHTS)
-    progress = _Progress("dcp-to-hf", output, plan)
-    _write(reader.stream(mapper, ignore=ignore), writer, progress, None, str(checkpoint))
+    _write(merge.reader.stream(merge.mapper, ignore=ignore), writer, progress, expected, config_path)
     progress.report(writer, args.stats)
 
 
@@ -603,14 +539,8 @@ def hf_to_hf(args: argparse.Namespace) -> None:
     _check_model_type(fmt, args.model, config_path)
     reader = CheckpointReader(source)
     keys = reader.keys()
-    check_layer_count(config, keys, config_path=config_path, source=str(source))
+    _check_hf_folder(reader, fmt, config, config_path, source=str(source))
     layout_in = fmt.layout_of(keys)
-    if fmt.hf_shapes is not None:
-        info = reader.tensor_info()
-        found = {key: value.shape for key, value in info.items()}
-        _check_shapes(
-            found, fmt.hf_shapes(config, layout_in), lambda key: str(source / info[key].file), config_path
-        )
     dtype = DTYPES[args.dtype] if args.dtype else None
     mapper = Sequential(
         [reading_mapper(fmt, config, keys, layout_in), writing_mapper(fmt, config, dtype, args.layout)]

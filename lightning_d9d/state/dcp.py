@@ -109,11 +109,24 @@ class DCPReader(MappedReader):
         _, entry = self._entries[key]
         return entry.size.numel() * entry.properties.dtype.itemsize
 
+    def keys_in_order(self) -> list[str]:
+        """Every key under the prefix (without it), in the order ``.metadata`` lists them."""
+        return list(self._entries)
+
+    def source_name(self) -> str:
+        """How messages name this checkpoint: its ``.metadata`` file, and the prefix where there is one."""
+        return f"checkpoint {self.name}" + (f" (under {self.prefix!r})" if self.prefix else "")
+
+    def file_of(self, key: str) -> str:
+        """Where messages say ``key`` is read from: the checkpoint directory (DCP assembles a tensor from the
+        ``.distcp`` files of every rank that held a shard of it)."""
+        return self.directory.name or str(self.directory)
+
     def _stored_keys(self) -> Iterable[str]:
-        return self._entries
+        return self.keys_in_order()
 
     def _source_name(self) -> str:
-        return f"checkpoint {self.name}" + (f" (under {self.prefix!r})" if self.prefix else "")
+        return self.source_name()
 
     def _order(self, mapper: ModelStateMapper) -> ReadPlan:
         order = {key: position for position, key in enumerate(self._entries)}
@@ -127,7 +140,7 @@ class DCPReader(MappedReader):
         check_chunks(self.directory, self._storage.read_metadata(), names)
 
     def _file_of(self, key: str) -> str:
-        return self.directory.name or str(self.directory)
+        return self.file_of(key)
 
     def _reading(self, plan: ReadPlan) -> nullcontext[ReadKeys]:
         return nullcontext(self.read)

@@ -18,7 +18,7 @@ import os
 import struct
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,8 +274,27 @@ class CheckpointReader(MappedReader):
     def keys(self) -> frozenset[str]:
         return frozenset(self.weight_map)
 
+    def keys_in_order(self) -> list[str]:
+        """Every key, in index order: deterministic, and usually the shards' own order."""
+        return list(self.weight_map)
+
+    def file_of(self, key: str) -> str:
+        """The name of the shard that holds ``key``, as the index gives it."""
+        return self.weight_map[key]
+
+    @contextmanager
+    def open_for(self, keys: Iterable[str]) -> Iterator[ReadKeys]:
+        """The shards holding ``keys``, open: the context gives the function that reads a list of keys into tensors
+        of their own, and closes each file once the last of ``keys`` it holds is read."""
+        remaining = Counter(self.weight_map[key] for key in keys)
+        handles = _Files(self.directory, self.tensor_info(), remaining)
+        try:
+            yield lambda wanted: {key: handles.read(key) for key in wanted}
+        finally:
+            handles.close()
+
     def _stored_keys(self) -> Iterable[str]:
-        return self.weight_map  # index order: deterministic, and usually the shards' own order
+        return self.keys_in_order()
 
     def _order(self, mapper: ModelStateMapper) -> ReadPlan:
         spans = self.tensor_info()  # checks every shard's header on the way
@@ -288,16 +307,10 @@ class CheckpointReader(MappedReader):
         )
 
     def _file_of(self, key: str) -> str:
-        return self.weight_map[key]
+        return self.file_of(key)
 
-    @contextmanager
-    def _reading(self, plan: ReadPlan) -> Iterator[ReadKeys]:
-        remaining = Counter(self.weight_map[key] for group in plan.groups for key in group.inputs)
-        handles = _Files(self.directory, self.tensor_info(), remaining)
-        try:
-            yield lambda keys: {key: handles.read(key) for key in keys}
-        finally:
-            handles.close()
+    def _reading(self, plan: ReadPlan) -> AbstractContextManager[ReadKeys]:
+        return self.open_for(key for group in plan.groups for key in group.inputs)
 
     def tensor_info(self) -> dict[str, TensorInfo]:
         """Dtype, shape and location of every key, from the shards' headers (no tensor is read).

@@ -7,12 +7,20 @@ Hugging Face model: the base through its format's reading mapping into module ke
 the frozen parameters in, checked tensor by tensor against the fingerprint (:class:`CheckBase`: a base the adapters
 were not trained on is refused naming the parameter), the adapters merged in (``peft.MergeLoRA``, as ``ExportHF``
 merges them), and the format's writing mapping. One group in memory at a time, as every conversion.
+
+What the command line asks of such a checkpoint is here too: whether it is one (:func:`read_lora_meta`), what it
+records (:func:`recorded_lora`, :func:`recorded_base`), the merge planned (:func:`base_merge`) and the ``peft``
+adapter directory planned (:func:`adapter_export`, ``--lora adapter``). ``convert.py`` keeps the options and the
+writing.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,13 +29,22 @@ from torch import Tensor
 from ..compose import Parallel, Scope, Sequential
 from ..dcp import DCPReader
 from ..errors import CheckpointError, format_keys
-from ..frozen import LoRARecord, same_sums, tensor_sums
+from ..frozen import FINGERPRINT_KEY, LoRARecord, is_fingerprint, read_lora_record, same_sums, tensor_sums
 from ..graph import infer_shapes
 from ..mapper import Cast, Drop, Group, ModelStateMapper, Rename
 from ..reader import CheckpointReader
 from ..stream import MappedReader, ReadKeys, ReadPlan
+from ..training import CALLBACKS_SECTION, read_meta
 from .io import reading_mapper, writing_mapper
-from .peft import ADAPTER_PARTS, EXPERTS_ADAPTER, MergeLoRA
+from .peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_PARTS,
+    EXPERTS_ADAPTER,
+    MergeLoRA,
+    peft_mapper,
+    recorded_adapters,
+    recorded_peft_config,
+)
 from .registry import HFConfig, HFFormat
 
 # The base folder's keys in the joined source: apart from the checkpoint's, whatever names the two share
@@ -45,17 +62,17 @@ class JoinedReader(MappedReader):
         self.name = f"{base.name} and {checkpoint.name}"
 
     def _stored_keys(self) -> Iterable[str]:
-        yield from (BASE_NAMESPACE + key for key in self.base._stored_keys())
-        yield from self.checkpoint._stored_keys()
+        yield from (BASE_NAMESPACE + key for key in self.base.keys_in_order())
+        yield from self.checkpoint.keys_in_order()
 
     def _source_name(self) -> str:
-        return f"the base {self.base.name} with {self.checkpoint._source_name()}"
+        return f"the base {self.base.name} with {self.checkpoint.source_name()}"
 
     def _order(self, mapper: ModelStateMapper) -> ReadPlan:
         info = self.base.tensor_info()  # checks every shard's header on the way
         files = list(dict.fromkeys(self.base.weight_map.values()))
         file_rank = {name: position for position, name in enumerate(files)}
-        trained = {key: position for position, key in enumerate(self.checkpoint._stored_keys())}
+        trained = {key: position for position, key in enumerate(self.checkpoint.keys_in_order())}
         shapes, dtypes = self.checkpoint.shapes(), self.checkpoint.dtypes()
 
         def position(key: str) -> tuple[int, int, int]:
@@ -75,18 +92,16 @@ class JoinedReader(MappedReader):
 
     def _file_of(self, key: str) -> str:
         if key.startswith(BASE_NAMESPACE):
-            return self.base._file_of(key[len(BASE_NAMESPACE) :])
-        return self.checkpoint._file_of(key)
+            return self.base.file_of(key[len(BASE_NAMESPACE) :])
+        return self.checkpoint.file_of(key)
 
     @contextmanager
     def _reading(self, plan: ReadPlan) -> Iterator[ReadKeys]:
         cut = len(BASE_NAMESPACE)
         from_base = [
-            Group(tuple(key[cut:] for key in group.inputs if key.startswith(BASE_NAMESPACE)), ())
-            for group in plan.groups
-            if any(key.startswith(BASE_NAMESPACE) for key in group.inputs)
+            key[cut:] for group in plan.groups for key in group.inputs if key.startswith(BASE_NAMESPACE)
         ]
-        with self.base._reading(ReadPlan(from_base, [], [])) as read_base:
+        with self.base.open_for(from_base) as read_base:
 
             def read(keys: list[str]) -> dict[str, Tensor]:
                 base = [key[cut:] for key in keys if key.startswith(BASE_NAMESPACE)]
@@ -217,6 +232,149 @@ def _merge(trained: Collection[str], record: LoRARecord) -> MergeLoRA | None:
     return MergeLoRA(layers, stacked)
 
 
-def strip_prefix(entries: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+def _strip_prefix(entries: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     """``entries`` under ``prefix`` (a LightningModule's ``model.``), by their names without it."""
     return {key[len(prefix) :]: value for key, value in entries.items() if key.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------ what the command line asks
+def read_lora_meta(checkpoint: Path) -> dict[str, Any] | None:
+    """``meta.pt``'s content when ``checkpoint`` is a LoRA run's (it records a fingerprint of the frozen base in place
+    of the base), else ``None``."""
+    try:
+        meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
+    except CheckpointError:  # missing, or unreadable: the conversion's own checks say why
+        return None
+    return meta if FINGERPRINT_KEY in meta else None
+
+
+def recorded_base(meta: Mapping[str, Any]) -> str | None:
+    """The folder ``LoadHFWeights`` loaded the model from, as recorded in the checkpoint's callback states."""
+    for name, state in (meta.get(CALLBACKS_SECTION) or {}).items():
+        if (
+            str(name).startswith("LoadHFWeights")
+            and isinstance(state, dict)
+            and isinstance(state.get("source"), str)
+        ):
+            return str(state["source"])
+    return None
+
+
+def recorded_lora(meta: Mapping[str, Any], checkpoint: str) -> tuple[Fingerprint, LoRARecord]:
+    """The frozen base's fingerprint and the LoRA settings that a LoRA run's ``meta.pt`` (``meta``, untrusted)
+    records, checked: a damaged fingerprint, or a checkpoint of a version that recorded no settings, is refused."""
+    fingerprint = meta[FINGERPRINT_KEY]
+    if not is_fingerprint(fingerprint):
+        raise CheckpointError(
+            f"{checkpoint}: meta.pt's {FINGERPRINT_KEY!r} is not a fingerprint of frozen parameters (name -> (sum, "
+            "sum of squares, numel)): the file is damaged or crafted; choose another checkpoint"
+        )
+    record = read_lora_record(meta, checkpoint)
+    if record is None:
+        raise CheckpointError(
+            f"{checkpoint} is a LoRA run's checkpoint that records no LoRA settings (rank, alpha, layouts), which "
+            "the merge needs: it was saved by an earlier version of lightning_d9d. Export it from a run that "
+            "resumes it with ExportHF(dirpath, lora='merged' | 'adapter' | 'both') among its callbacks"
+        )
+    return fingerprint, record
+
+
+def under_prefix(prefix: str, fingerprint: Fingerprint, record: LoRARecord) -> tuple[Fingerprint, LoRARecord]:
+    """The fingerprint and the record's per-parameter entries under ``prefix``, by their module names."""
+    return _strip_prefix(fingerprint, prefix), dataclasses.replace(
+        record,
+        frozen_dtypes=_strip_prefix(record.frozen_dtypes, prefix),
+        expert_layouts=_strip_prefix(record.expert_layouts, prefix),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseMerge:
+    """A LoRA checkpoint merged into its base, planned: ``reader`` read through ``mapper`` gives the Hugging Face
+    weights, in ``dtype``. ``trained``: the checkpoint's module keys but the tied aliases; ``aliases``: the tied
+    aliases it holds, read once under their other name."""
+
+    reader: JoinedReader
+    mapper: ModelStateMapper
+    trained: frozenset[str]
+    aliases: frozenset[str]
+    dtype: torch.dtype | None
+
+
+def base_merge(
+    base: CheckpointReader,
+    checkpoint: DCPReader,
+    fmt: HFFormat,
+    config: HFConfig,
+    *,
+    fingerprint: Fingerprint,
+    record: LoRARecord,
+    dtype: torch.dtype | None,
+    layout: str | None,
+    where: str,
+    fix: str,
+) -> BaseMerge:
+    """The merge of ``checkpoint``'s adapters (its reader at the model's prefix; ``fingerprint`` and ``record`` by
+    module key) into the ``base`` folder's weights, planned and checked as far as no tensor is read
+    (:func:`merged_mapper`). The weights come out in ``dtype``, else in the dtype the run kept the base in."""
+    aliases = set(fmt.tied(config))
+    trained = checkpoint.keys() - aliases
+    mapper = merged_mapper(
+        fmt,
+        config,
+        base_keys=base.keys(),
+        base_shapes={key: value.shape for key, value in base.tensor_info().items()},
+        trained=trained,
+        frozen=fingerprint,
+        record=record,
+        dtype=dtype,
+        layout=layout,
+        where=where,
+        fix=fix,
+    )
+    kept = next(iter(record.frozen_dtypes.values()), None)  # the frozen base's dtype: the merged weights'
+    return BaseMerge(
+        JoinedReader(base, checkpoint),
+        mapper,
+        frozenset(trained),
+        frozenset(aliases & checkpoint.keys()),
+        dtype if dtype is not None else kept,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AdapterExport:
+    """A checkpoint's adapters as a ``peft`` adapter directory, planned: ``mapper`` from the checkpoint's adapter
+    keys to peft's, ``ignore`` the trained state beyond the adapters (not peft's), ``files`` the
+    ``adapter_config.json`` beside the weights."""
+
+    mapper: ModelStateMapper
+    ignore: frozenset[str]
+    files: dict[str, str]
+
+
+def adapter_export(
+    checkpoint: DCPReader,
+    record: LoRARecord,
+    *,
+    base_name: str | None,
+    dtype: torch.dtype | None,
+    source: str,
+) -> AdapterExport:
+    """The adapters ``checkpoint`` holds (its reader at the model's prefix, ``record`` by module key) as peft writes
+    them; no base is read, ``base_name`` is recorded as ``base_model_name_or_path``; ``source`` names the
+    checkpoint in errors."""
+    settings = recorded_adapters(
+        checkpoint.keys(),
+        rank=record.rank,
+        alpha=record.alpha,
+        dropout=record.dropout,
+        expert_layouts=record.expert_layouts,
+    )
+    config = recorded_peft_config(settings, base_name, source=source)
+    mapper = peft_mapper(settings, dtype)
+    return AdapterExport(
+        mapper,
+        frozenset(checkpoint.keys() - mapper.input_keys()),
+        {ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"},
+    )
