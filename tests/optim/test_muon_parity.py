@@ -1,10 +1,11 @@
 """Muon over sharded parameters against one process (fp32, gloo, 2 ranks, one launch).
 
 Tiny Qwen3 under its own plan at dp_shard=2 (FSDP2 ``Shard(0)``) and at tp=2 (``Shard(0)``/``Shard(1)`` and
-replicated norms), 6 steps of the same batches (each data rank its half), parameters within 1e-5 of one
-process; a training checkpoint saved after 3 steps at dp_shard=2 and loaded into a fresh model and optimizer
-continues exactly as the uninterrupted run; expert stacks ``[E, in, out]`` split over their experts (no gather)
-or over a matrix dimension (gathered) take one process's per-expert steps.
+replicated norms), and tiny Qwen3-MoE at ep=2 (each rank 4 of the 8 experts), 6 steps of the same batches (each
+data rank its half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at
+dp_shard=2 and loaded into a fresh model and optimizer continues exactly as the uninterrupted run; expert stacks
+``[E, in, out]`` split over their experts (no gather) or over a matrix dimension (gathered) take one process's
+per-expert steps.
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.optim import Muon, muon_param_groups
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel
 from lightning_d9d.state.training import load, optimizer_state, save
 
 STEPS, SAVED_AT = 6, 3
-LAYOUTS = {"dp_shard2": {"dp_shard": 2}, "tp2": {"tp": 2}}
+LAYOUTS = {"dp_shard2": {"dp_shard": 2}, "tp2": {"tp": 2}, "moe_ep2": {"ep": 2}}
 OPTIONS = {"lr": 1e-2, "weight_decay": 0.1}
 
 
@@ -49,9 +50,18 @@ def batches() -> list[tuple[Tensor, Tensor]]:
     ]
 
 
-def sharded_model(dims: ParallelDims, seed: int) -> Qwen3ForCausalLM:
+def new_model(moe: bool) -> nn.Module:
+    """Tiny Qwen3, or tiny Qwen3-MoE without its load-balancing loss (each rank would weigh its own tokens)."""
+    return (
+        Qwen3MoeForCausalLM(Qwen3MoeConfig.tiny(router_aux_loss_coef=0.0))
+        if moe
+        else Qwen3ForCausalLM(Qwen3Config.tiny())
+    )
+
+
+def sharded_model(dims: ParallelDims, seed: int) -> Any:
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(Qwen3Config.tiny())
+        model: Any = new_model(dims.ep > 1)
     model.parallelize(dims, ParallelOptions())
     model.to_empty(device="cpu")
     model.init_weights(seed=seed)
@@ -84,7 +94,7 @@ def largest_difference(model: nn.Module, reference: nn.Module) -> float:
 
 def layout_body(layout: dict[str, int], directory: str) -> dict[str, float]:
     dims = ParallelDims(**layout).resolve(dist.get_world_size()).build_mesh("cpu")
-    reference = Qwen3ForCausalLM(Qwen3Config.tiny())
+    reference: Any = new_model(dims.ep > 1)
     reference.init_weights(seed=11)
     reference_optimizer = Muon(muon_param_groups(reference), **OPTIONS)
     train(reference, reference_optimizer, None, range(STEPS))
