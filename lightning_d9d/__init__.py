@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from lightning_d9d.fabric import D9DFabricStrategy
     from lightning_d9d.mesh import ParallelDims
     from lightning_d9d.modules.metrics import CausalLMPerplexity, TokenAccuracy
-    from lightning_d9d.optim import Muon
+    from lightning_d9d.optim import Muon, StochasticAdamW
     from lightning_d9d.plans import LoRA, ParallelOptions
     from lightning_d9d.strategies import D9DPrecision, D9DStrategy, model_loss
 
@@ -35,6 +35,7 @@ __all__ = [
     "Muon",
     "ParallelDims",
     "ParallelOptions",
+    "StochasticAdamW",
     "TokenAccuracy",
     "__version__",
     "model_loss",
@@ -50,6 +51,7 @@ _PUBLIC = {
     "ParallelOptions": "lightning_d9d.plans",
     "LoRA": "lightning_d9d.plans",
     "Muon": "lightning_d9d.optim",  # Lightning: loaded on first access only
+    "StochasticAdamW": "lightning_d9d.optim",
     "CausalLMPerplexity": "lightning_d9d.modules.metrics",  # torchmetrics: loaded on first access only
     "TokenAccuracy": "lightning_d9d.modules.metrics",
 }
