@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_d9d.optim import StochasticAdamW
 from lightning_d9d.optim.stochastic_rounding import global_element_index
@@ -114,3 +115,21 @@ def test_sharded_parameters_step_as_on_one_process_bit_for_bit() -> None:
         assert result["indices"], f"rank {rank}"
         assert all(plan == held for plan, held in result["memory"]), f"rank {rank}: {result['memory']}"
     assert [r["uneven"] for r in results] == [[(3, 6), (3,)], [(2, 6), (2,)]]  # the uneven split is exercised
+
+
+def global_indices_on_a_2d_mesh() -> list[bool]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    values = torch.arange(8 * 3).view(8, 3)  # each element its own global index
+    layouts = (
+        [_StridedShard(0, split_factor=2), Shard(0)],  # FSDP over a tp-sharded dim (torch's strided layout)
+        [Shard(0), Shard(1)],
+        [Shard(1), Shard(0)],
+    )
+    return [
+        torch.equal(global_element_index(shard), shard.to_local())
+        for shard in (distribute_tensor(values, mesh, placements) for placements in layouts)
+    ]
+
+
+def test_global_indices_follow_strided_and_2d_shards() -> None:
+    assert run_distributed(global_indices_on_a_2d_mesh, 4) == [[True, True, True]] * 4
