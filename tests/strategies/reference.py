@@ -18,6 +18,7 @@ from lightning_d9d.data import PackedDataset
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import routers_in, update_expert_bias
+from lightning_d9d.optim import Muon, muon_param_groups
 from lightning_d9d.plans.lora import LoRA, apply_lora
 
 
@@ -100,13 +101,16 @@ def freeze(module: torch.nn.Module, parts: list[str]) -> None:
 
 
 def use_optimizer(module: torch.nn.Module, config: dict) -> None:
-    """``config["optimizer"] == "sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
+    """``config["optimizer"] == "muon"``: :func:`_use_muon`. ``"sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
     schedule instead of AdamW, whose division by ``sqrt(v) + eps`` scales a near-zero gradient's rounding
     noise up to an lr-sized update. Parameters then differ from the reference's by the gradients' own
     differences times lr, which a tight tolerance can hold."""
     if config.get("optimizer", "adamw") == "adamw":
         if "adamw_eps" in config:
             _set_adamw_eps(module, config["adamw_eps"])
+        return
+    if config["optimizer"] == "muon":
+        _use_muon(module, config)
         return
     assert config["optimizer"] == "sgd", config["optimizer"]
     configure = module.configure_optimizers
@@ -120,6 +124,22 @@ def use_optimizer(module: torch.nn.Module, config: dict) -> None:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     module.configure_optimizers = sgd  # type: ignore[method-assign]
+
+
+def _use_muon(module: torch.nn.Module, config: dict) -> None:
+    """``config["optimizer"] == "muon"``: what a user writes in ``configure_optimizers``,
+    ``Muon(muon_param_groups(self.model), ...)``, under the module's learning-rate schedule. In the Trainer it runs
+    after the strategy parallelized the model (DTensor parameters, FSDP's and the plans' names kept)."""
+    configure = module.configure_optimizers
+
+    def muon():  # type: ignore[no-untyped-def]
+        schedule = configure()["lr_scheduler"]["scheduler"]
+        model = module.model  # type: ignore[union-attr]
+        optimizer = Muon(muon_param_groups(model), lr=config["lr"], weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module.configure_optimizers = muon  # type: ignore[method-assign]
 
 
 def _set_adamw_eps(module: torch.nn.Module, eps: float) -> None:
