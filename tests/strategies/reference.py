@@ -101,10 +101,10 @@ def freeze(module: torch.nn.Module, parts: list[str]) -> None:
 
 
 def use_optimizer(module: torch.nn.Module, config: dict) -> None:
-    """``config["optimizer"] == "muon"``: :func:`_use_muon`. ``"sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
+    """``config["optimizer"] == "sgd"``: plain SGD (no momentum, no weight decay) under the module's learning-rate
     schedule instead of AdamW, whose division by ``sqrt(v) + eps`` scales a near-zero gradient's rounding
     noise up to an lr-sized update. Parameters then differ from the reference's by the gradients' own
-    differences times lr, which a tight tolerance can hold."""
+    differences times lr, which a tight tolerance can hold. ``"muon"``: :func:`_use_muon`."""
     if config.get("optimizer", "adamw") == "adamw":
         if "adamw_eps" in config:
             _set_adamw_eps(module, config["adamw_eps"])
