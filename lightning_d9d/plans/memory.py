@@ -11,7 +11,7 @@ tokens one rank holds at a time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +36,18 @@ _STATES_PER_PARAMETER = {
 }
 
 
-def optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int | None:
+StatesPerParameter = int | Callable[[torch.Tensor], int]
+"""Optimizer state tensors of a parameter's size: one count for every parameter, or a count parameter by parameter
+(an optimizer whose groups keep different state)."""
+
+
+def optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> StatesPerParameter | None:
     """Tensors of a parameter's size the optimizer keeps per parameter; None for one this table does not know."""
     name = type(optimizer).__name__
+    if (
+        name == "Muon"
+    ):  # a momentum buffer for a matrix of a use_muon group, AdamW's two moments for the others
+        return _states_by_group(optimizer, lambda group: 1 if group["use_muon"] else 2)
     if name == "StochasticAdamW":  # bf16 parameters; its state depends on its options
         return int(optimizer.states_per_parameter)  # type: ignore[attr-defined]
     if name == "SGD":
@@ -50,6 +59,14 @@ def optimizer_states_per_parameter(optimizer: torch.optim.Optimizer) -> int | No
         amsgrad = any(group.get("amsgrad", False) for group in optimizer.param_groups)
         return _STATES_PER_PARAMETER[name] + int(amsgrad)
     return None
+
+
+def _states_by_group(
+    optimizer: torch.optim.Optimizer, states: Callable[[dict[str, Any]], int]
+) -> Callable[[torch.Tensor], int]:
+    """``states(group)`` for each parameter of ``optimizer``'s groups; 0 for a parameter it does not hold."""
+    by_parameter = {id(p): states(group) for group in optimizer.param_groups for p in group["params"]}
+    return lambda parameter: by_parameter.get(id(parameter), 0)
 
 
 def local_numel(parameter: torch.Tensor) -> float:
@@ -218,7 +235,7 @@ class MemoryPlan:
 def plan_memory(
     parameters: Iterable[torch.Tensor],
     *,
-    optimizer_states: int | None,
+    optimizer_states: StatesPerParameter | None,
     config: Any | None,
     activations: ActivationShape | None,
     device_memory: int | None = None,
@@ -230,7 +247,13 @@ def plan_memory(
     parameter_bytes = sum(local_numel(p) * p.element_size() for p in held)
     # frozen parameters have no gradient and no optimizer state
     trainable_bytes = sum(local_numel(p) * p.element_size() for p in held if p.requires_grad)
-    optimizer = None if optimizer_states is None else int(trainable_bytes * optimizer_states)
+    optimizer = None
+    if isinstance(optimizer_states, int):
+        optimizer = int(trainable_bytes * optimizer_states)
+    elif optimizer_states is not None:
+        optimizer = int(
+            sum(local_numel(p) * p.element_size() * optimizer_states(p) for p in held if p.requires_grad)
+        )
     activation = None
     if config is not None and activations is not None:
         activation = activation_bytes(config, activations)

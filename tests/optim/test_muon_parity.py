@@ -5,7 +5,7 @@ replicated norms), and tiny Qwen3-MoE at ep=2 (each rank 4 of the 8 experts), 6 
 data rank its half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at
 dp_shard=2 and loaded into a fresh model and optimizer continues exactly as the uninterrupted run; expert stacks
 ``[E, in, out]`` split over their experts (no gather) or over a matrix dimension (gathered) take one process's
-per-expert steps.
+per-expert steps. On every layout the memory plan's optimizer bytes equal the state each rank holds.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, 
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.optim import Muon, muon_param_groups
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel
+from lightning_d9d.plans.memory import optimizer_states_per_parameter, plan_memory
 from lightning_d9d.state.training import load, optimizer_state, save
 
 STEPS, SAVED_AT = 6, 3
@@ -92,7 +93,18 @@ def largest_difference(model: nn.Module, reference: nn.Module) -> float:
     )
 
 
-def layout_body(layout: dict[str, int], directory: str) -> dict[str, float]:
+def held_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of this rank's optimizer state (local shards), the scalar step counters left out as the plan does."""
+    tensors = [value for state in optimizer.state.values() for value in state.values() if value.ndim > 0]
+    return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def planned_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> int | None:
+    states = optimizer_states_per_parameter(optimizer)
+    return plan_memory(model.parameters(), optimizer_states=states, config=None, activations=None).optimizer
+
+
+def layout_body(layout: dict[str, int], directory: str) -> dict[str, float | int | None]:
     dims = ParallelDims(**layout).resolve(dist.get_world_size()).build_mesh("cpu")
     reference: Any = new_model(dims.ep > 1)
     reference.init_weights(seed=11)
@@ -102,7 +114,7 @@ def layout_body(layout: dict[str, int], directory: str) -> dict[str, float]:
     model = sharded_model(dims, seed=11)
     optimizer = Muon(muon_param_groups(model), **OPTIONS)
     train(model, optimizer, dims, range(SAVED_AT))
-    result = {}
+    result: dict[str, float | int | None] = {}
     if layout == LAYOUTS["dp_shard2"]:
         checkpoint = Path(directory) / "step=3.ckpt"
         save(
@@ -120,6 +132,8 @@ def layout_body(layout: dict[str, int], directory: str) -> dict[str, float]:
         train(resumed, resumed_optimizer, dims, range(SAVED_AT, STEPS))
     train(model, optimizer, dims, range(SAVED_AT, STEPS))
     result["difference"] = largest_difference(model, reference)
+    result["held_state_bytes"] = held_state_bytes(optimizer)
+    result["planned_state_bytes"] = planned_state_bytes(model, optimizer)
     if layout == LAYOUTS["dp_shard2"]:
         result["resume_difference"] = largest_difference(resumed, model)
     return result
@@ -162,6 +176,8 @@ def test_sharded_muon_matches_one_process(tmp_path_factory: Any) -> None:
     for rank in ranks(str(tmp_path_factory.getbasetemp())):
         for name in LAYOUTS:
             assert rank[name]["difference"] <= 1e-5, name
+            # the memory plan counts a momentum buffer per Muon matrix, two moments per AdamW parameter
+            assert rank[name]["planned_state_bytes"] == rank[name]["held_state_bytes"], name
         assert rank["dp_shard2"]["resume_difference"] == 0.0
         assert rank["experts"]["shard0"] <= 1e-6
         assert rank["experts"]["shard1"] <= 1e-6
