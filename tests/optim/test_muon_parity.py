@@ -1,8 +1,8 @@
 """Muon over sharded parameters against one process (fp32, gloo, 2 ranks, one launch).
 
 Tiny Qwen3 under its own plan at dp_shard=2 (FSDP2 ``Shard(0)``) and at tp=2 (``Shard(0)``/``Shard(1)`` and
-replicated norms), and tiny Qwen3-MoE at ep=2 (each rank 4 of the 8 experts), 6 steps of the same batches (each
-data rank its half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at
+replicated norms), tiny Qwen3-MoE at ep=2 (each rank 4 of the 8 experts) and ``transformers``' tiny Qwen3-MoE at
+ep=2 under the adapter's plan (each rank 2 of the 4 experts), 6 steps of the same batches (each data rank its half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at
 dp_shard=2 and loaded into a fresh model and optimizer continues exactly as the uninterrupted run; expert stacks
 ``[E, in, out]`` split over their experts (no gather) or over a matrix dimension (gathered) take one process's
 per-expert steps. On every layout the memory plan's optimizer bytes equal the state each rank holds.
@@ -11,6 +11,7 @@ per-expert steps. On every layout the memory plan's optimizer bytes equal the st
 from __future__ import annotations
 
 import functools
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
+from tiny_hf import VOCAB, tiny_causal_lm
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -25,6 +29,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.optim import Muon, muon_param_groups
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel
@@ -40,12 +45,12 @@ def full(tensor: Tensor) -> Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def batches() -> list[tuple[Tensor, Tensor]]:
+def batches(vocab: int) -> list[tuple[Tensor, Tensor]]:
     generator = torch.Generator().manual_seed(7)
     return [
         (
-            torch.randint(0, 256, (2, 8), generator=generator),
-            torch.randint(0, 256, (2, 8), generator=generator),
+            torch.randint(0, vocab, (2, 8), generator=generator),
+            torch.randint(0, vocab, (2, 8), generator=generator),
         )
         for _ in range(STEPS)
     ]
@@ -69,10 +74,12 @@ def sharded_model(dims: ParallelDims, seed: int) -> Any:
     return model
 
 
-def train(model: nn.Module, optimizer: Muon, dims: ParallelDims | None, steps: range) -> None:
+def train(
+    model: nn.Module, optimizer: Muon, dims: ParallelDims | None, steps: range, vocab: int = 256
+) -> None:
     """Steps ``steps`` of :func:`batches`: one process takes the whole batch, a data rank its rows (FSDP
-    averages the gradients: every row has as many tokens)."""
-    data = batches()
+    averages the gradients: every row has as many tokens). A ``transformers`` model's output gives its logits."""
+    data = batches(vocab)
     for step in steps:
         ids, labels = data[step]
         if dims is not None:
@@ -80,7 +87,8 @@ def train(model: nn.Module, optimizer: Muon, dims: ParallelDims | None, steps: r
             rows = slice(rank * 2 // dp, (rank + 1) * 2 // dp)
             ids, labels = ids[rows], labels[rows]
         with maybe_loss_parallel(dims is not None and dims.tp > 1):
-            causal_lm_loss(model(ids), labels).backward()
+            output = model(ids)
+            causal_lm_loss(getattr(output, "logits", output), labels).backward()
         optimizer.step()
         optimizer.zero_grad()
 
@@ -160,9 +168,30 @@ def experts_body() -> dict[str, float]:
     }
 
 
+def transformers_moe_body() -> dict[str, float | int | None]:
+    """``transformers``' tiny Qwen3-MoE under the adapter's plan at ep=2 (its stacked experts, each rank 2 of
+    the 4), against the same model in one process."""
+    reference = tiny_causal_lm("qwen3_moe")
+    train(reference, Muon(muon_param_groups(reference), **OPTIONS), None, range(STEPS), VOCAB)
+    dims = ParallelDims(ep=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    model = tiny_causal_lm("qwen3_moe")
+    parallelize_hf(model, dims, ParallelOptions())
+    optimizer = Muon(muon_param_groups(model), **OPTIONS)
+    train(model, optimizer, dims, range(STEPS), VOCAB)
+    experts = model.get_parameter("model.layers.0.mlp.experts.gate_up_proj")
+    return {
+        "difference": largest_difference(model, reference),
+        "expert_shards": experts.to_local().shape[0] if isinstance(experts, DTensor) else 0,
+        "muon_params": len(muon_param_groups(model)[0]["params"]),
+        "held_state_bytes": held_state_bytes(optimizer),
+        "planned_state_bytes": planned_state_bytes(model, optimizer),
+    }
+
+
 def all_bodies(directory: str) -> dict[str, Any]:
     torch.manual_seed(0)
     results: dict[str, Any] = {name: layout_body(layout, directory) for name, layout in LAYOUTS.items()}
+    results["hf_moe_ep2"] = transformers_moe_body()
     results["experts"] = experts_body()
     return results
 
@@ -179,5 +208,10 @@ def test_sharded_muon_matches_one_process(tmp_path_factory: Any) -> None:
             # the memory plan counts a momentum buffer per Muon matrix, two moments per AdamW parameter
             assert rank[name]["planned_state_bytes"] == rank[name]["held_state_bytes"], name
         assert rank["dp_shard2"]["resume_difference"] == 0.0
+        hf = rank["hf_moe_ep2"]
+        assert hf["difference"] <= 1e-5
+        assert hf["expert_shards"] == 2  # 2 of the 4 experts on each rank
+        assert hf["muon_params"] == 2 * 6  # per layer: q, k, v, o and the two expert stacks
+        assert hf["planned_state_bytes"] == hf["held_state_bytes"]
         assert rank["experts"]["shard0"] <= 1e-6
         assert rank["experts"]["shard1"] <= 1e-6
