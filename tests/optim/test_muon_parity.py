@@ -2,10 +2,11 @@
 
 Tiny Qwen3 under its own plan at dp_shard=2 (FSDP2 ``Shard(0)``) and at tp=2 (``Shard(0)``/``Shard(1)`` and
 replicated norms), tiny Qwen3-MoE at ep=2 (each rank 4 of the 8 experts) and ``transformers``' tiny Qwen3-MoE at
-ep=2 under the adapter's plan (each rank 2 of the 4 experts), 6 steps of the same batches (each data rank its half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at
-dp_shard=2 and loaded into a fresh model and optimizer continues exactly as the uninterrupted run; expert stacks
-``[E, in, out]`` split over their experts (no gather) or over a matrix dimension (gathered) take one process's
-per-expert steps. On every layout the memory plan's optimizer bytes equal the state each rank holds.
+ep=2 under the adapter's plan (each rank 2 of the 4 experts), 6 steps of the same batches (each data rank its
+half), parameters within 1e-5 of one process; a training checkpoint saved after 3 steps at dp_shard=2 and loaded
+into a fresh model and optimizer continues exactly as the uninterrupted run; expert stacks ``[E, in, out]`` split
+over their experts (no gather) or over a matrix dimension (gathered) take one process's per-expert steps. On every
+layout the memory plan's optimizer bytes equal the state each rank holds.
 """
 
 from __future__ import annotations
