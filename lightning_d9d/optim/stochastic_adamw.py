@@ -35,7 +35,8 @@ from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels.adamw import AdamWHyper
 from lightning_d9d.optim.stochastic_rounding import (
-    global_element_index,
+    axis_offsets,
+    flat_global_index,
     random_bits16,
     stochastic_round_bf16,
 )
@@ -43,13 +44,19 @@ from lightning_d9d.optim.stochastic_rounding import (
 # Which random stream rounds which tensor of a step: independent bits for the weight and each moment.
 _STREAMS = {"param": 0, "exp_avg": 1, "exp_avg_sq": 2}
 _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
+# Elements of a parameter's local part stepped at once: the step's temporaries (fp32 copies of the weight, the
+# gradient and the moments, int64 indices and hash) peak at 52 bytes an element of a chunk (bf16 moments, no
+# masters; measured by tests/optim/test_stochastic_adamw.py's chunking test), 208 MiB at 2**22, whatever the shard.
+CHUNK_ELEMENTS = 2**22
 
 
 class StochasticAdamW(torch.optim.Optimizer):
     """``torch.optim.AdamW``'s math (decoupled weight decay, its order of operations, in fp32) over bf16
     parameters, writing bf16 results with stochastic rounding; see the module docstring for the two options.
 
-    ``seed`` (an int, a parameter-group setting) picks the random stream. ``amsgrad``, ``maximize``, ``foreach``,
+    ``seed`` (an int, a parameter-group setting) picks the random stream. ``chunk_elements`` bounds the elements
+    of a parameter's local part stepped at once, and with them the step's temporaries (the results do not depend
+    on it). ``amsgrad``, ``maximize``, ``foreach``,
     ``fused`` and ``capturable`` are not options."""
 
     def __init__(
@@ -63,7 +70,10 @@ class StochasticAdamW(torch.optim.Optimizer):
         master_weights: bool = False,
         moments_dtype: torch.dtype = torch.bfloat16,
         seed: int = 0,
+        chunk_elements: int = CHUNK_ELEMENTS,
     ) -> None:
+        if chunk_elements < 1:
+            raise ValueError(f"chunk_elements must be positive, got {chunk_elements}")
         if moments_dtype not in _MOMENT_DTYPES:
             raise ValueError(
                 f"StochasticAdamW keeps its moments in bf16 or fp32, got moments_dtype={moments_dtype}"
@@ -72,6 +82,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.master_weights = master_weights
         self.moments_dtype = moments_dtype
+        self.chunk_elements = chunk_elements
         self._grad_scale: Tensor | None = None
         for param in self._parameters():
             if param.dtype != torch.bfloat16:
@@ -140,27 +151,64 @@ class StochasticAdamW(torch.optim.Optimizer):
         seed: int,
         grad_scale: Tensor | None,
     ) -> None:
-        """torch's single-tensor AdamW in fp32 on the local parts, then each bf16 result rounded stochastically."""
+        """torch's single-tensor AdamW in fp32 on the local parts, then each bf16 result rounded stochastically;
+        ``chunk_elements`` elements of the flattened local part at a time, so the fp32 and int64 temporaries
+        stay bounded on any shard size (every operation is elementwise and the bits follow the global index:
+        the chunking changes no bit of the result)."""
         grad = param.grad
         assert grad is not None
         if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
             grad = grad.redistribute(param.device_mesh, param.placements)
-        index = global_element_index(param)
+        keys = ("exp_avg", "exp_avg_sq", "master") if self.master_weights else ("exp_avg", "exp_avg_sq")
+        local = _local(param)
+        written = [local, *(_local(state[key]) for key in keys)]
+        flat = [_flat(tensor) for tensor in written]
+        flat_grad = _local(grad).reshape(-1)
+        offsets = axis_offsets(param)
+        shape, local_shape = tuple(param.shape), tuple(local.shape)
+        numel = local.numel()
+        for start in range(0, numel, self.chunk_elements):
+            end = min(start + self.chunk_elements, numel)
+            index = flat_global_index(offsets, local_shape, shape, start, end, local.device)
+            weight, *moments = (tensor[start:end] for tensor in flat)
+            self._step_chunk(
+                weight,
+                dict(zip(keys, moments, strict=True)),
+                flat_grad[start:end],
+                index,
+                hyper,
+                seed,
+                grad_scale,
+            )
+        for tensor, flattened in zip(written, flat, strict=True):
+            if flattened.data_ptr() != tensor.data_ptr():  # a non-contiguous tensor stepped through a copy
+                tensor.copy_(flattened.view(tensor.shape))
+
+    def _step_chunk(
+        self,
+        param: Tensor,
+        state: dict[str, Tensor],
+        grad: Tensor,
+        index: Tensor,
+        hyper: AdamWHyper,
+        seed: int,
+        grad_scale: Tensor | None,
+    ) -> None:
+        """One chunk of flat elements (views into the parameter and its state) and their global indices."""
 
         def store(target: Tensor, value: Tensor, stream: str) -> None:
-            local = _local(target)
-            if local.dtype == torch.bfloat16:
+            if target.dtype == torch.bfloat16:
                 bits = random_bits16(index, seed=seed, step=hyper.step, stream=_STREAMS[stream])
-                local.copy_(stochastic_round_bf16(value, bits))
-            elif local is not value:
-                local.copy_(value)
+                target.copy_(stochastic_round_bf16(value, bits))
+            elif target is not value:
+                target.copy_(value)
 
-        g = _local(grad).to(torch.float32)
+        g = grad.to(torch.float32)
         if grad_scale is not None:
             g = g * grad_scale
-        master = _local(state["master"]) if self.master_weights else None
-        weight = master if master is not None else _local(param).to(torch.float32)
-        exp_avg, exp_avg_sq = (_local(state[key]).to(torch.float32) for key in ("exp_avg", "exp_avg_sq"))
+        master = state.get("master")
+        weight = master if master is not None else param.to(torch.float32)
+        exp_avg, exp_avg_sq = (state[key].to(torch.float32) for key in ("exp_avg", "exp_avg_sq"))
         weight.mul_(hyper.decay)
         exp_avg.lerp_(g, 1.0 - hyper.beta1)
         exp_avg_sq.mul_(hyper.beta2).addcmul_(g, g, value=1.0 - hyper.beta2)
@@ -169,7 +217,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         store(state["exp_avg"], exp_avg, "exp_avg")
         store(state["exp_avg_sq"], exp_avg_sq, "exp_avg_sq")
         if master is not None:
-            _local(param).copy_(master)  # round to nearest: the master keeps what rounding drops
+            param.copy_(master)  # round to nearest: the master keeps what rounding drops
         else:
             store(param, weight, "param")
 
@@ -199,6 +247,11 @@ class StochasticAdamW(torch.optim.Optimizer):
 
 def _local(tensor: Tensor) -> Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
+def _flat(tensor: Tensor) -> Tensor:
+    """A flat view of a tensor the step writes, or a flat copy of a non-contiguous one (written back after)."""
+    return tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1).clone()
 
 
 def _hyper(group: dict[str, Any], step: int) -> AdamWHyper:

@@ -9,8 +9,8 @@ carry, and the same element gets the same bits whichever rank holds it. For a DT
 place in the global tensor (:func:`global_element_index`), so a parameter sharded over any mesh rounds bit for bit
 as it does whole on one process, wherever the shards hold the same values.
 
-Pure torch (int64 arithmetic, a few temporaries of the tensor's size): the reference a fused kernel is checked
-against.
+Pure torch (int64 arithmetic, a few temporaries of the size of the elements rounded at once: a caller bounds them
+by rounding a large tensor in chunks, :func:`flat_global_index`): the reference a fused kernel is checked against.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
 _MASK32 = 0xFFFFFFFF
@@ -61,28 +62,72 @@ def stochastic_round_bf16(value: Tensor, bits16: Tensor) -> Tensor:
 
 def global_element_index(tensor: Tensor) -> Tensor:
     """The flat index (int64, row-major in the global shape) of every element of ``tensor``'s local part: its
-    ``to_local()`` for a DTensor, the tensor itself otherwise. Shaped like that local part.
+    ``to_local()`` for a DTensor, the tensor itself otherwise. Shaped like that local part."""
+    local = _local(tensor)
+    offsets = axis_offsets(tensor)
+    shape, local_shape = tuple(tensor.shape), tuple(local.shape)
+    return flat_global_index(offsets, local_shape, shape, 0, local.numel(), local.device).view(local_shape)
 
-    Each dim's local indices come from sharding that dim's index vector with the DTensor's own placements
-    (``distribute_tensor`` with ``src_data_rank=None``: every rank splits its copy, no communication), so uneven
-    and strided shards (FSDP over tensor parallelism) index as torch lays them out."""
+
+def axis_offsets(tensor: Tensor) -> list[int | Tensor]:
+    """Per dim of ``tensor``'s local part, where its local positions lie in the global tensor: an int ``start``
+    where local position ``i`` is global ``start + i`` (a whole, replicated or ``Shard`` dim), else an int64
+    vector of each local position's global position (a dim under ``_StridedShard``, FSDP over tensor
+    parallelism: as long as that dim's local size, one matrix dim, never the tensor). :func:`flat_global_index`
+    turns them into the elements' global indices.
+
+    Contiguous starts come from torch's own offsets of the local shard. A strided dim's positions come from
+    sharding that dim's index vector with the DTensor's own placements (``distribute_tensor`` with
+    ``src_data_rank=None``: every rank splits its copy, no communication), so uneven and strided shards index as
+    torch lays them out."""
     if not isinstance(tensor, DTensor):
-        return torch.arange(tensor.numel(), dtype=torch.int64, device=tensor.device).view(tensor.shape)
+        return [0] * tensor.dim()
     shape = tuple(tensor.shape)
-    strides = [1] * len(shape)
-    for dim in range(len(shape) - 2, -1, -1):
-        strides[dim] = strides[dim + 1] * shape[dim + 1]
-    local = tensor._local_tensor
-    index = torch.zeros(local.shape, dtype=torch.int64, device=local.device)
+    _, starts = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    offsets: list[int | Tensor] = list(starts)
     for dim, size in enumerate(shape):
+        if not any(isinstance(p, _StridedShard) and p.dim == dim for p in tensor.placements):
+            continue
         view = [1] * len(shape)
         view[dim] = size
-        along = torch.arange(size, dtype=torch.int64, device=local.device).view(view)
+        along = torch.arange(size, dtype=torch.int64, device=tensor._local_tensor.device).view(view)
         placements = [p if _shards(p, dim) else Replicate() for p in tensor.placements]
-        if any(_shards(p, dim) for p in placements):
-            along = distribute_tensor(along, tensor.device_mesh, placements, src_data_rank=None).to_local()
-        index += along * strides[dim]
+        offsets[dim] = distribute_tensor(along, tensor.device_mesh, placements, src_data_rank=None).to_local()
+        offsets[dim] = offsets[dim].reshape(-1)
+    return offsets
+
+
+def flat_global_index(
+    offsets: list[int | Tensor],
+    local_shape: tuple[int, ...],
+    global_shape: tuple[int, ...],
+    start: int,
+    end: int,
+    device: torch.device,
+) -> Tensor:
+    """The global indices (int64, flat) of the local part's elements ``start`` to ``end`` in row-major order,
+    from :func:`axis_offsets`: a few int64 temporaries of ``end - start`` elements, whatever the tensor's size,
+    so a step that rounds a large shard chunk by chunk holds the indices of one chunk at a time."""
+    position = torch.arange(start, end, dtype=torch.int64, device=device)
+    if all(isinstance(offset, int) and offset == 0 for offset in offsets) and local_shape == global_shape:
+        return position  # the whole tensor: local order is global order
+    index = torch.zeros_like(position)
+    stride = 1
+    for dim in range(len(local_shape) - 1, -1, -1):
+        size, offset = local_shape[dim], offsets[dim]
+        coordinate = position % size if dim else position
+        if isinstance(offset, int):
+            index.add_(coordinate + offset, alpha=stride)
+        else:
+            index.add_(offset[coordinate], alpha=stride)
+        if dim:
+            position = position.div_(size, rounding_mode="floor")
+        stride *= global_shape[dim]
     return index
+
+
+def _local(tensor: Tensor) -> Tensor:
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _shards(placement: object, dim: int) -> bool:

@@ -1,6 +1,6 @@
 """``StochasticAdamW`` on sharded parameters (2 gloo ranks, one launch): under FSDP2 (``fully_shard``, rows split
-unevenly where 2 does not divide them) and a tensor-parallel column split, 6 steps give the parameters and every
-state tensor of one process bit for bit, in each of the optimizer's options.
+unevenly where 2 does not divide them) and a tensor-parallel column split, 6 steps (the shards 5 elements at a
+time) give the parameters and every state tensor of one process bit for bit, in each of the optimizer's options.
 
 Each rank gets the gradients one process gets (the same global tensors, split as the parameter is): the random
 bits are a hash of the global element index, so equal values round equally wherever they live. A run whose ranks
@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_d9d.optim import StochasticAdamW
-from lightning_d9d.optim.stochastic_rounding import global_element_index
+from lightning_d9d.optim.stochastic_rounding import axis_offsets, flat_global_index, global_element_index
 from lightning_d9d.plans.memory import optimizer_states_per_parameter, plan_memory
 
 OPTIONS: list[dict[str, Any]] = [
@@ -72,7 +72,8 @@ def sharded_run() -> dict[str, Any]:
         fully_shard(model, mesh=mesh)
         tp_column = nn.Parameter(distribute_tensor(column.detach(), mesh, [Shard(1)]))
         params = [*model.parameters(), tp_column]
-        optimizer = StochasticAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, **options)
+        # the shards step 5 elements at a time, one process whole: chunking and sharding change no bit
+        optimizer = StochasticAdamW(params, lr=1e-2, weight_decay=0.1, seed=5, chunk_elements=5, **options)
         reference_optimizer = StochasticAdamW(reference, lr=1e-2, weight_decay=0.1, seed=5, **options)
         train(params, optimizer)
         train(reference, reference_optimizer)
@@ -125,11 +126,29 @@ def global_indices_on_a_2d_mesh() -> list[bool]:
         [Shard(0), Shard(1)],
         [Shard(1), Shard(0)],
     )
-    return [
-        torch.equal(global_element_index(shard), shard.to_local())
-        for shard in (distribute_tensor(values, mesh, placements) for placements in layouts)
+    shards = [distribute_tensor(values, mesh, placements) for placements in layouts]
+    whole = [torch.equal(global_element_index(shard), shard.to_local()) for shard in shards]
+    chunked = [  # 4 elements at a time, as a chunked step asks for them
+        torch.equal(
+            torch.cat(
+                [
+                    flat_global_index(
+                        axis_offsets(shard),
+                        tuple(shard.to_local().shape),
+                        tuple(shard.shape),
+                        start,
+                        min(start + 4, shard.to_local().numel()),
+                        shard.device,
+                    )
+                    for start in range(0, shard.to_local().numel(), 4)
+                ]
+            ),
+            shard.to_local().reshape(-1),
+        )
+        for shard in shards
     ]
+    return whole + chunked
 
 
 def test_global_indices_follow_strided_and_2d_shards() -> None:
-    assert run_distributed(global_indices_on_a_2d_mesh, 4) == [[True, True, True]] * 4
+    assert run_distributed(global_indices_on_a_2d_mesh, 4) == [[True] * 6] * 4
