@@ -92,8 +92,8 @@ def axis_offsets(tensor: Tensor) -> list[int | Tensor]:
         view[dim] = size
         along = torch.arange(size, dtype=torch.int64, device=tensor._local_tensor.device).view(view)
         placements = [p if _shards(p, dim) else Replicate() for p in tensor.placements]
-        offsets[dim] = distribute_tensor(along, tensor.device_mesh, placements, src_data_rank=None).to_local()
-        offsets[dim] = offsets[dim].reshape(-1)
+        shard = distribute_tensor(along, tensor.device_mesh, placements, src_data_rank=None).to_local()
+        offsets[dim] = shard.reshape(-1)
     return offsets
 
 

@@ -17,7 +17,7 @@ from distributed import run_distributed
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_d9d.optim import StochasticAdamW
@@ -125,6 +125,7 @@ def global_indices_on_a_2d_mesh() -> list[bool]:
         [_StridedShard(0, split_factor=2), Shard(0)],  # FSDP over a tp-sharded dim (torch's strided layout)
         [Shard(0), Shard(1)],
         [Shard(1), Shard(0)],
+        [_StridedShard(0, split_factor=2), Replicate()],  # rows 0-1 and 4-5 on dp rank 0: not contiguous
     )
     shards = [distribute_tensor(values, mesh, placements) for placements in layouts]
     whole = [torch.equal(global_element_index(shard), shard.to_local()) for shard in shards]
@@ -151,4 +152,4 @@ def global_indices_on_a_2d_mesh() -> list[bool]:
 
 
 def test_global_indices_follow_strided_and_2d_shards() -> None:
-    assert run_distributed(global_indices_on_a_2d_mesh, 4) == [[True] * 6] * 4
+    assert run_distributed(global_indices_on_a_2d_mesh, 4) == [[True] * 8] * 4
