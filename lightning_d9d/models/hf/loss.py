@@ -26,6 +26,10 @@ otherwise, and the logits path runs):
   (``input_ids``, ``attention_mask``, ``position_ids``, ``inputs_embeds``, ...; a ``None`` counts as not given):
   ``labels``, ``logits_to_keep`` or a cache keep the logits path.
 
+Under pp the fused head never runs (the adapter's stages take no labels): the last stage returns the logits, after
+the steps the forward takes on the head's output (:func:`logit_steps`: Gemma 2's soft cap, Granite's and Cohere's
+scales, read from the same syntax tree and repeated in its order), and the loss runs on them.
+
 The base model runs with ``use_cache=False``. Under FSDP the head belongs to the root's unit, whose parameters
 FSDP gathers only around its ``forward`` and the methods registered with ``register_fsdp_forward_method``: the
 fused loss runs as such a method, set on the model instance (:data:`FORWARD_LOSS`).
@@ -39,10 +43,11 @@ import ast
 import copy
 import functools
 import inspect
+import operator
 import textwrap
 import types
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -93,6 +98,53 @@ def transformers_head(model: nn.Module) -> TransformersHead | None:
 def plain_head(model: nn.Module) -> nn.Linear | None:
     """The head of ``model`` if its logits are ``head(last hidden states)`` and nothing else (see the module
     docstring), else ``None``."""
+    read = _read_head(model)
+    if read is None or read[1] or logit_changes(model):
+        return None
+    return read[0]
+
+
+class LogitSteps:
+    """What ``model``'s forward does to its logits after the head, as its own code does it, in its order: Gemma 2's
+    soft cap (``logits / cap``, ``tanh``, ``* cap``), Granite's ``logits / logits_scaling``, Cohere's
+    ``logits * self.logit_scale``; no steps for a plain head. Read from the forward's syntax tree
+    (:func:`logit_steps`), the constants taken from the config / the model when read. Called on the head's output
+    (a ``DTensor`` sharded on the vocabulary under tp: every step is elementwise)."""
+
+    def __init__(self, steps: Sequence[Callable[[torch.Tensor], Any]], fields: Sequence[str]) -> None:
+        self.steps, self.fields = tuple(steps), tuple(fields)
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        for step in self.steps:
+            logits = step(logits)
+        return logits
+
+
+def logit_steps(model: nn.Module) -> LogitSteps | None:
+    """The steps ``model``'s forward takes from ``head(last hidden states)`` to its logits (:class:`LogitSteps`),
+    or ``None`` where they cannot be read or repeated: a head that is no plain linear layer, a forward whose logits
+    come otherwise, a step other than ``logits = <expression of logits>`` at the forward's top level (after
+    resolving ``if self.config.<field> is (not) None:`` by the config) made of numbers, ``self.config.<field>``,
+    ``self.<attribute>`` (numbers), ``+ - * /``, ``torch.tanh`` and ``.float()``, or a config field of
+    :data:`LOGIT_FIELDS` that is set but that no step reads (the change happens where this reading does not see)."""
+    read = _read_head(model)
+    if read is None:
+        return None
+    steps: list[Callable[[torch.Tensor], Any]] = []
+    for node in read[1]:
+        step = _compile_step(node, model)
+        if step is None:
+            return None
+        steps.append(step)
+    read_names = {n.attr for node in read[1] for n in ast.walk(node) if isinstance(n, ast.Attribute)}
+    if any(field not in read_names for field in logit_changes(model)):
+        return None
+    return LogitSteps(steps, sorted(read_names & set(LOGIT_FIELDS)))
+
+
+def _read_head(model: nn.Module) -> tuple[nn.Linear, tuple[ast.expr, ...]] | None:
+    """The head of ``model`` and the steps its forward takes after it (syntax trees, in order), where the head is
+    a bias-free ``nn.Linear`` applied to the base model's last hidden states (see the module docstring)."""
     head = _call(model, "get_output_embeddings")
     if (
         not isinstance(head, nn.Linear)
@@ -104,17 +156,15 @@ def plain_head(model: nn.Module) -> nn.Linear | None:
     decoder = _call(model, "get_decoder")
     if not isinstance(base, nn.Module) or base is model or decoder is not base:
         return None
-    if logit_changes(model):
-        return None
     prefix = getattr(model, "base_model_prefix", "")
     model_class: Any = type(model)  # cached per class and the config's disabled fields
     unset = frozenset(
         field for field in _guard_fields(model_class) if getattr(model.config, field, None) is None
     )
-    attribute = _head_attribute(model_class, prefix, unset)
-    if attribute is None or getattr(model, attribute, None) is not head:
+    reading = _head_reading(model_class, prefix, unset)
+    if reading is None or getattr(model, reading[0], None) is not head:
         return None
-    return head
+    return head, reading[1]
 
 
 def logit_changes(model: nn.Module) -> dict[str, Any]:
@@ -210,7 +260,7 @@ def _signature(module_class: Any) -> inspect.Signature | None:
 
 
 @functools.cache
-def _forward_tree(model_class: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
+def forward_tree(model_class: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     """The syntax tree of ``model_class.forward``, or ``None`` where its source cannot be read."""
     try:
         source = textwrap.dedent(inspect.getsource(inspect.unwrap(model_class.forward)))
@@ -224,7 +274,7 @@ def _forward_tree(model_class: Any) -> ast.FunctionDef | ast.AsyncFunctionDef | 
 @functools.cache
 def _guard_fields(model_class: Any) -> frozenset[str]:
     """The config fields ``model_class.forward`` branches on by ``if self.config.<field> is (not) None:``."""
-    function = _forward_tree(model_class)
+    function = forward_tree(model_class)
     if function is None:
         return frozenset()
     tests = (_none_test(node.test) for node in ast.walk(function) if isinstance(node, ast.If))
@@ -252,39 +302,64 @@ def _none_test(test: ast.expr) -> tuple[str, bool] | None:
     return None
 
 
-class _UnsetBranches(ast.NodeTransformer):
-    """Drops the branches of ``if self.config.<field> is (not) None:`` that cannot run while ``unset`` fields are
-    None (Gemma 3 soft-caps its logits only under ``if self.config.final_logit_softcapping is not None:``)."""
+class _KnownBranches(ast.NodeTransformer):
+    """Replaces each ``if self.config.<field> is (not) None:`` on a field of ``fields`` (the forward's guard
+    fields) by the branch that runs: the config leaves the ``unset`` ones None and sets the others (Gemma 3
+    soft-caps its logits only under ``if self.config.final_logit_softcapping is not None:``; its default None
+    drops the branch, a cap makes it part of the forward's top level)."""
 
-    def __init__(self, unset: frozenset[str]) -> None:
-        self.unset = unset
+    def __init__(self, fields: frozenset[str], unset: frozenset[str]) -> None:
+        self.fields, self.unset = fields, unset
 
     def visit_If(self, node: ast.If) -> Any:
         test = _none_test(node.test)
-        if test is None or test[0] not in self.unset:
+        if test is None or test[0] not in self.fields:
             return self.generic_visit(node)
+        is_none = test[0] in self.unset
         kept: list[ast.AST] = []
-        for statement in node.body if test[1] else node.orelse:
+        for statement in node.body if test[1] == is_none else node.orelse:
             visited = self.visit(statement)
             kept.extend(visited if isinstance(visited, list) else [visited])
         return kept
 
 
-@functools.cache
 def _head_attribute(model_class: Any, base_prefix: str, unset: frozenset[str] = frozenset()) -> str | None:
     """The attribute name of the head in ``model_class.forward`` if that forward computes its logits as
     ``self.<head>(h)`` once, ``h`` being the base model's last hidden states, optionally sliced, and never
     changes them; else ``None`` (also where the source cannot be read). ``unset``: config fields that are None,
     whose ``if self.config.<field> is not None:`` branches cannot run and are not read."""
-    tree = _forward_tree(model_class)
+    reading = _head_reading(model_class, base_prefix, unset)
+    return reading[0] if reading is not None and not reading[1] else None
+
+
+@functools.cache
+def _head_reading(
+    model_class: Any, base_prefix: str, unset: frozenset[str] = frozenset()
+) -> tuple[str, tuple[ast.expr, ...]] | None:
+    """The head's attribute name in ``model_class.forward`` and the values it then assigns to ``logits`` in
+    order (``logits = logits / cap``, ...), where that forward computes its logits first as ``self.<head>(h)``,
+    ``h`` being the base model's last hidden states, optionally sliced, every assignment to ``logits`` is a
+    statement of the forward's top level (after :class:`_KnownBranches`) and nothing changes them in place; else
+    ``None`` (also where the source cannot be read). ``unset``: the guard fields (:func:`_guard_fields`) the
+    config leaves None; the others are set."""
+    tree = forward_tree(model_class)
     if tree is None:
         return None
-    function = _UnsetBranches(unset).visit(copy.deepcopy(tree)) if unset else tree
+    fields = _guard_fields(model_class)
+    function = _KnownBranches(fields, unset).visit(copy.deepcopy(tree)) if fields else tree
     values = _assigned_values(function)
     logits = values.get("logits", [])
-    if len(logits) != 1:
+    top_level = [
+        statement.value
+        for statement in function.body
+        if isinstance(statement, ast.Assign)
+        and len(statement.targets) == 1
+        and isinstance(statement.targets[0], ast.Name)
+        and statement.targets[0].id == "logits"
+    ]
+    if not logits or len(top_level) != len(logits):
         return None
-    call = logits[0]
+    call, steps = top_level[0], tuple(top_level[1:])
     if not (
         isinstance(call, ast.Call)
         and isinstance(call.func, ast.Attribute)
@@ -300,7 +375,74 @@ def _head_attribute(model_class: Any, base_prefix: str, unset: frozenset[str] = 
         return None
     if _changes_in_place(function, {"logits", hidden}):
         return None
-    return call.func.attr
+    return call.func.attr, steps
+
+
+# ------------------------------------------------------------------------- repeating the logits' steps
+_OPERATORS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+}
+
+
+def _compile_step(node: ast.expr, model: nn.Module) -> Callable[[torch.Tensor], Any] | None:
+    """``node`` (a value assigned to ``logits``) as a function of the logits, or ``None`` where it is no step
+    :func:`logit_steps` repeats (or does not read the logits)."""
+    if not any(isinstance(n, ast.Name) and n.id == "logits" for n in ast.walk(node)):
+        return None
+    return _compile(node, model)
+
+
+def _compile(node: ast.expr, model: nn.Module) -> Callable[[torch.Tensor], Any] | None:
+    if isinstance(node, ast.Name):
+        return (lambda logits: logits) if node.id == "logits" else None
+    if isinstance(node, ast.Constant | ast.Attribute):
+        value = _constant(node, model)
+        return None if value is None else (lambda logits: value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+        apply = _OPERATORS[type(node.op)]
+        left, right = _compile(node.left, model), _compile(node.right, model)
+        if left is None or right is None:
+            return None
+        return lambda logits: apply(left(logits), right(logits))
+    if isinstance(node, ast.Call) and not node.keywords and isinstance(node.func, ast.Attribute):
+        function = node.func
+        if function.attr == "float" and not node.args:  # x.float()
+            cast = _compile(function.value, model)
+            if cast is None:
+                return None
+            return lambda logits: cast(logits).float()
+        if (
+            function.attr == "tanh"
+            and isinstance(function.value, ast.Name)
+            and function.value.id == "torch"
+            and len(node.args) == 1
+        ):
+            capped = _compile(node.args[0], model)
+            if capped is None:
+                return None
+            return lambda logits: torch.tanh(capped(logits))
+    return None
+
+
+def _constant(node: ast.expr, model: nn.Module) -> float | None:
+    """A number: a literal, ``self.config.<field>`` or ``self.<attribute>`` (read now); else ``None``."""
+    if isinstance(node, ast.Constant):
+        value: Any = node.value
+    elif isinstance(node, ast.Attribute) and _is_self(node.value):
+        value = getattr(model, node.attr, None)
+    elif (
+        isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "config"
+        and _is_self(node.value.value)
+    ):
+        value = getattr(model.config, node.attr, None)
+    else:
+        return None
+    return value if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 def _assigned_values(function: ast.AST) -> dict[str, list[ast.AST | None]]:

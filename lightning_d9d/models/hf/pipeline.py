@@ -15,11 +15,15 @@ for the model, as our own models do:
   this stage's. So the causal mask, the positions and rotary tables, and whatever a family hands its layers
   are computed by the family's code, as in an unsplit forward; the first stage passes ``input_ids``, the later
   ones the previous stage's hidden states as ``inputs_embeds`` (the plan's names). The last stage applies the
-  head: its output is the logits, which the strategy's ``model_loss`` hands to the loss.
+  head and then what the causal LM's forward does to its output, read from that forward
+  (:func:`~.loss.logit_steps`: Gemma 2's soft cap, Granite's and Cohere's scales): its output is the logits,
+  which the strategy's ``model_loss`` hands to the loss (on logits: the stages take no labels, so the fused
+  head, which a soft-capped or scaled head does not take anyway, never runs under pp).
 
 Refused before any collective (:func:`check_hf_pipeline_model`): a config without ``base_model_pp_plan`` or a
 head without ``_pp_plan``, a plan whose parts are not the embedding, one ``ModuleList`` of layers and the norms,
-a head that is not ``head(last hidden states)`` (soft-capped or scaled logits: the stage would skip it), and
+a head that is not ``head(last hidden states)`` followed by steps the last stage can repeat (a head bias, a step
+:func:`~.loss.logit_steps` does not read), and
 ``output_router_logits=True`` (the load-balancing loss needs every layer's router logits, which no stage
 returns). Tied embeddings are refused by the strategy's pipeline check (the two ends sit on different ranks).
 
@@ -33,6 +37,7 @@ Nothing here imports ``transformers``.
 
 from __future__ import annotations
 
+import ast
 import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -45,7 +50,7 @@ from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.expert import offer_experts_to_float8, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
-from lightning_d9d.models.hf.loss import logit_changes, plain_head
+from lightning_d9d.models.hf.loss import LogitSteps, forward_tree, logit_changes, logit_steps
 from lightning_d9d.models.hf.tensor import (
     HiddenStatesLayout,
     check_tensor_parallel_model,
@@ -102,18 +107,123 @@ def check_hf_pipeline_model(model: nn.Module) -> None:
         raise NotImplementedError(
             f"{name}: pp > 1: the base model's {LAYERS} is {type(layers).__name__}, not a ModuleList; use pp=1"
         )
-    if getattr(model, head_name, None) is not None and plain_head(model) is None:
+    if getattr(model, head_name, None) is not None and logit_steps(model) is None:
         fields = ", ".join(f"{field}={value}" for field, value in logit_changes(model).items())
-        why = f"its config sets {fields}" if fields else "a soft cap, a scale, a head with a bias"
+        why = f"its config sets {fields}" if fields else "a head with a bias, a step on the logits"
         raise NotImplementedError(
-            f"{name}: pp > 1: its logits are not {head_name}(last hidden states) alone ({why}: see "
-            "lightning_d9d.models.hf.loss.plain_head), which the last stage would skip; use pp=1"
+            f"{name}: pp > 1: its logits are not {head_name}(last hidden states) followed by steps the last "
+            f"stage can repeat ({why}: see lightning_d9d.models.hf.loss.logit_steps); use pp=1"
         )
+    embedding_steps(model, base)  # refuses a change of the embeddings a later stage would repeat
     if getattr(model.config, "output_router_logits", False):
         raise NotImplementedError(
             f"{name}: pp > 1 with output_router_logits=True: the load-balancing loss needs every layer's router "
             "logits, which the pipeline stages do not return; set config.output_router_logits=False or pp=1"
         )
+
+
+# The names the base model's forward holds the residual stream under before its layers.
+STREAM = ("inputs_embeds", "hidden_states")
+
+
+def embedding_steps(model: nn.Module, base: nn.Module) -> dict[str, float]:
+    """What the base model's forward does to the embeddings before its layers, whatever they came from, as
+    attributes of the base model and the value that makes each step nothing (attribute -> value): a later stage,
+    handed hidden states as ``inputs_embeds``, would repeat the step, so its copy of the decoder holds that value.
+    Granite: ``inputs_embeds = inputs_embeds * self.embedding_multiplier`` (-> 1); StarCoder2:
+    ``hidden_states = dropout(hidden_states, p=self.embedding_dropout, ...)`` (-> 0).
+
+    Read from the forward's syntax tree: its statements before the layer loop, but the lookup under
+    ``if inputs_embeds is None:``. Refused by name: any other change of the stream there (``hidden_states =
+    hidden_states * normalizer``, as Gemma's forward did before its embedding scaled itself), such an attribute
+    that the forward reads elsewhere too, or a forward whose source cannot be read."""
+    name = type(model).__name__
+    base_class: Any = type(base)  # cached per class
+    function = forward_tree(base_class)
+    if function is None:
+        raise NotImplementedError(
+            f"{name}: pp > 1: the source of {type(base).__name__}.forward cannot be read, so nothing shows "
+            "what it does to the embeddings before its layers (a later stage would repeat it); use pp=1"
+        )
+    steps: dict[str, float] = {}
+    for statement in function.body:
+        if isinstance(statement, ast.For):  # the layer loop
+            break
+        if isinstance(statement, ast.If) and _tests_no_embeddings(statement.test):
+            continue  # the lookup
+        for node in ast.walk(statement):
+            if not (isinstance(node, ast.Assign) and _assigns_stream(node)):
+                continue
+            if isinstance(node.value, ast.Name):
+                continue  # hidden_states = inputs_embeds
+            step = _undoable_step(node.value, base)
+            if step is None or _reads(function, step[0]) != 1:
+                raise NotImplementedError(
+                    f"{name}: pp > 1: {type(base).__name__}.forward changes the embeddings before its layers "
+                    f"({ast.unparse(node)}), which a later stage, handed hidden states, would repeat; use pp=1"
+                )
+            steps[step[0]] = step[1]
+    return steps
+
+
+def _tests_no_embeddings(test: ast.expr) -> bool:
+    """``inputs_embeds is None``."""
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == STREAM[0]
+        and len(test.ops) == 1
+        and isinstance(test.ops[0], ast.Is)
+        and isinstance(test.comparators[0], ast.Constant)
+        and test.comparators[0].value is None
+    )
+
+
+def _assigns_stream(node: ast.Assign) -> bool:
+    return any(isinstance(target, ast.Name) and target.id in STREAM for target in node.targets)
+
+
+def _undoable_step(value: ast.expr, base: nn.Module) -> tuple[str, float] | None:
+    """``(attribute, 1)`` for ``<stream> * self.<attribute>`` (or ``/``), ``(attribute, 0)`` for
+    ``<...>.dropout(<stream>, p=self.<attribute>, ...)`` (or ``p`` by position), the attribute a number of
+    ``base``; else None."""
+    if isinstance(value, ast.BinOp) and isinstance(value.op, ast.Mult | ast.Div):
+        stream, attribute, neutral = value.left, value.right, 1.0
+    elif (
+        isinstance(value, ast.Call)
+        and isinstance(value.func, ast.Attribute | ast.Name)
+        and (value.func.attr if isinstance(value.func, ast.Attribute) else value.func.id) == "dropout"
+        and value.args
+    ):
+        rate = [k.value for k in value.keywords if k.arg == "p"] or value.args[1:2]
+        if not rate:
+            return None
+        stream, attribute, neutral = value.args[0], rate[0], 0.0
+    else:
+        return None
+    if not (
+        isinstance(stream, ast.Name)
+        and stream.id in STREAM
+        and isinstance(attribute, ast.Attribute)
+        and isinstance(attribute.value, ast.Name)
+        and attribute.value.id == "self"
+    ):
+        return None
+    number = getattr(base, attribute.attr, None)
+    if not isinstance(number, int | float) or isinstance(number, bool):
+        return None
+    return attribute.attr, neutral
+
+
+def _reads(function: ast.AST, attribute: str) -> int:
+    """How often ``function`` reads ``self.<attribute>``."""
+    return sum(
+        isinstance(node, ast.Attribute)
+        and node.attr == attribute
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "self"
+        for node in ast.walk(function)
+    )
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -138,6 +248,9 @@ class TransformersPipeline:
         self.model = model
         self.plan, self.head_name = pipeline_parts(model)
         self.base = _base(model)
+        self.embedding_steps = embedding_steps(model, self.base)
+        # what the forward does to the head's output (a soft cap, a scale): the last stage repeats it
+        self.logit_steps = logit_steps(model) if getattr(model, self.head_name, None) is not None else None
 
     @property
     def num_pipeline_layers(self) -> int:
@@ -174,6 +287,8 @@ def _stage_decoder(
     decoder._modules[LAYERS] = nn.ModuleList([layers[i] for i in layer_ids])
     if not first:
         decoder._modules[EMBEDDING] = None
+        for attribute, neutral in pipeline.embedding_steps.items():  # the first stage's: x * 1 is x
+            setattr(decoder, attribute, neutral)
     if not last and NORM in pipeline.plan:
         decoder._modules[NORM] = nn.Identity()
     config: Any = copy.copy(getattr(base, "config"))  # noqa: B009  (a transformers config, untyped here)
@@ -209,6 +324,7 @@ class TransformersStage(nn.Module):
         self.input_name = (embed_input if first else embed_output)[0]
         self.add_module(self.base_model_prefix, _stage_decoder(pipeline, layer_ids, first, last))
         self.add_module(self.head_name, getattr(model, self.head_name) if last else None)
+        self.logit_steps: LogitSteps | None = pipeline.logit_steps if last else None
         self.gathers_sequence = False  # under tp: a later stage gathers its input's sequence shards first
 
     @property
@@ -232,7 +348,10 @@ class TransformersStage(nn.Module):
         output: Any = self.base_model(**{self.input_name: inputs}, use_cache=False, **extra)
         hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
         head = self.get_output_embeddings()
-        return head(hidden) if head is not None else hidden
+        if head is None:
+            return hidden
+        logits = head(hidden)
+        return self.logit_steps(logits) if self.logit_steps is not None else logits
 
     def parallelize(self, dims: ParallelDims, options: ParallelOptions) -> None:
         """The adapter's plan for one stage, in torchtitan's order: our kernels, tp from the model's tp plan, cp,

@@ -9,6 +9,7 @@ import importlib
 from typing import Any
 
 import pytest
+import tiny_hf
 import torch
 import torch.distributed as dist
 import transformers
@@ -206,6 +207,37 @@ class NormedQwen3(transformers.Qwen3ForCausalLM):
 def test_the_forward_says_whether_the_head_is_plain(name: str, plain: bool) -> None:
     model_class = getattr(transformers, name)
     assert (hf_loss._head_attribute(model_class, "model") == "lm_head") is plain
+
+
+@pytest.mark.parametrize(
+    ("family", "overrides", "fields"),
+    [
+        ("gemma2", {"final_logit_softcapping": 2.0}, ("final_logit_softcapping",)),  # / cap, tanh, * cap
+        ("gemma3", {"final_logit_softcapping": 2.0}, ("final_logit_softcapping",)),
+        ("granite", {"logits_scaling": 4.0}, ("logits_scaling",)),  # logits / logits_scaling
+        ("cohere", {}, ("logit_scale",)),  # logits * self.logit_scale (0.0625 by default)
+        ("qwen3", {}, ()),  # a plain head: no step
+    ],
+)
+def test_the_logit_steps_give_the_forwards_logits(family: str, overrides: dict, fields: tuple) -> None:
+    """What a pipeline's last stage runs after the head (``logit_steps``, read from the forward) gives the
+    forward's own logits bit for bit."""
+    model = tiny_hf.tiny_causal_lm(family, **overrides)
+    steps = hf_loss.logit_steps(model)
+    assert steps is not None and steps.fields == fields
+    ids, _ = padded_batch()
+    with torch.no_grad():
+        hidden = model.model(input_ids=ids).last_hidden_state
+        expected = model(input_ids=ids).logits
+        assert torch.equal(steps(model.lm_head(hidden)), expected)
+        assert torch.equal(model.lm_head(hidden), expected) is not bool(fields)  # the steps change the logits
+
+
+def test_a_step_on_a_tensor_or_a_call_is_not_repeated() -> None:
+    assert hf_loss.logit_steps(ScaledQwen3(tiny_model("qwen3", False).config)) is not None  # logits / 2.0
+    assert (
+        hf_loss.logit_steps(NormedQwen3(tiny_model("qwen3", False).config)) is None
+    )  # hidden states changed
 
 
 @pytest.mark.parametrize("model_class", [ScaledQwen3, NormedQwen3])

@@ -42,6 +42,22 @@ RUNS: dict[str, dict[str, Any]] = {
         **pp_run("gemma3", "1F1B"),
         "model": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3},
     },
+    # the last stage repeats what the forward does to the head's output: a soft cap (small enough to bite),
+    # a division, a multiplication (loss.logit_steps)
+    "gemma2_1F1B_soft_cap": {
+        **pp_run("gemma2", "1F1B"),
+        "model": {"final_logit_softcapping": 2.0, "sliding_window": 3},
+    },
+    "granite_1F1B_logits_scaling": {
+        **pp_run("granite", "1F1B"),
+        "model": {
+            "logits_scaling": 4.0,
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.25,
+        },
+    },
+    "cohere_1F1B_logit_scale": pp_run("cohere", "1F1B"),  # its default logit_scale: 0.0625
     "qwen3_moe_1F1B": {**pp_run("qwen3_moe", "1F1B"), "validate": True},
     # packed rows: every stage of every microbatch gets the positions, transformers builds each stage's mask
     "qwen3_1F1B_packed": {**pp_run("qwen3", "1F1B"), "validate": True, "packed": True},

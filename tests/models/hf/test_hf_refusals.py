@@ -22,6 +22,7 @@ from lightning_d9d.models.hf import (
     parallelize_hf,
 )
 from lightning_d9d.models.hf.loss import plain_head
+from lightning_d9d.models.hf.pipeline import embedding_steps
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
 from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions
@@ -170,33 +171,57 @@ def test_pp_without_a_pp_plan_is_refused() -> None:
 
 def test_pp_with_logits_the_last_stage_would_not_compute_is_refused() -> None:
     model = tiny()
-    model.config.final_logit_softcapping = 30.0  # a soft-capping family's field (Gemma 2)
+    model.config.final_logit_softcapping = (
+        30.0  # a soft-capping family's field (Gemma 2), which Qwen3 never reads
+    )
     with pytest.raises(
         NotImplementedError,
-        match=r"^Qwen3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) alone",
+        match=r"^Qwen3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) followed by steps "
+        r"the last stage can repeat \(its config sets final_logit_softcapping=30\.0: .*\); use pp=1$",
     ):
         hf_pipeline_for(model)
 
 
-def test_gemma3_under_pp_is_refused_only_where_its_config_caps_the_logits() -> None:
+class OffsetQwen3(transformers.Qwen3ForCausalLM):
+    """Adds a tensor to its logits: a step the last stage does not repeat."""
+
+    def forward(self, input_ids: torch.Tensor, **kwargs: object) -> object:  # type: ignore[override]
+        outputs = self.model(input_ids=input_ids, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        logits = self.lm_head(hidden_states)
+        logits = logits + self.offset
+        return transformers.modeling_outputs.CausalLMOutputWithPast(logits=logits)
+
+
+def test_pp_with_a_step_on_the_logits_it_cannot_repeat_is_refused() -> None:
+    model = OffsetQwen3(tiny().config)
+    model.offset = torch.zeros(128)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^OffsetQwen3: pp > 1: its logits are not lm_head\(last hidden states\) followed by steps the last "
+        r"stage can repeat \(a head with a bias, a step on the logits: .*\); use pp=1$",
+    ):
+        hf_pipeline_for(model)
+
+
+def test_gemma3_soft_caps_on_the_last_stage_only_where_its_config_caps_the_logits() -> None:
     """Gemma 3's forward soft-caps its logits under ``if self.config.final_logit_softcapping is not None``: with
-    its default None the head is plain (a stage computes the whole logits), with a cap it is refused by name."""
+    its default None the head is plain (no step), with a cap the last stage repeats the cap."""
     config = transformers.Gemma3TextConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
     )  # fmt: skip
     assert config.final_logit_softcapping is None  # the default
     model = transformers.Gemma3ForCausalLM(config)
-    assert hf_pipeline_for(model) is not None
+    pipeline = hf_pipeline_for(model)
+    assert pipeline is not None and pipeline.logit_steps is not None and not pipeline.logit_steps.steps
     assert plain_head(model) is model.lm_head
     model.config.final_logit_softcapping = 30.0
-    assert plain_head(model) is None
-    with pytest.raises(
-        NotImplementedError,
-        match=r"^Gemma3ForCausalLM: pp > 1: its logits are not lm_head\(last hidden states\) alone \(its config "
-        r"sets final_logit_softcapping=30\.0: .*\), which the last stage would skip; use pp=1$",
-    ):
-        hf_pipeline_for(model)
+    assert plain_head(model) is None  # the fused loss keeps the logits path
+    pipeline = hf_pipeline_for(model)
+    assert pipeline is not None and pipeline.logit_steps is not None
+    assert len(pipeline.logit_steps.steps) == 3  # / cap, tanh, * cap
+    assert pipeline.logit_steps.fields == ("final_logit_softcapping",)
 
 
 def test_pp_with_router_logits_is_refused() -> None:
@@ -286,3 +311,45 @@ def test_the_adapter_imports_no_transformers(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.delitem(sys.modules, name)
     assert hf_plan_for(model) is None
     assert "transformers" not in sys.modules
+
+
+class NormalizingDecoder(nn.Module):
+    """Scales the embeddings by a local tensor before its layers, as Gemma's decoder did before its embedding
+    module scaled itself: a later stage, handed hidden states, would scale them again."""
+
+    def forward(self, input_ids=None, inputs_embeds=None):  # type: ignore[no-untyped-def]
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        hidden_states = inputs_embeds
+        normalizer = torch.tensor(8.0, dtype=hidden_states.dtype)
+        hidden_states = hidden_states * normalizer
+        for layer in self.layers:
+            hidden_states = layer(hidden_states)
+        return hidden_states
+
+
+def test_pp_with_embeddings_changed_before_the_layers_is_refused_unless_a_stage_can_undo_it() -> None:
+    """Granite's multiplier and StarCoder2's embedding dropout are attributes a later stage sets to 1 / 0; a
+    change the stage cannot undo is refused by name."""
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Qwen3ForCausalLM: pp > 1: NormalizingDecoder\.forward changes the embeddings before its layers "
+        r"\(hidden_states = hidden_states \* normalizer\), which a later stage, handed hidden states, would "
+        r"repeat; use pp=1$",
+    ):
+        embedding_steps(tiny(), NormalizingDecoder())
+    granite = transformers.GraniteForCausalLM(
+        transformers.GraniteConfig(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, embedding_multiplier=12.0,
+        )
+    )  # fmt: skip
+    assert embedding_steps(granite, granite.model) == {"embedding_multiplier": 1.0}
+    coder = transformers.Starcoder2ForCausalLM(
+        transformers.Starcoder2Config(
+            vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, embedding_dropout=0.1,
+        )
+    )  # fmt: skip
+    assert embedding_steps(coder, coder.model) == {"embedding_dropout": 0.0}
+    assert embedding_steps(tiny(), tiny().model) == {}

@@ -30,6 +30,12 @@ FAMILIES = {
     "afmoe": (transformers.AfmoeConfig, transformers.AfmoeForCausalLM),
     # scaled embeddings, sliding and full layers, a logit soft cap that its config leaves None by default
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    # logits soft-capped (final_logit_softcapping), scaled embeddings, soft-capped attention
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+    # logits divided by logits_scaling, multipliers on the embeddings, the residuals and the attention
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
+    # logits multiplied by logit_scale, parallel attention and MLP
+    "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
