@@ -9,13 +9,15 @@ all-gathers K and V over the cp group (the backward reduce-scatters their gradie
 every rank's queries), puts them back in sequence order and runs ``scaled_dot_product_attention`` with an
 explicit causal mask from the global positions of this rank's queries, or with a packed batch's document mask
 (this rank's queries against every key, ``[B, 1, T / cp, T]``, built once per forward by the model from the
-positions :func:`gather_positions` collects). Memory for K/V grows with the whole sequence, which is fine for
-the moderate cp degrees this path is for.
+positions :func:`gather_positions` collects). A sliding-window layer adds its band to either mask
+(:func:`window_band`), and an attention logit soft cap computes the scores itself (:func:`masked_attention`).
+Memory for K/V grows with the whole sequence, which is fine for the moderate cp degrees this path is for.
 
 :class:`TorchRingAttention` is torch's own context-parallel attention (the DTensor SDPA dispatcher of
 ``torch.distributed.tensor.experimental``): flash / memory-efficient / cuDNN kernels per K/V block, merged by their
 log-sum-exp, with the same head-and-tail layout. It has CUDA kernels only and takes no mask: chosen by ``"auto"``
-it hands packed batches to the all-gather path (logged once); asked for by name it refuses them.
+it hands packed batches and sliding-window layers to the all-gather path (logged once); asked for by name it
+refuses them.
 :func:`context_attention` picks one (``"auto"``: torch's on CUDA meshes, all-gather elsewhere) and logs the
 choice once.
 
@@ -139,6 +141,36 @@ def context_attention_work(position_ids: torch.Tensor, split: LoadBalancedSplit)
     )
 
 
+def window_band(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``[Tq, Tk]`` booleans: key ``j`` lies in the sliding window of query ``i``, ``pos(i) - window < pos(j)``
+    (``transformers``' ``sliding_window_overlay``: the window holds the query itself and the ``window - 1`` keys
+    before it). With the causal mask, or a packed batch's document mask (positions within a document differ by
+    their distance in the row), it is the windowed layer's mask."""
+    if window < 1:
+        raise ValueError(f"a sliding window must hold at least the query itself, got window={window}")
+    return query_positions[:, None] - key_positions[None, :] < window
+
+
+def masked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *, softcap: float | None = None
+) -> torch.Tensor:
+    """Attention of ``q`` (``[B, H, Tq, D]``) over ``k``/``v`` (``[B, H_kv, Tk, D]``, ``H_kv`` dividing ``H``)
+    with the boolean ``mask`` (True attends; every query must see a key), scaled by ``1 / sqrt(D)``. Without
+    ``softcap`` that is SDPA; with it the logits are capped at ``softcap * tanh(logits / softcap)`` before the mask
+    (Gemma2's attention, as ``transformers`` computes it), which SDPA cannot take: the scores are computed here,
+    ``[B, H, Tq, Tk]`` per layer, and the softmax runs in fp32."""
+    gqa = q.shape[1] != k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    groups = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    scores = torch.matmul(q, k.transpose(2, 3)) * q.shape[-1] ** -0.5
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
+
+
 class _GatherParts(torch.autograd.Function):
     """``x`` of every rank of ``group`` stacked on a new leading dim (rank order); the backward sums each
     rank's gradient over the group and hands every rank its own part (a reduce-scatter).
@@ -190,25 +222,43 @@ class AllGatherAttention:
         whole = torch.cat(parts.unbind(0), dim=2)
         return whole.index_select(2, self.split.gather_order(whole.shape[2], device=x.device))
 
-    def causal_mask(self, local_len: int, device: torch.device) -> torch.Tensor:
-        """``[T / cp, T]`` booleans: query ``i`` (at its global position) may see key ``j`` iff ``j <= pos(i)``."""
+    def causal_mask(self, local_len: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """``[T / cp, T]`` booleans: query ``i`` (at its global position) may see key ``j`` iff ``j <= pos(i)``;
+        with a sliding ``window`` also ``pos(i) - window < j`` (:func:`window_band`)."""
         query_positions = self.split.local_positions(local_len, device=device)
         key_positions = torch.arange(local_len * self.split.cp, device=device)
-        return query_positions[:, None] >= key_positions[None, :]
+        causal = query_positions[:, None] >= key_positions[None, :]
+        return causal if window is None else causal & window_band(query_positions, key_positions, window)
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_mask: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        """``window``: a sliding window over the keys (its band added to the causal or the document mask);
+        ``softcap``: the logits capped at ``softcap * tanh(logits / softcap)`` (:func:`masked_attention`)."""
         k_all, v_all = self.gather_sequence(k), self.gather_sequence(v)
-        mask = self.causal_mask(q.shape[2], q.device) if document_mask is None else document_mask
-        if mask.shape[-2:] != (q.shape[2], k_all.shape[2]):
+        local_len = q.shape[2]
+        if document_mask is None:
+            mask = self.causal_mask(local_len, q.device, window)
+        else:
+            mask = document_mask
+            if window is not None:
+                query_positions = self.split.local_positions(local_len, device=q.device)
+                keys = torch.arange(k_all.shape[2], device=q.device)
+                mask = mask & window_band(query_positions, keys, window)
+        if mask.shape[-2:] != (local_len, k_all.shape[2]):
             raise ValueError(
-                f"AllGatherAttention: a mask of shape {tuple(mask.shape)} for {q.shape[2]} local queries and "
+                f"AllGatherAttention: a mask of shape {tuple(mask.shape)} for {local_len} local queries and "
                 f"{k_all.shape[2]} keys; a packed batch's mask under cp is [B, 1, T / cp, T] "
                 "(documents.document_causal_mask of the gathered positions, this rank's queries)"
             )
-        gqa = q.shape[1] != k.shape[1]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+        return masked_attention(q, k_all, v_all, mask, softcap=softcap)
 
     def __repr__(self) -> str:
         return f"AllGatherAttention(cp={self.split.cp}, rank={self.split.rank})"
@@ -224,8 +274,9 @@ class TorchRingAttention:
     torch's kernels need as many K/V heads as query heads, so grouped K/V heads are repeated first. Its
     load balancing must be on: it then assumes exactly the head-and-tail layout of :class:`LoadBalancedSplit`.
 
-    torch's kernels take no mask: a packed batch (``document_mask`` given) goes to ``packed`` (the all-gather
-    path, which ``"auto"`` sets; logged once), and is refused when there is none (``"torch_ring"`` by name).
+    torch's kernels take no mask: a packed batch (``document_mask`` given) or a sliding window shorter than the
+    sequence goes to ``packed`` (the all-gather path, which ``"auto"`` sets; logged once), and is refused when
+    there is none (``"torch_ring"`` by name).
     """
 
     def __init__(
@@ -250,8 +301,32 @@ class TorchRingAttention:
         self.packed = packed
 
     def __call__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        document_mask: torch.Tensor | None = None,
+        *,
+        window: int | None = None,
     ) -> torch.Tensor:
+        """``window``: a sliding window over the keys, which torch's kernels cannot take either: a window shorter
+        than the sequence goes to ``packed`` like a document mask (logged once), or is refused without it; one
+        at least as long as the sequence masks nothing the causal mask keeps, and the ring runs."""
+        seq_len = q.shape[2] * self.split.cp
+        if window is not None and window < seq_len:
+            if self.packed is None:
+                raise ValueError(
+                    f"a sliding window of {window} on {seq_len} tokens under context_attention='torch_ring': "
+                    "torch's ring kernels take no window mask; use context_attention='auto' (the all-gather "
+                    "path for windowed layers, torch's ring for the others) or 'all_gather'"
+                )
+            _log_once(
+                "window",
+                "context-parallel attention: sliding-window layers take all_gather (torch's ring kernels take "
+                "no window mask), cp=%d",
+                self.split.cp,
+            )
+            return self.packed(q, k, v, document_mask, window=window)
         if document_mask is not None:
             if self.packed is None:
                 raise ValueError(

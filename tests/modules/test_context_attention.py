@@ -3,7 +3,9 @@
 The split is checked against positions written out by hand; the attention on 2 and 3 forked gloo ranks (fp32)
 against ``scaled_dot_product_attention(is_causal=True)`` on the whole sequence, forward and the gradients of
 q, k and v, with odd chunk lengths and grouped-query heads; and with packed rows (documents crossing the chunks'
-edges) against SDPA under the whole document mask, the rank's mask built from gathered positions.
+edges) against SDPA under the whole document mask, the rank's mask built from gathered positions; each also
+within a sliding window (``transformers``' convention: ``i - window < j <= i``), and causal with an attention
+logit soft cap against the capped scores computed on the whole sequence.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from lightning_d9d.modules.context_attention import (
     LoadBalancedSplit,
     TorchRingAttention,
     gather_positions,
+    masked_attention,
 )
 from lightning_d9d.modules.documents import document_causal_mask, document_ids
 
 TOLERANCE = 1e-5
+# a sliding window shorter than every sequence below and longer than their chunks: it reaches other ranks' keys
+WINDOW, SOFT_CAP = 5, 1.0
 
 
 def test_each_rank_holds_a_head_chunk_and_its_mirror_tail_chunk() -> None:
@@ -71,16 +76,32 @@ def _attention_parity(seq_len: int, q_heads: int, kv_heads: int) -> dict[str, fl
     gathered = gather_positions(split.split(positions), split, dist.group.WORLD)
     assert torch.equal(gathered, positions)
     local_mask = document_causal_mask(document_ids(gathered), split.positions(seq_len))
+    index = torch.arange(seq_len)
+    causal = index[:, None] >= index[None, :]
+    band = index[:, None] - index[None, :] < WINDOW  # transformers' sliding_window_overlay
     differences = {}
-    for case, mask in (("causal", None), ("packed", whole_mask)):
+    cases = (  # (name, the whole sequence's mask, this rank's document mask, window, soft cap)
+        ("causal", causal, None, None, None),
+        ("packed", whole_mask, local_mask, None, None),
+        ("window", causal & band, None, WINDOW, None),
+        ("packed_window", whole_mask & band, local_mask, WINDOW, None),
+        ("softcap", causal, None, None, SOFT_CAP),
+    )
+    for case, mask, documents, window, softcap in cases:
         whole = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-        if mask is None:
-            full = F.scaled_dot_product_attention(*whole, is_causal=True, enable_gqa=q_heads != kv_heads)
-        else:
+        if softcap is None:
             full = F.scaled_dot_product_attention(*whole, attn_mask=mask, enable_gqa=q_heads != kv_heads)
+        else:  # transformers' eager attention with a soft cap: repeated kv heads, capped scores, fp32 softmax
+            groups = q_heads // kv_heads
+            keys, values = (t.repeat_interleave(groups, dim=1) for t in whole[1:])
+            scores = whole[0] @ keys.transpose(2, 3) / whole[0].shape[-1] ** 0.5
+            scores = torch.tanh(scores / softcap) * softcap + torch.zeros(mask.shape).masked_fill(
+                ~mask, -1e30
+            )
+            full = torch.softmax(scores, dim=-1) @ values
         full.backward(grad_out)
         local = [split.split(t.detach(), dim=2).requires_grad_() for t in (q, k, v)]
-        out = AllGatherAttention(split, dist.group.WORLD)(*local, None if mask is None else local_mask)
+        out = AllGatherAttention(split, dist.group.WORLD)(*local, documents, window=window, softcap=softcap)
         out.backward(split.split(grad_out, dim=2))
         differences[f"{case}_out"] = (out - split.split(full.detach(), dim=2)).abs().max().item()
         for name, mine, tensor in zip("qkv", local, whole, strict=True):
@@ -142,6 +163,39 @@ def test_context_attention_picks_all_gather_off_cuda_and_names_what_it_refuses()
         errors = chosen["errors"]
         assert "needs a CUDA mesh" in errors["torch_ring"] and "'cpu' mesh" in errors["torch_ring"]
         assert "context_attention='ring_of_fire'" in errors["ring_of_fire"]
+
+
+def test_masked_attention_without_a_soft_cap_is_sdpa() -> None:
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 6, 8, generator=generator) for _ in range(3))
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(masked_attention(q, k, v, mask), expected)
+    capped = masked_attention(q, k, v, mask, softcap=1e6)  # a cap far above the logits bends nothing
+    torch.testing.assert_close(capped, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_ring_attention_hands_windowed_layers_to_its_fallback_or_refuses_them() -> None:
+    ring = TorchRingAttention.__new__(TorchRingAttention)  # a bare instance, as below
+    ring.split = LoadBalancedSplit(2, 0)
+    calls = []
+
+    def fallback(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: None, *, window: int
+    ) -> torch.Tensor:
+        calls.append((mask, window))
+        return q
+
+    ring.packed = fallback  # type: ignore[assignment]
+    q = torch.zeros(1, 2, 4, 8)  # 4 local queries of 8 tokens on cp=2
+    assert ring(q, q, q, window=7) is q and calls == [(None, 7)]
+    ring.packed = None
+    with pytest.raises(
+        ValueError,
+        match=r"^a sliding window of 7 on 8 tokens under context_attention='torch_ring': torch's ring kernels "
+        r"take no window mask; use context_attention='auto'",
+    ):
+        ring(q, q, q, window=7)
 
 
 def test_torch_ring_attention_hands_packed_batches_to_its_fallback_or_refuses_them() -> None:

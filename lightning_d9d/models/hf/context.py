@@ -11,7 +11,11 @@ the model runs on the local tokens unchanged, except for three things :func:`par
   it runs the path :func:`~lightning_d9d.modules.context_attention.context_attention` chose (all-gather K/V with
   the load-balanced global causal mask, or torch's ring kernels on CUDA), each attention module holding it.
   Attention sinks (``s_aux``: GPT-OSS's ``sinks``) run on the all-gather path as one more key
-  (:func:`_attention_with_sinks`).
+  (:func:`_attention_with_sinks`). A sliding-window layer (the ``sliding_window`` ``transformers`` hands the
+  attention: Mistral's and StarCoder2's every layer, Gemma2's and Gemma3's ``"sliding_attention"`` layers) adds
+  the window's band to the mask on the all-gather path (torch's ring kernels hand such a layer to it under
+  ``"auto"``); an attention logit soft cap (Gemma2's ``softcap``) runs on the all-gather path too, which then
+  computes the scores itself.
 - the causal mask: our name has no mask function in ``transformers``' mask interface, so the model builds no
   (local, wrong) causal mask and hands the attention ``None``; the attention applies the global causal mask itself.
 - positions: a forward pre-hook on the base model (the decoder) gives it ``position_ids`` of this rank's chunks by
@@ -53,6 +57,7 @@ from lightning_d9d.modules.context_attention import (
     LoadBalancedSplit,
     context_attention,
     gather_positions,
+    masked_attention,
 )
 from lightning_d9d.modules.documents import document_causal_mask, document_ids
 
@@ -62,13 +67,15 @@ CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
 _ATTEND = "_d9d_context_attention"
 
 log = logging.getLogger("lightning_d9d.models.hf")
+#: The ``layer_types`` our context-parallel attention runs exactly.
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_hf_context_model(model: nn.Module, cp: int) -> None:
     """Refuse, from the model's config alone (before any collective), what our context-parallel attention cannot
-    run exactly: a model without a causal mask, layers that are not full attention (``layer_types`` of sliding
-    window or linear attention, or a ``sliding_window`` that every layer takes where there are no
-    ``layer_types``), attention dropout, a forward without ``position_ids``."""
+    run exactly: a model without a causal mask, layers that are neither full nor sliding-window attention
+    (``layer_types`` of linear or chunked attention, say), attention dropout, a forward without
+    ``position_ids``."""
     name, config = type(model).__name__, getattr(model, "config", None)
     prefix = f"{name}: cp={cp}"
     if config is None:
@@ -79,20 +86,11 @@ def check_hf_context_model(model: nn.Module, cp: int) -> None:
             "implements causal attention only"
         )
     layer_types = getattr(config, "layer_types", None)
-    other = sorted({t for t in (layer_types or ()) if t != "full_attention"})
+    other = sorted({t for t in (layer_types or ()) if t not in _LAYER_TYPES})
     if other:
         raise NotImplementedError(
             f"{prefix}: its config ({type(config).__name__}) has layer_types {other}; context parallelism "
-            "implements full causal attention only (not yet the others); use cp=1"
-        )
-    window = getattr(config, "sliding_window", None)
-    # without layer_types (Mistral, StarCoder2) every layer's attention takes the window
-    if not layer_types and window is not None:
-        raise NotImplementedError(
-            f"{prefix}: its config ({type(config).__name__}) has sliding_window={window} and no layer_types, so "
-            "every layer attends within that window; context parallelism implements full causal attention only: "
-            "set sliding_window=None if the window is at least the sequence length (the attention is then the "
-            "same), or use cp=1"
+            "implements full and sliding-window causal attention only (not yet the others); use cp=1"
         )
     dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
     if dropout > 0:
@@ -122,7 +120,7 @@ def parallelize_hf_context(
             f"parallelize_hf_context: found no attention module in {type(model).__name__} (a module with a "
             "config and is_causal, as transformers' attention classes have); use cp=1"
         )
-    attention = _path_for_sinks(model, attentions, cp_mesh.size(), attention)
+    attention = _attention_path(model, attentions, cp_mesh.size(), attention)
     split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
     attend = context_attention(split, cp_mesh, attention)
     for module in attentions:
@@ -146,21 +144,53 @@ def parallelize_hf_context(
     return split
 
 
-def _path_for_sinks(model: nn.Module, attentions: list[nn.Module], cp: int, attention: str) -> str:
-    """The attention path for ``model``: attention sinks (GPT-OSS's ``sinks``, one softmax logit per head, handed
-    to the attention as ``s_aux``) run on the all-gather path only (:func:`_attention_with_sinks`): ``"auto"``
-    takes it, ``"torch_ring"`` is refused by name (torch's ring kernels have no sink)."""
+def _attention_path(model: nn.Module, attentions: list[nn.Module], cp: int, attention: str) -> str:
+    """The attention path for ``model``. Attention sinks (GPT-OSS's ``sinks``, one softmax logit per head, handed
+    to the attention as ``s_aux``) and an attention logit soft cap (Gemma2's ``attn_logit_softcapping``) run on
+    the all-gather path only (:func:`_attention_with_sinks`, :func:`~lightning_d9d.modules.context_attention.
+    masked_attention`): ``"auto"`` takes it for the whole model. A sliding window keeps ``"auto"``: torch's ring
+    path hands each windowed layer to the all-gather path. ``"torch_ring"`` by name is refused for all three
+    (torch's ring kernels have no sink, no soft cap and no window)."""
+    name = type(model).__name__
     with_sinks = [module for module in attentions if isinstance(getattr(module, "sinks", None), torch.Tensor)]
-    if not with_sinks or attention == "all_gather":
-        return attention
-    owner = type(with_sinks[0]).__name__
+    capped = [module for module in attentions if getattr(module, "attn_logit_softcapping", None) is not None]
+    windowed = [module for module in attentions if _attention_window(module) is not None]
     if attention == "torch_ring":
-        raise NotImplementedError(
-            f"{type(model).__name__}: cp={cp}: its attention ({owner}) has sinks (a softmax logit per head), "
-            "which torch's ring kernels do not take; use context_attention='all_gather' (or 'auto')"
-        )
-    log.info("context-parallel attention: all_gather for %s's attention sinks, cp=%d", owner, cp)
+        if with_sinks:
+            raise NotImplementedError(
+                f"{name}: cp={cp}: its attention ({type(with_sinks[0]).__name__}) has sinks (a softmax logit per "
+                "head), which torch's ring kernels do not take; use context_attention='all_gather' (or 'auto')"
+            )
+        if capped:
+            raise NotImplementedError(
+                f"{name}: cp={cp}: its attention ({type(capped[0]).__name__}) caps its logits "
+                f"(attn_logit_softcapping={capped[0].attn_logit_softcapping}), which torch's ring kernels do not "
+                "take; use context_attention='all_gather' (or 'auto')"
+            )
+        if windowed:
+            raise NotImplementedError(
+                f"{name}: cp={cp}: its attention ({type(windowed[0]).__name__}) attends within a sliding window "
+                f"of {_attention_window(windowed[0])}, which torch's ring kernels do not take; use "
+                "context_attention='auto' (the all-gather path for the windowed layers) or 'all_gather'"
+            )
+    if attention != "auto" or not (with_sinks or capped):
+        return attention
+    owner = type((with_sinks or capped)[0]).__name__
+    why = "attention sinks" if with_sinks else "attention logit soft cap"
+    log.info("context-parallel attention: all_gather for %s's %s, cp=%d", owner, why, cp)
     return "all_gather"
+
+
+def _attention_window(module: nn.Module) -> int | None:
+    """The sliding window ``transformers`` hands ``module``'s attention: its own ``sliding_window`` where it has
+    one (Gemma2/3, GPT-OSS, Qwen2/3: set on ``"sliding_attention"`` layers only), else its config's where the
+    config has no ``layer_types`` (Mistral, StarCoder2: every layer)."""
+    if hasattr(module, "sliding_window"):
+        return getattr(module, "sliding_window", None)
+    config = getattr(module, "config", None)
+    if getattr(config, "layer_types", None):
+        return None
+    return getattr(config, "sliding_window", None)
 
 
 def register_context_attention() -> None:
@@ -195,25 +225,31 @@ def context_attention_forward(
         )
     if dropout:
         raise NotImplementedError(f"context-parallel attention has no dropout (got dropout={dropout})")
-    sinks = kwargs.get("s_aux")
-    if sliding_window is not None or kwargs.get("softcap") is not None:
-        raise NotImplementedError(
-            f"{type(module).__name__}: context-parallel attention implements full causal attention only (got "
-            f"sliding_window={sliding_window}, softcap={kwargs.get('softcap')}); use cp=1"
-        )
+    sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     head_dim = query.shape[-1]
+    if (sinks is not None or softcap is not None) and not isinstance(attend, AllGatherAttention):
+        # parallelize_hf_context chose all_gather for them
+        raise NotImplementedError(
+            f"attention sinks or a logit soft cap under {attend!r}: use context_attention='all_gather'"
+        )
     if sinks is not None:
-        if not isinstance(attend, AllGatherAttention):  # parallelize_hf_context chose all_gather for them
-            raise NotImplementedError(f"attention sinks under {attend!r}: use context_attention='all_gather'")
+        if softcap is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__}: context-parallel attention with both sinks and a logit soft cap "
+                f"(softcap={softcap}); use cp=1"
+            )
         scale = head_dim**-0.5 if scaling is None else scaling
-        out = _attention_with_sinks(attend, query, key, value, attention_mask, sinks, scale)
+        out = _attention_with_sinks(attend, query, key, value, attention_mask, sinks, scale, sliding_window)
         return out.transpose(1, 2).contiguous(), None
     if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # our kernels scale by 1 / sqrt(head_dim)
     if attention_mask is None:
-        out = attend(query, key, value)
+        if isinstance(attend, AllGatherAttention):
+            out = attend(query, key, value, window=sliding_window, softcap=softcap)
+        else:  # torch's ring path: no soft cap (refused above); a window it hands to the all-gather path
+            out = attend(query, key, value, window=sliding_window)
     elif isinstance(attend, AllGatherAttention):
-        out = _masked_attention(attend, query, key, value, attention_mask)
+        out = _masked_attention(attend, query, key, value, attention_mask, sliding_window, softcap)
     else:
         raise NotImplementedError(
             f"an attention_mask under {attend!r}: torch's ring kernels know only the causal mask; pass no "
@@ -223,13 +259,19 @@ def context_attention_forward(
 
 
 def _masked_attention(
-    attend: AllGatherAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor
+    attend: AllGatherAttention,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    """All-gather attention with the global causal mask and ``keys`` (:func:`_mask_with_keys`)."""
-    mask = _mask_with_keys(attend, q, keys)
+    """All-gather attention with the global causal mask (within ``window``) and ``keys``
+    (:func:`_mask_with_keys`), the logits capped at ``softcap``."""
+    mask = _mask_with_keys(attend, q, keys, window)
     k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
-    gqa = q.shape[1] != k.shape[1]
-    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, enable_gqa=gqa)
+    return masked_attention(q, k_all, v_all, mask, softcap=softcap)
 
 
 def _attention_with_sinks(
@@ -240,16 +282,20 @@ def _attention_with_sinks(
     keys: torch.Tensor | None,
     sinks: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """All-gather attention whose softmax per head also holds a sink logit (``sinks``, ``[heads]``) that no value
     goes with, as ``transformers`` computes it (the logits and the sink softmaxed together, the sink's share
     dropped). That is attention over one key more, whose logit is the sink and whose value is zero: ``q`` gets
     the sink as an extra feature, every key a 0 there and the extra key a 1, so one SDPA call (and its backward)
-    computes it exactly, the sinks' gradient included. The causal mask, or ``keys`` (:func:`_mask_with_keys`),
-    masks the real keys; every query sees the sink."""
+    computes it exactly, the sinks' gradient included. The causal mask (within ``window``), or ``keys``
+    (:func:`_mask_with_keys`), masks the real keys; every query sees the sink."""
     batch, heads, local_len, _ = q.shape
     k_all, v_all = attend.gather_sequence(k), attend.gather_sequence(v)
-    mask = attend.causal_mask(local_len, q.device) if keys is None else _mask_with_keys(attend, q, keys)
+    if keys is None:
+        mask = attend.causal_mask(local_len, q.device, window)
+    else:
+        mask = _mask_with_keys(attend, q, keys, window)
     sink_logits = sinks.to(q.dtype).view(1, heads, 1, 1).expand(batch, heads, local_len, 1)
     q_sink = torch.cat((q * scale, sink_logits), dim=-1)
     k_sink = F.pad(k_all, (0, 1))  # a 0 in the sink's feature
@@ -261,9 +307,13 @@ def _attention_with_sinks(
     return F.scaled_dot_product_attention(q_sink, k_sink, v_sink, attn_mask=mask, scale=1.0, enable_gqa=gqa)
 
 
-def _mask_with_keys(attend: AllGatherAttention, q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The global causal mask and ``keys``: the key padding mask (``[B, 1, 1, T]``) or the packed documents' mask
-    of this rank's queries (``[B, 1, T / cp, T]``), both from :class:`_GlobalPositions`; ``[B, 1, T / cp, T]``.
+def _mask_with_keys(
+    attend: AllGatherAttention, q: torch.Tensor, keys: torch.Tensor, window: int | None = None
+) -> torch.Tensor:
+    """The global causal mask (within a sliding ``window``) and ``keys``: the key padding mask (``[B, 1, 1, T]``)
+    or the packed documents' mask of this rank's queries (``[B, 1, T / cp, T]``), both from
+    :class:`_GlobalPositions`; ``[B, 1, T / cp, T]``. Within a document the distance of two tokens in the row is
+    that of their positions, so the window applies per document as ``transformers`` applies it to packed rows.
     A query always sees itself: a padded one would otherwise see nothing (its output reaches no counted label)."""
     local_len = q.shape[2]
     seq_len = local_len * attend.split.cp
@@ -277,7 +327,7 @@ def _mask_with_keys(attend: AllGatherAttention, q: torch.Tensor, keys: torch.Ten
             f"context-parallel attention takes a 2-D padding attention_mask ([batch, sequence]), not a prepared "
             f"{keys.dim()}-D mask {tuple(keys.shape)}"
         )
-    causal = attend.causal_mask(local_len, q.device)  # [T / cp, T]
+    causal = attend.causal_mask(local_len, q.device, window)  # [T / cp, T]
     query_positions = attend.split.local_positions(local_len, device=q.device)
     itself = query_positions[:, None] == torch.arange(seq_len, device=q.device)[None, :]
     return causal & (keys.to(torch.bool) | itself)  # [B, 1, T / cp, T]

@@ -1,7 +1,8 @@
 """A transformers causal LM under context parallelism (our load-balanced split and attention, registered through
 transformers' attention interface; positions by global index), against one process running the unmodified model
-on padded data: losses, pre-step gradient norms and parameters after several AdamW steps, on gloo ranks (CPU,
-fp32). Also what cp refuses, and ``Trainer(strategy=D9DStrategy(cp=2))`` (``hf_context_trainer_run.py``)."""
+on padded data (or packed rows): losses, pre-step gradient norms and parameters after several AdamW steps, on
+gloo ranks (CPU, fp32); sliding-window families with a window shorter than the rows, so that it bites. Also what
+cp refuses, and ``Trainer(strategy=D9DStrategy(cp=2))`` (``hf_context_trainer_run.py``)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from torch import nn
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import check_hf_model, parallelize_hf
-from lightning_d9d.models.hf.context import CONTEXT_ATTENTION_NAME, _path_for_sinks
+from lightning_d9d.models.hf.context import CONTEXT_ATTENTION_NAME, _attention_path
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import ParallelOptions, local_loss, maybe_loss_parallel
@@ -33,6 +34,57 @@ SEQ, ROWS, PAD = 16, 4, 0
 # per row: (left, right) padding; unequal, so that the cp ranks and rows count different tokens
 PADDING = [(0, 3), (5, 0), (0, 0), (0, 9)]
 SCRIPT = Path(__file__).with_name("hf_context_trainer_run.py")
+# a sliding window shorter than the rows (SEQ), and longer than a cp rank's chunk: it bites inside the rows and
+# reaches keys of the other rank
+WINDOW = 8
+# the sliding-window families: Mistral and StarCoder2 on every layer (no layer_types), Gemma2 and Gemma3 one
+# sliding and one full layer; Gemma2 with an attention logit soft cap of 1 (its default 50 barely bends the tiny
+# model's logits: skipping the cap moves its losses by less than the tolerance)
+ALTERNATING = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+SOFT_CAP = 1.0
+WINDOWED: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": WINDOW}),
+    "starcoder2": (
+        transformers.Starcoder2Config,
+        transformers.Starcoder2ForCausalLM,
+        {"sliding_window": WINDOW},
+    ),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {**ALTERNATING, "attn_logit_softcapping": SOFT_CAP},
+    ),
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, ALTERNATING),
+    # attention sinks on a sliding and a full layer, as GPT-OSS's own configs alternate them; 4 experts, top-2
+    "gpt_oss_sliding": (
+        transformers.GptOssConfig,
+        transformers.GptOssForCausalLM,
+        {**ALTERNATING, "num_local_experts": 4, "num_experts_per_tok": 2, "pad_token_id": None},
+    ),
+}
+# packed rows: documents of these lengths fill each row of SEQ, some longer than the window
+DOCUMENTS = [(11, 5), (3, 13), (16,), (9, 2, 5)]
+
+
+def cp_model(family: str) -> nn.Module:
+    """The tiny model (the same seeded weights on every call), in training mode."""
+    if family not in WINDOWED:
+        return tiny_model(family, tied=False)
+    config_class, model_class, window = WINDOWED[family]
+    torch.manual_seed(0)
+    fields = {
+        "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, "initializer_range": 0.1,
+    }  # fmt: skip
+    model = model_class(config_class(**fields, **window))
+    model.train()
+    return model
+
+
+def packed_positions() -> torch.Tensor:
+    """``[ROWS, SEQ]`` positions restarting at 0 per document (:data:`DOCUMENTS`)."""
+    return torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCUMENTS])
 
 
 def padded_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,20 +99,24 @@ def padded_batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, labels
 
 
-def train(
-    model: nn.Module, *, with_mask: bool, split: LoadBalancedSplit | None = None, tp: bool = False
-) -> dict:
-    """AdamW on fixed padded batches; under cp (``split``) each rank feeds its chunks of every row and weighs its
+def train(model: nn.Module, *, inputs: str, split: LoadBalancedSplit | None = None, tp: bool = False) -> dict:
+    """AdamW on fixed padded batches, fed with their padding ``attention_mask`` (``inputs="mask"``), without it
+    (``"ids"``) or as packed rows (``"packed"``: :func:`packed_positions`, no cache, so that ``transformers``
+    builds the documents' mask); under cp (``split``) each rank feeds its chunks of every row and weighs its
     loss by its share of the counted tokens (as the strategy does), so that FSDP's mean over the cp ranks is the
     token mean. Per step the global token-mean loss and the gradient norm before the step."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, eps=1e-4)
     losses, norms = [], []
     for step in range(STEPS):
         ids, mask, labels = padded_batch(step)
+        positions = packed_positions()
         if split is not None:
-            ids, mask, labels = (split.split(t, dim=1) for t in (ids, mask, labels))
+            ids, mask, labels, positions = (split.split(t, dim=1) for t in (ids, mask, labels, positions))
         with maybe_loss_parallel(tp):
-            logits = model(input_ids=ids, attention_mask=mask if with_mask else None).logits
+            if inputs == "packed":
+                logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+            else:
+                logits = model(input_ids=ids, attention_mask=mask if inputs == "mask" else None).logits
             loss = local_loss(causal_lm_loss(logits, labels))
             if split is not None:
                 count = causal_lm_loss.count(labels).to(torch.int64)
@@ -81,10 +137,8 @@ def train(
     return {"losses": losses, "norms": norms}
 
 
-def parallel_body(
-    family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str
-) -> dict[str, Any] | None:
-    model = tiny_model(family, tied=False)
+def parallel_body(family: str, cp: int, tp: int, inputs: str, recompute: bool | str) -> dict[str, Any] | None:
+    model = cp_model(family)
     dims = ParallelDims(cp=cp, tp=tp).resolve(dist.get_world_size()).build_mesh("cpu")
     options = ParallelOptions(context_attention="all_gather", activation_checkpointing=recompute)
     parallelize_hf(model, dims, options)
@@ -99,7 +153,7 @@ def parallel_body(
     model.model.rotary_emb.register_forward_pre_hook(positions, with_kwargs=True)
     model.model.layers[0].register_forward_pre_hook(mask, with_kwargs=True)
     split = LoadBalancedSplit(cp, dims.mesh_for("cp").get_local_rank())
-    result = train(model, with_mask=with_mask, split=split, tp=dims.tp_enabled)
+    result = train(model, inputs=inputs, split=split, tp=dims.tp_enabled)
     params = {
         name.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
         for name, p in model.named_parameters()
@@ -107,7 +161,9 @@ def parallel_body(
     layer_mask = seen["layer_mask"]
     result.update(
         positions=seen["positions"].tolist(),
-        expected_positions=split.positions(SEQ).tolist(),
+        expected_positions=split.split(packed_positions()).tolist()
+        if inputs == "packed"
+        else [split.positions(SEQ).tolist()],
         layer_mask=None if layer_mask is None else tuple(layer_mask.shape),
         implementation=model.config._attn_implementation,
     )
@@ -118,14 +174,14 @@ def parallel_body(
     return {"ranks": gathered, "params": params}
 
 
-def compare(family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str = False) -> dict[str, Any]:
-    got = run_distributed(parallel_body, cp * tp, family, cp, tp, with_mask, recompute)[0]
-    reference = tiny_model(family, tied=False)
-    expected = train(reference, with_mask=with_mask)
+def compare(family: str, cp: int, tp: int, inputs: str, recompute: bool | str = False) -> dict[str, Any]:
+    got = run_distributed(parallel_body, cp * tp, family, cp, tp, inputs, recompute)[0]
+    reference = cp_model(family)
+    expected = train(reference, inputs=inputs)
     expected_params = dict(reference.named_parameters())
     first = got["ranks"][0]
     assert set(got["params"]) == set(expected_params)
-    start = tiny_model(family, tied=False).state_dict()
+    start = cp_model(family).state_dict()
     return {
         "ranks": got["ranks"],
         "loss_error": max(abs(a - b) for a, b in zip(first["losses"], expected["losses"], strict=True)),
@@ -138,24 +194,33 @@ def compare(family: str, cp: int, tp: int, with_mask: bool, recompute: bool | st
 
 
 @pytest.mark.parametrize(
-    ("family", "cp", "tp", "with_mask", "recompute"),
+    ("family", "cp", "tp", "inputs", "recompute"),
     [
-        ("qwen3", 2, 1, True, False),
-        ("qwen3", 2, 1, False, "selective"),  # recompute replays the all-gather attention
-        ("llama", 2, 1, True, False),
-        ("llama", 2, 2, True, True),  # composes with tp + sequence parallelism
-        ("gpt_oss", 2, 1, True, False),  # attention sinks: a softmax logit per head
+        ("qwen3", 2, 1, "mask", False),
+        ("qwen3", 2, 1, "ids", "selective"),  # recompute replays the all-gather attention
+        ("llama", 2, 1, "mask", False),
+        ("llama", 2, 2, "mask", True),  # composes with tp + sequence parallelism
+        ("gpt_oss", 2, 1, "mask", False),  # attention sinks: a softmax logit per head
+        # sliding windows (WINDOWED) of 8 on rows of 16
+        ("mistral", 2, 1, "mask", False),
+        ("starcoder2", 2, 1, "ids", False),
+        ("gemma2", 2, 1, "mask", False),  # with its attention logit soft cap
+        ("gemma3", 2, 1, "ids", False),
+        ("mistral", 2, 1, "packed", False),  # the window within each document
+        ("gpt_oss_sliding", 2, 1, "mask", False),
     ],
 )
-def test_cp_matches_one_process(
-    family: str, cp: int, tp: int, with_mask: bool, recompute: bool | str
-) -> None:
-    got = compare(family, cp, tp, with_mask, recompute)
+def test_cp_matches_one_process(family: str, cp: int, tp: int, inputs: str, recompute: bool | str) -> None:
+    got = compare(family, cp, tp, inputs, recompute)
     for rank in got["ranks"]:
         assert rank["implementation"] == CONTEXT_ATTENTION_NAME
-        assert rank["positions"] == [rank["expected_positions"]]  # RoPE at this rank's global positions
-        # no local causal mask built by transformers; a padding mask goes on as the whole sequence's keys
-        assert rank["layer_mask"] == ((ROWS, 1, 1, SEQ) if with_mask else None)
+        assert (
+            rank["positions"] == rank["expected_positions"]
+        )  # RoPE at this rank's global (document) positions
+        # no local causal mask built by transformers; a padding mask goes on as the whole sequence's keys, packed
+        # rows as this rank's queries' rows of the documents' mask
+        layer_mask = {"mask": (ROWS, 1, 1, SEQ), "ids": None, "packed": (ROWS, 1, SEQ // cp, SEQ)}
+        assert rank["layer_mask"] == layer_mask[inputs]
     assert got["ranks"][0]["positions"] != got["ranks"][1]["positions"] or tp > 1
     assert got["moved"] > 1e-3  # the steps changed the parameters
     assert got["loss_error"] <= 1e-5
@@ -167,9 +232,9 @@ def test_cp_matches_one_process(
     ("overrides", "message"),
     [
         (
-            {"layer_types": ["sliding_attention"]},
-            r"^Qwen3ForCausalLM: cp=2: its config \(Qwen3Config\) has layer_types \['sliding_attention'\]; "
-            r"context parallelism implements full causal attention only",
+            {"layer_types": ["linear_attention"]},
+            r"^Qwen3ForCausalLM: cp=2: its config \(Qwen3Config\) has layer_types \['linear_attention'\]; "
+            r"context parallelism implements full and sliding-window causal attention only",
         ),
         (
             {"attention_dropout": 0.1},
@@ -183,34 +248,27 @@ def test_what_cp_cannot_run_exactly_is_refused(overrides: dict[str, object], mes
         check_hf_model(tiny(**overrides), ParallelDims(cp=2))
 
 
-@pytest.mark.parametrize(
-    ("config_class", "model_class"),
-    [
-        (transformers.MistralConfig, transformers.MistralForCausalLM),
-        (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
-    ],
-)
-def test_a_sliding_window_without_layer_types_is_refused_by_name(
-    config_class: type, model_class: type
-) -> None:
-    """Every layer of these families takes ``config.sliding_window``: refused at setup, naming the model, the
-    field, its value and the fix; a window of None (full attention) passes."""
-    config = config_class(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4096,  # Mistral-7B-v0.1's: longer than any sequence here, still refused
-    )  # fmt: skip
-    model = model_class(config)
-    name, config_name = model_class.__name__, config_class.__name__
-    with pytest.raises(
-        NotImplementedError,
-        match=rf"^{name}: cp=2: its config \({config_name}\) has sliding_window=4096 and no layer_types, so every "
-        r"layer attends within that window; context parallelism implements full causal attention only: set "
-        r"sliding_window=None if the window is at least the sequence length \(the attention is then the same\), "
-        r"or use cp=1$",
-    ):
-        check_hf_model(model, ParallelDims(cp=2))
-    model.config.sliding_window = None
+@pytest.mark.parametrize("family", ["mistral", "starcoder2", "gemma2", "gemma3"])
+def test_sliding_windows_pass_and_torch_ring_is_refused_by_name(family: str) -> None:
+    """A sliding window (every layer's, or the ``"sliding_attention"`` layers') passes the setup check; ``"auto"``
+    keeps its path (torch's ring hands the windowed layers to the all-gather path), except for Gemma2's logit soft
+    cap (the all-gather path for the whole model); ``"torch_ring"`` by name is refused, naming the model, its
+    attention and the window (or the soft cap)."""
+    model = cp_model(family)
     check_hf_model(model, ParallelDims(cp=2))
+    attentions = [layer.self_attn for layer in model.model.layers]
+    assert _attention_path(model, attentions, 2, "auto") == ("all_gather" if family == "gemma2" else "auto")
+    assert _attention_path(model, attentions, 2, "all_gather") == "all_gather"
+    name, owner = type(model).__name__, type(attentions[0]).__name__
+    why = (
+        rf"caps its logits \(attn_logit_softcapping={SOFT_CAP}\), which torch's ring kernels do not take; use "
+        r"context_attention='all_gather' \(or 'auto'\)$"
+        if family == "gemma2"
+        else rf"attends within a sliding window of {WINDOW}, which torch's ring kernels do not take; use "
+        r"context_attention='auto' \(the all-gather path for the windowed layers\) or 'all_gather'$"
+    )
+    with pytest.raises(NotImplementedError, match=rf"^{name}: cp=2: its attention \({owner}\) {why}"):
+        _attention_path(model, attentions, 2, "torch_ring")
 
 
 def test_attention_sinks_take_the_all_gather_path_and_torch_ring_is_refused_by_name() -> None:
@@ -218,16 +276,18 @@ def test_attention_sinks_take_the_all_gather_path_and_torch_ring_is_refused_by_n
     ``"torch_ring"`` asked for by name is refused, naming the model and its attention."""
     model = tiny_model("gpt_oss", tied=False)
     attentions = [layer.self_attn for layer in model.model.layers]
-    assert _path_for_sinks(model, attentions, 2, "auto") == "all_gather"
-    assert _path_for_sinks(model, attentions, 2, "all_gather") == "all_gather"
+    assert _attention_path(model, attentions, 2, "auto") == "all_gather"
+    assert _attention_path(model, attentions, 2, "all_gather") == "all_gather"
     with pytest.raises(
         NotImplementedError,
         match=r"^GptOssForCausalLM: cp=2: its attention \(GptOssAttention\) has sinks \(a softmax logit per "
         r"head\), which torch's ring kernels do not take; use context_attention='all_gather' \(or 'auto'\)$",
     ):
-        _path_for_sinks(model, attentions, 2, "torch_ring")
+        _attention_path(model, attentions, 2, "torch_ring")
     plain = tiny_model("llama", tied=False)
-    assert _path_for_sinks(plain, [layer.self_attn for layer in plain.model.layers], 2, "auto") == "auto"
+    plain_attentions = [layer.self_attn for layer in plain.model.layers]
+    assert _attention_path(plain, plain_attentions, 2, "auto") == "auto"
+    assert _attention_path(plain, plain_attentions, 2, "torch_ring") == "torch_ring"
 
 
 @pytest.mark.parametrize("fused", [False, True])
