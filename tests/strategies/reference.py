@@ -18,7 +18,7 @@ from lightning_d9d.data import PackedDataset
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import routers_in, update_expert_bias
-from lightning_d9d.optim import Muon, muon_param_groups
+from lightning_d9d.optim import Muon, StochasticAdamW, muon_param_groups
 from lightning_d9d.plans.lora import LoRA, apply_lora
 
 
@@ -112,6 +112,9 @@ def use_optimizer(module: torch.nn.Module, config: dict) -> None:
     if config["optimizer"] == "muon":
         _use_muon(module, config)
         return
+    if config["optimizer"] == "stochastic_adamw":
+        _use_stochastic_adamw(module, config)
+        return
     assert config["optimizer"] == "sgd", config["optimizer"]
     configure = module.configure_optimizers
 
@@ -140,6 +143,26 @@ def _use_muon(module: torch.nn.Module, config: dict) -> None:
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     module.configure_optimizers = muon  # type: ignore[method-assign]
+
+
+def _use_stochastic_adamw(module: torch.nn.Module, config: dict) -> None:
+    """``config["optimizer"] == "stochastic_adamw"``: ``StochasticAdamW`` over the module's (bf16) parameters
+    under its learning-rate schedule, rounding with ``config.get("rounding_seed", 0)``."""
+    configure = module.configure_optimizers
+
+    def stochastic():  # type: ignore[no-untyped-def]
+        schedule = configure()["lr_scheduler"]["scheduler"]
+        optimizer = StochasticAdamW(
+            module.parameters(),
+            lr=config["lr"],
+            betas=(0.9, 0.95),
+            weight_decay=0.1,
+            seed=config.get("rounding_seed", 0),
+        )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.lr_lambdas[0])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    module.configure_optimizers = stochastic  # type: ignore[method-assign]
 
 
 def _set_adamw_eps(module: torch.nn.Module, eps: float) -> None:
