@@ -23,6 +23,7 @@ from lightning_d9d.models.hf import (
 )
 from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.pipeline import embedding_steps
+from lightning_d9d.models.hf.tensor import NO_SCALE, EmbeddingScale, embedding_scale
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
 from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions
@@ -276,6 +277,28 @@ def test_an_embedding_with_a_forward_of_its_own_is_refused() -> None:
         match=r"^LlamaForCausalLM: tp=2: the input embedding ScaledEmbedding has a forward of its own",
     ):
         check_hf_model(model, ParallelDims(tp=2))
+
+
+@pytest.mark.parametrize(
+    ("config_class", "model_class"),
+    [
+        (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+        (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    ],
+)
+def test_gemmas_scaled_embedding_is_read_from_its_forward(config_class: type, model_class: type) -> None:
+    """``super().forward(ids) * self.embed_scale.to(self.weight.dtype)``: under tp the vocabulary-parallel
+    lookup is scaled alike; a scale that is no attribute of the module (``ScaledEmbedding``) is refused."""
+    config = config_class(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = model_class(config)
+    assert embedding_scale(model.get_input_embeddings()) == EmbeddingScale("embed_scale", cast=True)
+    check_hf_model(model, ParallelDims(tp=2))
+    assert embedding_scale(nn.Embedding(4, 2)) is NO_SCALE
+    assert embedding_scale(ScaledEmbedding(4, 2)) is None
 
 
 def test_a_module_among_split_projections_the_plan_does_not_name_is_refused() -> None:

@@ -28,8 +28,15 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
     # attention sinks (test_hf_context_parallel.py)
     "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
+    # the embedding's forward scales the lookup by sqrt(hidden) (embed_scale, cast to the weight's dtype)
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    # the same, and soft-capped attention and logits, sliding and full layers
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
 }
 FAMILY_FIELDS: dict[str, dict[str, Any]] = {
+    # a window shorter than the sequence, a cap small enough to bite
+    "gemma2": {"sliding_window": 3, "final_logit_softcapping": 2.0},
+    "gemma3": {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
     # full attention only (cp refuses sliding layers), 4 experts
     "gpt_oss": {
         "layer_types": ["full_attention", "full_attention"],
@@ -175,6 +182,10 @@ PAD = 70
         ("qwen3", True, 2, 2, None),
         ("llama", False, 2, 2, PAD),
         ("llama", True, 4, 2, PAD),
+        # the scaled embeddings (tensor.embedding_scale), Gemma 2 / 3's norms after attention and MLP
+        ("gemma", False, 2, 2, PAD),
+        ("gemma2", False, 2, 2, None),
+        ("gemma3", True, 2, 2, None),
     ],
 )
 def test_tp_sequence_parallel_matches_one_process(
