@@ -88,8 +88,7 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
             autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
             per-block all-gather copies, but autocast's own casts; at Qwen3-0.6B on one H200, 2 % faster than
-            the default for 2.3 GiB more (``docs/benchmarks.md``, run G2); the fastest one-GPU paths of that
-            page use it.
+            the default for 2.3 GiB more (``docs/benchmarks.md``, run G2).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0
             (Lightning's own format, without the guarantees of ``docs/reliability.md``: no atomic directory,
             manifest or RNG states). Refused with ``pp > 1``, where rank 0 holds only its own stages.
