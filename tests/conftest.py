@@ -1,3 +1,4 @@
+import contextlib
 import importlib.util
 import os
 import sys
@@ -36,14 +37,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore", message=".*does not support alltoall.*")
 
 
-@pytest.fixture(autouse=True)
-def no_process_group_left_behind() -> Iterator[None]:
-    """The distributed tests fork their gloo ranks from this process (tests/distributed.py) and launch others
-    as subprocesses. An in-process run (a one-device Trainer, the docs' snippets) leaves a default process group
-    here, which every later forked rank would inherit ("trying to initialize the default process group twice"),
-    and Lightning's MASTER_PORT / RANK / WORLD_SIZE in the environment, which later launches would inherit
-    ("address already in use"): destroy the group and restore the environment after each test. A group that
-    existed before the test (a module-scoped fixture's, as in the GPU tests) is its owner's to destroy."""
+@contextlib.contextmanager
+def _nothing_left_behind() -> Iterator[None]:
+    """Destroy a default process group created inside, and put the environment back as it was."""
     environment = dict(os.environ)
     group_before = dist.is_available() and dist.is_initialized()
     yield
@@ -52,6 +48,28 @@ def no_process_group_left_behind() -> Iterator[None]:
     if os.environ != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_environment_left_behind_by_a_module() -> Iterator[None]:
+    """The same for a test module: a module-scoped fixture that fits in this process (a one-device Trainer) sets
+    Lightning's LOCAL_RANK / MASTER_PORT before the per-test guard below takes its snapshot, so that guard keeps
+    them. A later module's Trainer would then take its processes as launched by someone else and wait for peers
+    that never start: restore the environment, and destroy a group left behind, when the module ends."""
+    with _nothing_left_behind():
+        yield
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left_behind() -> Iterator[None]:
+    """The distributed tests fork their gloo ranks from this process (tests/distributed.py) and launch others
+    as subprocesses. An in-process run (a one-device Trainer, the docs' snippets) leaves a default process group
+    here, which every later forked rank would inherit ("trying to initialize the default process group twice"),
+    and Lightning's MASTER_PORT / RANK / WORLD_SIZE in the environment, which later launches would inherit
+    ("address already in use"): destroy the group and restore the environment after each test. A group that
+    existed before the test (a module-scoped fixture's, as in the GPU tests) is its owner's to destroy."""
+    with _nothing_left_behind():
+        yield
 
 
 def _shared_launch_scopes() -> dict[str, str]:
