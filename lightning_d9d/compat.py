@@ -266,6 +266,13 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 optional=True),
     PrivateName("torch.nn", "Module._apply", ("models/causal_lm.py",),
                 "overridden to re-tie lm_head to the embedding after to_empty() / .to() replace parameters"),
+    PrivateName("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset",
+                ("optim/stochastic_rounding.py",),
+                "where a DTensor's local part starts in the global tensor: StochasticAdamW hashes global "
+                "element indices so that every layout rounds alike"),
+    PrivateName("torch.distributed.tensor.placement_types", "_StridedShard", ("optim/stochastic_rounding.py",),
+                "the placement FSDP over tp gives a parameter's tp-sharded dim: its rows interleave, so "
+                "StochasticAdamW indexes them through a table"),
 )
 # fmt: on
 
@@ -406,6 +413,18 @@ def schedule_ops(schedule: str, pp: int, microbatches: int, stages_per_rank: int
     get_schedule_ops = import_private("torch.distributed.pipelining._schedule_visualizer", "get_schedule_ops")
     ops: list[list[Any]] = get_schedule_ops(schedule, pp, microbatches, stages_per_rank)
     return ops
+
+
+def dtensor_global_offset(global_shape: Any, mesh: Any, placements: Any) -> tuple[int, ...]:
+    """Where this rank's local part of a DTensor of ``global_shape`` starts (torch's own computation)."""
+    compute = import_private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    _, offset = compute(global_shape, mesh, placements)
+    return tuple(offset)
+
+
+def strided_shard_type() -> Any:
+    """torch's ``_StridedShard`` placement class (FSDP over tp), which is no ``Shard`` subclass."""
+    return import_private("torch.distributed.tensor.placement_types", "_StridedShard")
 
 
 def pipeline_action_types() -> tuple[Any, Any]:

@@ -868,6 +868,22 @@ def test_our_stand_ins_behave_as_the_private_names_they_replace() -> None:
     assert isinstance(scheduler, Stateful) and not isinstance({"step": 1}, Stateful)
 
 
+def test_dtensor_offsets_and_the_strided_shard_are_what_stochastic_rounding_reads() -> None:
+    """StochasticAdamW's global element index: torch's offset of a rank's shard (rank 2 of 4 on a fake process
+    group: no peers needed), and ``_StridedShard`` as the placement FSDP over tp leaves on the tp-sharded dim (a
+    placement class with a ``dim``, not a ``Shard``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=2, world_size=4, store=FakeStore())  # the autouse guard destroys it
+    mesh = init_device_mesh("cpu", (4,))
+    # torch.chunk's split of 10 rows over 4 ranks is (3, 3, 3, 1): rank 2's part starts at row 6
+    assert compat.dtensor_global_offset((10, 3), mesh, (Shard(0),)) == (6, 0)
+    placement = compat.strided_shard_type()(0, split_factor=2)
+    assert placement.dim == 0 and not isinstance(placement, Shard)
+
+
 # ------------------------------------------------------------------ every entry is pinned by a behaviour
 # Which test pins the behaviour we rely on for each entry of PRIVATE_NAMES (beyond that the name exists).
 PINNED_BY: dict[Callable[..., None], tuple[str, ...]] = {
@@ -966,6 +982,10 @@ PINNED_BY: dict[Callable[..., None], tuple[str, ...]] = {
         "torchao.prototype.moe_training.fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm",
     ),
     test_to_empty_and_to_go_through_the_root_modules_apply: ("torch.nn.Module._apply",),
+    test_dtensor_offsets_and_the_strided_shard_are_what_stochastic_rounding_reads: (
+        "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
+        "torch.distributed.tensor.placement_types._StridedShard",
+    ),
 }
 
 

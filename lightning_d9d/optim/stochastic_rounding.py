@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_d9d.compat import dtensor_global_offset, strided_shard_type
 
 _MASK32 = 0xFFFFFFFF
 # Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so int64 tensors never overflow.
@@ -83,10 +83,10 @@ def axis_offsets(tensor: Tensor) -> list[int | Tensor]:
     if not isinstance(tensor, DTensor):
         return [0] * tensor.dim()
     shape = tuple(tensor.shape)
-    _, starts = compute_local_shape_and_global_offset(shape, tensor.device_mesh, tensor.placements)
+    starts = dtensor_global_offset(shape, tensor.device_mesh, tensor.placements)
     offsets: list[int | Tensor] = list(starts)
     for dim, size in enumerate(shape):
-        if not any(isinstance(p, _StridedShard) and p.dim == dim for p in tensor.placements):
+        if not any(isinstance(p, strided_shard_type()) and p.dim == dim for p in tensor.placements):
             continue
         view = [1] * len(shape)
         view[dim] = size
@@ -132,4 +132,4 @@ def _local(tensor: Tensor) -> Tensor:
 
 def _shards(placement: object, dim: int) -> bool:
     """Whether ``placement`` splits tensor dim ``dim`` (``_StridedShard`` is no ``Shard`` subclass in torch 2.13)."""
-    return isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim
+    return isinstance(placement, (Shard, strided_shard_type())) and placement.dim == dim
