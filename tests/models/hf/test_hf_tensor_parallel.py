@@ -37,7 +37,7 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # a window shorter than the sequence, a cap small enough to bite
     "gemma2": {"sliding_window": 3, "final_logit_softcapping": 2.0},
     "gemma3": {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
-    # full attention only (cp refuses sliding layers), 4 experts
+    # full attention only, 4 experts
     "gpt_oss": {
         "layer_types": ["full_attention", "full_attention"],
         "num_local_experts": 4,
