@@ -25,13 +25,14 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels.adamw import AdamWHyper, adamw_master_step
+from lightning_d9d.optim.gradient_scale import PendingGradientScale
 
 # Where a parameter keeps its master between optimizers (a second ``fit`` builds a new optimizer over the same,
 # already bf16, parameters and must find the fp32 values again).
 _MASTER_ATTRIBUTE = "_lightning_d9d_master"
 
 
-class MasterWeightAdamW(torch.optim.AdamW):
+class MasterWeightAdamW(PendingGradientScale, torch.optim.AdamW):
     """``torch.optim.AdamW`` (decoupled weight decay; its defaults) over fp32 masters of bf16 parameters.
 
     Build it in ``configure_optimizers`` over the module's fp32 parameters, and train with
@@ -52,7 +53,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
         weight_decay: float = 1e-2,
     ) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=False)
-        self._grad_scale: Tensor | None = None
         for group in self.param_groups:
             refused = [
                 key for key in ("amsgrad", "maximize", "capturable", "differentiable") if group.get(key)
@@ -95,19 +95,13 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def _parameters(self) -> Iterator[Tensor]:
         return chain.from_iterable(group["params"] for group in self.param_groups)
 
-    def scale_gradients(self, scale: Tensor) -> None:
-        """Multiply the gradients by ``scale`` (one element, e.g. norm clipping's coefficient) in the next step,
-        in fp32, instead of rewriting the bf16 gradients now. Scales given before one step multiply."""
-        scale = scale.detach().to(torch.float32).reshape(1)
-        self._grad_scale = scale if self._grad_scale is None else self._grad_scale * scale
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale, self._grad_scale = self._grad_scale, None
+        grad_scale = self._take_grad_scale()
         for group in self.param_groups:
             hypers: dict[int, AdamWHyper] = {}  # one per step count in the group (all alike, as a rule)
             for param in group["params"]:

@@ -34,6 +34,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels.adamw import AdamWHyper
+from lightning_d9d.optim.gradient_scale import PendingGradientScale
 from lightning_d9d.optim.stochastic_rounding import (
     axis_offsets,
     flat_global_index,
@@ -50,7 +51,7 @@ _MOMENT_DTYPES = (torch.bfloat16, torch.float32)
 CHUNK_ELEMENTS = 2**22
 
 
-class StochasticAdamW(torch.optim.Optimizer):
+class StochasticAdamW(PendingGradientScale, torch.optim.Optimizer):
     """``torch.optim.AdamW``'s math (decoupled weight decay, its order of operations, in fp32) over bf16
     parameters, writing bf16 results with stochastic rounding; see the module docstring for the two options.
 
@@ -83,7 +84,6 @@ class StochasticAdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.moments_dtype = moments_dtype
         self.chunk_elements = chunk_elements
-        self._grad_scale: Tensor | None = None
         for param in self._parameters():
             if param.dtype != torch.bfloat16:
                 raise TypeError(
@@ -114,19 +114,13 @@ class StochasticAdamW(torch.optim.Optimizer):
     def _parameters(self) -> Iterable[Tensor]:
         return chain.from_iterable(group["params"] for group in self.param_groups)
 
-    def scale_gradients(self, scale: Tensor) -> None:
-        """Multiply the gradients by ``scale`` (one element, e.g. norm clipping's coefficient) in the next step,
-        in fp32, instead of rewriting the bf16 gradients now. Scales given before one step multiply."""
-        scale = scale.detach().to(torch.float32).reshape(1)
-        self._grad_scale = scale if self._grad_scale is None else self._grad_scale * scale
-
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grad_scale, self._grad_scale = self._grad_scale, None
+        grad_scale = self._take_grad_scale()
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:

@@ -20,7 +20,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_d9d.optim import MasterWeightAdamW, StochasticAdamW
+from lightning_d9d.optim.gradient_scale import PendingGradientScale
 from lightning_d9d.strategies.accumulation import StepTokens
 from lightning_d9d.strategies.grad_norm import clip_grad_norm_, clip_grad_value_
 
@@ -169,7 +169,7 @@ class D9DPrecision(D9DPrecisionBase, Precision):
 def master_weight_scale(optimizer: Optimizer) -> Callable[[Tensor], None] | None:
     """Where norm clipping hands its coefficient: a ``MasterWeightAdamW`` or ``StochasticAdamW`` applies it in its
     step (in fp32, rather than a pass rewriting bf16 gradients)."""
-    if isinstance(optimizer, (MasterWeightAdamW, StochasticAdamW)):
+    if isinstance(optimizer, PendingGradientScale):
         return optimizer.scale_gradients
     return None
 
