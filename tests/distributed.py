@@ -231,8 +231,11 @@ def _run_distributed_once(
                     payload  # the other ranks are probably stuck in a collective with the failed one
                 )
     finally:
-        # After an error, give the other ranks a moment to report or die: a peer's crash explains the error.
-        settle = time.monotonic() + (5 if not errors else 2)
+        # After an error, give the other ranks a moment to report or die: a peer's crash explains the error. A
+        # rank that lost its peer's connection waits longer for that peer: one killed by SIGABRT can take
+        # seconds to exit while its core is written (seen on the CI box: the peer still alive after 2 s, the
+        # lost connection then reported instead of the crash, and the crash not retried).
+        settle = time.monotonic() + (5 if not errors else 30 if _lost_a_peer(errors) else 2)
         for process in processes:
             process.join(timeout=max(0.0, settle - time.monotonic()))
         exitcodes = [process.exitcode for process in processes]  # before we kill any: ours would read -9
@@ -246,6 +249,14 @@ def _run_distributed_once(
         rank, text = min(errors.items())
         raise RuntimeError(f"rank {rank} failed:\n{text}")
     return [results[rank] for rank in range(world_size)]
+
+
+# What a rank's traceback says when the process it was talking to went away (the store's host, a gloo pair).
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "DistNetworkError")
+
+
+def _lost_a_peer(errors: dict[int, str]) -> bool:
+    return any(marker in text for text in errors.values() for marker in _LOST_PEER)
 
 
 def summed_gradient_differences(model: Any, reference: Any) -> dict[str, float]:

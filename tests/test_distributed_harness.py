@@ -7,6 +7,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import time
 
 import pytest
 import torch.distributed as dist
@@ -30,6 +31,23 @@ def _rank0_aborts() -> int:
         os.kill(os.getpid(), signal.SIGABRT)  # as glibc does on a corrupted heap
     dist.barrier()  # rank 1 waits on a peer that is gone
     return dist.get_rank()
+
+
+def _rank0_dies_slowly_after_rank1_loses_it() -> int:
+    """Rank 1 reports the lost connection at once; rank 0's death by SIGABRT comes seconds later (as when its
+    core takes long to write)."""
+    if os.getpid() != _IMPORTED_BY:
+        if dist.get_rank() == 1:
+            raise RuntimeError("Connection reset by peer")
+        time.sleep(4)
+        faulthandler.disable()
+        os.kill(os.getpid(), signal.SIGABRT)
+    return dist.get_rank()
+
+
+def test_a_peers_slow_crash_is_reported_and_retried_not_the_lost_connection() -> None:
+    with pytest.warns(UserWarning, match=r"rank 0 died with exit code -6 .*again once \(spawn\)"):
+        assert run_distributed(_rank0_dies_slowly_after_rank1_loses_it, 2, timeout=120) == [0, 1]
 
 
 def test_a_crashed_rank_is_reported_as_the_crash_after_one_retry() -> None:
