@@ -1,5 +1,5 @@
-"""Run a function on N gloo ranks forked from the test process (or N NCCL ranks, one GPU each, spawned), and
-collect what each rank returns.
+"""Run a function on N gloo ranks forked from the test process (or N NCCL ranks, one GPU each, spawned; or N gloo
+ranks sharing one GPU, spawned), and collect what each rank returns.
 
 Forking is 10-30x cheaper than spawning (no second ``import torch``). Each rank leaves with ``os._exit`` after
 ``destroy_process_group`` because gloo sometimes aborts at interpreter exit after all work succeeded.
@@ -7,6 +7,7 @@ Forking is 10-30x cheaper than spawning (no second ``import torch``). Each rank 
 
 from __future__ import annotations
 
+import functools
 import gc
 import multiprocessing as mp
 import os
@@ -85,6 +86,26 @@ def freeze_inherited_heap() -> None:
     gc.freeze()
 
 
+# Set in a rank of ``run_distributed(..., share_cuda=True)``: its device is the one GPU all ranks share.
+SHARED_CUDA_ENV = "LIGHTNING_D9D_TEST_SHARED_CUDA"
+
+
+def rank_device() -> torch.device:
+    """The device a rank of :func:`run_distributed` computes on: its GPU under NCCL, the shared GPU under
+    ``share_cuda=True``, else the CPU."""
+    if dist.get_backend() == "nccl" or os.environ.get(SHARED_CUDA_ENV) == "1":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _share_cuda(world_size: int) -> None:
+    """This rank on ``cuda:0`` beside the others, with a bounded part of the GPU's memory: each rank holds a CUDA
+    context and its own caching allocator, and one rank must not take what its peers need."""
+    os.environ[SHARED_CUDA_ENV] = "1"
+    torch.cuda.set_device(0)
+    torch.cuda.set_per_process_memory_fraction(0.9 / world_size, 0)
+
+
 def _rank_main(
     rank: int,
     world_size: int,
@@ -94,6 +115,7 @@ def _rank_main(
     queue: Any,
     group_timeout: timedelta | None = None,
     backend: str = "gloo",
+    share_cuda: bool = False,
 ) -> None:
     code = 0
     freeze_inherited_heap()
@@ -106,6 +128,8 @@ def _rank_main(
             LOCAL_RANK=str(rank),
         )
         torch.set_num_threads(1)
+        if share_cuda:
+            _share_cuda(world_size)
         if backend == "nccl":
             os.environ.update(NCCL_ENVIRONMENT)
             device = torch.device("cuda", rank)
@@ -150,9 +174,15 @@ def run_distributed(
     timeout: float = 300,
     group_timeout: timedelta | None = None,
     backend: str = "gloo",
+    share_cuda: bool = False,
 ) -> list[Any]:
     """Call ``fn(*args)`` on ``world_size`` ranks (process group initialised, with the collective timeout
     ``group_timeout`` if given) and return results by rank.
+
+    ``share_cuda=True``: every rank on ``cuda:0`` over gloo (NCCL refuses two ranks on one device), spawned as
+    under NCCL, each allowed ``0.9 / world_size`` of the GPU's memory; :func:`rank_device` names the GPU there.
+    Several ranks' CUDA code (DTensor, FSDP2's streams, the kernels on shards) then runs on one GPU, exactly but
+    not fast: for proof, not speed.
 
     ``backend="nccl"``: rank ``r`` on GPU ``r`` (its current device, the group bound to it), NVLink multicast off
     (:data:`NCCL_ENVIRONMENT`), the ranks spawned, never forked (a fork of a process that has initialised CUDA,
@@ -168,15 +198,18 @@ def run_distributed(
     (``spawn``: they import what ``fn`` needs themselves, seconds more) where ``fn`` and ``args`` can be pickled:
     a fork of the same process crashed twice in a row once (CI, a fork after threads Lightning's in-process fits
     left behind), a fresh process does not inherit that state."""
-    first = "spawn" if backend == "nccl" else "fork"
+    if share_cuda and backend != "gloo":
+        raise ValueError(f"share_cuda=True runs the ranks over gloo, not {backend!r}")
+    first = "spawn" if backend == "nccl" or share_cuda else "fork"
+    launch = functools.partial(_run_distributed_once, share_cuda=share_cuda)
     try:
-        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, first, backend)
+        return launch(fn, world_size, args, timeout, group_timeout, first, backend)
     except RankCrashed as crash:
         if -crash.exitcode not in LIBC_CRASHES:
             raise
         method = "spawn" if _picklable(fn, args) else first
         warnings.warn(f"{crash}; starting the ranks again once ({method})", stacklevel=2)
-        return _run_distributed_once(fn, world_size, args, timeout, group_timeout, method, backend)
+        return launch(fn, world_size, args, timeout, group_timeout, method, backend)
 
 
 def _picklable(*objects: Any) -> bool:
@@ -195,6 +228,7 @@ def _run_distributed_once(
     group_timeout: timedelta | None,
     method: str = "fork",
     backend: str = "gloo",
+    share_cuda: bool = False,
 ) -> list[Any]:
     context = mp.get_context(method)
     queue = context.Queue()
@@ -202,7 +236,7 @@ def _run_distributed_once(
     processes = [
         context.Process(
             target=_rank_main,
-            args=(rank, world_size, port, fn, args, queue, group_timeout, backend),
+            args=(rank, world_size, port, fn, args, queue, group_timeout, backend, share_cuda),
             daemon=True,
         )
         for rank in range(world_size)

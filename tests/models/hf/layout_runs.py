@@ -19,23 +19,29 @@ state), on every layout and on the one-rank run alike.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from tiny_hf import ROWS, SEQ, VOCAB, batch, optimizer_for, tiny_causal_lm
+from distributed import rank_device
+from tiny_hf import META_SEED, ROWS, SEQ, VOCAB, batch, optimizer_for, tiny_causal_lm, tiny_config
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d import loss as loss_layer
 from lightning_d9d.mesh import ParallelDims
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.models.hf.pipeline import hf_pipeline_for
+from lightning_d9d.modules.attention import Attention
 from lightning_d9d.modules.loss import causal_lm_loss
+from lightning_d9d.modules.moe import MoE
 from lightning_d9d.modules.moe.choose import ENV_VAR as DISPATCH_ENV_VAR
 from lightning_d9d.pipeline import PipelineRunner, StageLayout, carve_stages, check_pipeline_config
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel, split_batch
@@ -60,7 +66,7 @@ class Shape:
         return int(self.model.get("vocab_size", VOCAB))
 
     def overrides(self, family: str) -> dict[str, Any]:
-        return {**self.model, **(self.moe if family == "qwen3_moe" else {})}
+        return {**self.model, **(self.moe if family in ("qwen3_moe", "ours_qwen3_moe") else {})}
 
 
 @dataclass(frozen=True)
@@ -68,7 +74,7 @@ class Layout:
     """One layout on ``world`` ranks: ``ParallelDims``' degrees (``dims``; ``{}`` on one rank is the reference) and
     what the strategy's options choose there."""
 
-    family: str  # "qwen3" or "qwen3_moe" (tiny_hf.FAMILIES)
+    family: str  # "qwen3" or "qwen3_moe" (tiny_hf.FAMILIES), or our own models of that shape (OURS)
     world: int = 1
     dims: dict[str, int] = field(default_factory=dict)
     context_attention: str = "auto"  # under cp: "torch_ring" (CUDA only) or "all_gather"
@@ -122,13 +128,33 @@ LAYOUTS: dict[str, Layout] = {
     "dp_shard2_fp8_rowwise": Layout("qwen3", 2, {"dp_shard": 2}, fp8="rowwise"),
 }
 
+# Beyond the two-GPU ones, for several ranks sharing one GPU (tests/gpu/test_shared_gpu_layouts_gpu.py): FSDP
+# alone, the zero-bubble V schedule (two stages a rank: 4 layers), tp x dp_shard on 4 ranks, and our own
+# models in the layouts above.
+SHARED_GPU_LAYOUTS: dict[str, Layout] = {
+    **{name: layout for name, layout in LAYOUTS.items() if layout.dispatch != "deepep"},
+    "dp_shard2": Layout("qwen3", 2, {"dp_shard": 2}),
+    "pp2_ZBVZeroBubble": Layout("qwen3", 2, {"pp": 2}, schedule="ZBVZeroBubble", microbatches=4),
+    "tp2_dp_shard2": Layout("qwen3", 4, {"tp": 2, "dp_shard": 2}),
+    "ours_dp_shard2": Layout("ours_qwen3", 2, {"dp_shard": 2}),
+    "ours_tp2": Layout("ours_qwen3", 2, {"tp": 2}),
+    "ours_cp2_torch_ring": Layout("ours_qwen3", 2, {"cp": 2}, context_attention="torch_ring"),
+    "ours_cp2_all_gather": Layout("ours_qwen3", 2, {"cp": 2}, context_attention="all_gather"),
+    "ours_pp2_1F1B": Layout("ours_qwen3", 2, {"pp": 2}),
+    "ours_pp2_ZBVZeroBubble": Layout("ours_qwen3", 2, {"pp": 2}, schedule="ZBVZeroBubble", microbatches=4),
+    "ours_tp2_dp_shard2": Layout("ours_qwen3", 4, {"tp": 2, "dp_shard": 2}),
+    "ours_ep2_all_to_all": Layout("ours_qwen3_moe", 2, {"dp_shard": 2, "ep": 2}),
+    "ours_dp_shard2_fp8_tensorwise": Layout("ours_qwen3", 2, {"dp_shard": 2}, fp8="tensorwise"),
+}
+
 
 def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any] | None:
     """On every rank of a ``layout.world``-rank group: train as the module docstring says. Rank 0 returns the
     per-step ``losses`` and ``norms``, the full ``params`` at the end (every stage's under pp, fp32 on the CPU)
     and ``facts``, what shows on each rank that the layout was applied; the other ranks return None."""
-    on_gpu = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = rank_device()
+    if device.type == "cuda" and precision == "fp32":  # fp32 as on the CPU: no TF32 rounding of the matmuls
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     if layout.dispatch is not None:
         os.environ[DISPATCH_ENV_VAR] = layout.dispatch  # read when parallelize_hf builds the dispatchers
     model = start_model(layout, shape).to(device)
@@ -143,12 +169,14 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
     # under pp as D9DStrategy does: the stages carved from the model, each planned, the schedule over them
     if dims.pp_enabled:
         config = check_pipeline_config(dims.pp, layout.schedule, layout.microbatches, None)
-        splittable = hf_pipeline_for(model)
+        splittable = model if layout.family in OURS else hf_pipeline_for(model)
         assert splittable is not None
         stages = carve_stages(splittable, config, dims, StageLayout())
         for stage in stages.values():
             stage.parallelize(dims, options)  # type: ignore[operator]
         runner = PipelineRunner(config, model, stages, dims, device)
+    elif layout.family in OURS:
+        model.parallelize(dims, options)  # type: ignore[operator]
     else:
         parallelize_hf(model, dims, options)
 
@@ -242,11 +270,18 @@ def layout_facts(model: nn.Module) -> dict[str, Any]:
         "layers": sorted(
             {int(name.split(".")[2]) for name, _ in model.named_parameters() if ".layers." in name}
         ),
+        # the adapter's attributes on transformers' modules; our attention's ``context`` and MoE's ``dispatcher``
         "attention": sorted(
             {type(m._d9d_context_attention).__name__ for m in modules if hasattr(m, "_d9d_context_attention")}
+            | {
+                type(m.context).__name__
+                for m in modules
+                if isinstance(m, Attention) and m.context is not None
+            }
         ),
         "dispatchers": sorted(
             {type(m._d9d_dispatcher).__name__ for m in modules if hasattr(m, "_d9d_dispatcher")}
+            | {type(m.dispatcher).__name__ for m in modules if isinstance(m, MoE)} - {"LocalDispatcher"}
         ),
         "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in modules),
     }
@@ -270,16 +305,30 @@ def assert_applied(layout: Layout, ranks: list[dict[str, Any]], reference: list[
         assert (facts["float8_linears"] > 0) == (layout.fp8 is not None), facts
         assert facts["float8_linears"] == reference[0]["float8_linears"], (facts, reference)
     held = [facts["layers"] for facts in ranks]
-    if dims.get("pp", 1) > 1:  # the first stage on rank 0, the last on rank 1, no layer on both
-        assert all(held) and max(held[0]) < min(held[1]), held
+    if dims.get("pp", 1) > 1:  # each rank its own stages' layers, no layer on both, all of them held
+        assert all(held) and not set(held[0]) & set(held[1]), held
         assert sorted(held[0] + held[1]) == reference[0]["layers"], held
     else:
         assert all(layers == reference[0]["layers"] for layers in held)
 
 
+# Our models, each of the shape of the transformers family named beside it (its tiny_hf config's fields).
+OURS: dict[str, tuple[str, type, type[nn.Module]]] = {
+    "ours_qwen3": ("qwen3", Qwen3Config, Qwen3ForCausalLM),
+    "ours_qwen3_moe": ("qwen3_moe", Qwen3MoeConfig, Qwen3MoeForCausalLM),
+}
+
+
 def start_model(layout: Layout, shape: Shape) -> nn.Module:
     """The seeded model every run of ``layout`` starts from, before any plan (with its adapters, seeded alike)."""
-    model = tiny_causal_lm(layout.family, layers=shape.layers, **shape.overrides(layout.family))
+    if layout.family in OURS:
+        family, config_class, model_class = OURS[layout.family]
+        hf = tiny_config(family, layers=shape.layers, **shape.overrides(family))
+        names = [f.name for f in dataclasses.fields(config_class) if hasattr(hf, f.name)]
+        model = model_class(config_class(**{name: getattr(hf, name) for name in names}))
+        model.init_weights(seed=META_SEED)  # type: ignore[operator]
+    else:
+        model = tiny_causal_lm(layout.family, layers=shape.layers, **shape.overrides(layout.family))
     if layout.lora is not None:
         apply_lora(model, layout.lora, seed=0)
     return model
@@ -316,3 +365,22 @@ def differences(
         "moved": math.sqrt(moved_squared),
         "learnt": abs(expected["losses"][-1] - expected["losses"][0]) / expected["losses"][0],
     }
+
+
+def train_layouts(runs: list[tuple[str, Layout, Shape]], precision: str) -> dict[str, Any] | None:
+    """:func:`train_layout` for each named run in turn on this one group (a launch costs a GPU rank seconds of
+    imports and CUDA set-up; the runs take less). Rank 0 returns each run's result by name, or the traceback of
+    the first failed rank's traceback (the next run starts on new meshes)."""
+    results: dict[str, Any] = {}
+    for name, layout, shape in runs:
+        os.environ.pop(DISPATCH_ENV_VAR, None)  # each run names its dispatcher or takes the default
+        error = None
+        try:
+            results[name] = train_layout(layout, shape, precision)
+        except Exception:
+            error = f"rank {dist.get_rank()}: {traceback.format_exc()}"
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        if any(errors):
+            results[name] = next(text for text in errors if text)
+    return results if dist.get_rank() == 0 else None
