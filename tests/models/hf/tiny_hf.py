@@ -36,12 +36,18 @@ FAMILIES = {
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM),
     # logits multiplied by logit_scale, parallel attention and MLP
     "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
 FAMILY_FIELDS = {
     "qwen3_moe": MOE,
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {**MOE, "shared_expert_intermediate_size": 32},
     # 16 experts: a router width float8 could multiply; layer 0 dense, a shared expert beside the routed ones
     "afmoe": {
         "num_experts": 16,
