@@ -41,11 +41,45 @@ FAMILIES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
+    # a fused qkv_proj and gate_up_proj (colwise_gather_output in its plan), grouped key/value heads
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+    # q/k norms over all heads' features (its plan gathers q/k/v), norms after attention and MLP
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM),
+    # a fused gate_up_proj, biased q/k/v, four norms per layer, partial rotary
+    "glm4": (transformers.Glm4Config, transformers.Glm4ForCausalLM),
+    # multi-head latent attention (low-rank q and kv, mla_kv_a_proj in its plan); a dense layer, then MoE layers
+    # with a shared expert
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM),
+    # no tp or pp plan in its config (the adapter's own), LayerNorms with biases, partial rotary
+    "stablelm": (transformers.StableLmConfig, transformers.StableLmForCausalLM),
 }
 META_SEED = 1234
 MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "decoder_sparse_step": 1}
+# special tokens inside the tiny vocabulary (some families' defaults lie beyond it)
+NO_SPECIAL_TOKENS = {"pad_token_id": None, "bos_token_id": None, "eos_token_id": None}
 FAMILY_FIELDS = {
     "qwen3_moe": MOE,
+    "phi3": NO_SPECIAL_TOKENS,
+    "olmo2": NO_SPECIAL_TOKENS,
+    "glm4": NO_SPECIAL_TOKENS,
+    # low-rank q (q_lora_rank; None gives a full q_proj) and kv; every head its own key (no grouping); the
+    # rotary dims as head_dim; layer 0 dense, layer 1 MoE (4 experts, a shared one)
+    "deepseek_v3": {
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 1,
+        "topk_group": 1,
+    },
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen2_moe": {**MOE, "shared_expert_intermediate_size": 32},
     # 16 experts: a router width float8 could multiply; layer 0 dense, a shared expert beside the routed ones
