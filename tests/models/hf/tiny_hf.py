@@ -41,6 +41,9 @@ FAMILIES = {
     "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM),
     "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
     "starcoder2": (transformers.Starcoder2Config, transformers.Starcoder2ForCausalLM),
+    # attention sinks, biased q/k/v/o, a biased router; experts with biases, gate and up interleaved, a clamped
+    # SwiGLU with a sigmoid gain; sliding and full layers
+    "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM),
     # a fused qkv_proj and gate_up_proj (colwise_gather_output in its plan), grouped key/value heads
     "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     # q/k norms over all heads' features (its plan gathers q/k/v), norms after attention and MLP
@@ -89,6 +92,15 @@ FAMILY_FIELDS = {
         "moe_intermediate_size": 32,
         "num_dense_layers": 1,
         "num_shared_experts": 1,
+    },
+    # the clamp at 0.5 bites on about half of the experts' gate and up entries (7.0, the default, on none of
+    # these small ones); a window shorter than the sequence
+    "gpt_oss": {
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 0.5,
+        "sliding_window": 3,
     },
 }
 
