@@ -119,6 +119,7 @@ _SCHEDULES = "torch.distributed.pipelining.schedules"
 _STAGE = "torch.distributed.pipelining.stage"
 _CHECKPOINT_WRAPPER = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _CP = "torch.distributed.tensor.experimental._attention"
+_FUNCTIONAL = "torch.distributed._functional_collectives"
 _PIPELINING = ("strategies/pipelining.py",)
 _STRATEGY = ("strategies/d9d.py",)
 _FABRIC = ("fabric/strategy.py",)
@@ -273,6 +274,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch.distributed.tensor.placement_types", "_StridedShard", ("optim/stochastic_rounding.py",),
                 "the placement FSDP over tp gives a parameter's tp-sharded dim: its rows interleave, so "
                 "StochasticAdamW indexes them through a table"),
+    PrivateName(_FUNCTIONAL, "all_to_all_single_autograd", ("modules/head_parallel_attention.py",),
+                "an all-to-all with autograd (its backward the all-to-all back) that torch.compile traces: "
+                "head-parallel attention's exchanges of heads and positions (all_to_all_autograd)"),
 )
 # fmt: on
 
@@ -420,6 +424,18 @@ def dtensor_global_offset(global_shape: Any, mesh: Any, placements: Any) -> tupl
     compute = import_private("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
     _, offset = compute(global_shape, mesh, placements)
     return tuple(offset)
+
+
+# Resolved once: head-parallel attention calls it in every layer, compiled blocks too.
+_all_to_all_single_autograd = import_private(_FUNCTIONAL, "all_to_all_single_autograd")
+
+
+def all_to_all_autograd(tensor: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``tensor``'s dim 0 cut into as many equal blocks as ``group`` has ranks, block ``j`` sent to rank ``j``;
+    returns the blocks received, rank ``i``'s as block ``i``. Differentiable: the backward sends each gradient
+    block back where its block came from."""
+    out: torch.Tensor = _all_to_all_single_autograd(tensor, None, None, group)
+    return out
 
 
 def strided_shard_type() -> Any:

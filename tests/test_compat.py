@@ -832,6 +832,25 @@ def test_torchs_context_parallel_switches() -> None:
     assert list(inspect.signature(cp._enable_context_parallel_dispatcher).parameters) == []
 
 
+def _exchange_blocks() -> tuple[list[float], list[float]]:
+    rank = dist.get_rank()
+    sent = (torch.arange(4.0) + 10 * rank).requires_grad_()  # block j (2 entries) goes to rank j
+    received = compat.all_to_all_autograd(sent, dist.group.WORLD)
+    (received * torch.tensor([1.0, 2.0, 3.0, 4.0])).sum().backward()
+    return received.tolist(), sent.grad.tolist()
+
+
+def test_all_to_all_autograd_exchanges_blocks_and_sends_gradients_back() -> None:
+    """Head-parallel attention's exchange: rank ``i``'s block ``j`` lands as rank ``j``'s block ``i``; each block's
+    gradient returns to the rank and the place it came from."""
+    from distributed import run_distributed
+
+    (received_0, grad_0), (received_1, grad_1) = run_distributed(_exchange_blocks, 2)
+    assert received_0 == [0.0, 1.0, 10.0, 11.0] and received_1 == [2.0, 3.0, 12.0, 13.0]
+    # rank 0's block 0 was weighed by rank 0's (1, 2), its block 1 by rank 1's (1, 2)
+    assert grad_0 == [1.0, 2.0, 1.0, 2.0] and grad_1 == [3.0, 4.0, 3.0, 4.0]
+
+
 def test_async_tp_switches() -> None:
     inductor_config = importlib.import_module("torch._inductor.config")
     assert inductor_config._micro_pipeline_tp is False  # off unless async TP turns it on (a plain bool flag)
@@ -985,6 +1004,9 @@ PINNED_BY: dict[Callable[..., None], tuple[str, ...]] = {
     test_dtensor_offsets_and_the_strided_shard_are_what_stochastic_rounding_reads: (
         "torch.distributed.tensor._utils.compute_local_shape_and_global_offset",
         "torch.distributed.tensor.placement_types._StridedShard",
+    ),
+    test_all_to_all_autograd_exchanges_blocks_and_sends_gradients_back: (
+        "torch.distributed._functional_collectives.all_to_all_single_autograd",
     ),
 }
 

@@ -293,6 +293,8 @@ class Qwen3Model(nn.Module):
         # batch's positions are gathered for its document mask.
         self.context_split: LoadBalancedSplit | None = None
         self.context_group: dist.ProcessGroup | None = None
+        # Head-parallel cp: each rank attends the whole sequence (some heads), so a packed batch's mask is whole.
+        self.context_heads = False
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         return run_decoder(
@@ -305,6 +307,7 @@ class Qwen3Model(nn.Module):
             sequence_shards=self.sequence_shards,
             context_split=self.context_split,
             context_group=self.context_group,
+            context_heads=self.context_heads,
         )
 
 
@@ -319,6 +322,7 @@ def run_decoder(
     sequence_shards: int = 1,
     context_split: LoadBalancedSplit | None = None,
     context_group: dist.ProcessGroup | None = None,
+    context_heads: bool = False,
 ) -> torch.Tensor:
     """Embed (when there is an embedding), run ``layers`` in order, normalise (when there is a norm).
 
@@ -330,7 +334,8 @@ def run_decoder(
     ``position_ids`` (a packed batch: restarting at 0 per document) make attention stay inside each document,
     through the mask built here once per forward and handed to every layer. Under cp they are this rank's part
     (``split_batch`` cut them with the ids): RoPE rotates by them as they are, and the mask of this rank's
-    queries against every key comes from the whole rows' positions, all-gathered over ``context_group``.
+    queries against every key comes from the whole rows' positions, all-gathered over ``context_group``; under
+    head-parallel attention (``context_heads``) the whole rows' mask, as one process builds it.
     """
     if embed_tokens is not None:
         seq_len = inputs.shape[1]
@@ -341,7 +346,9 @@ def run_decoder(
         x, seq_len = inputs, inputs.shape[1] * sequence_shards
     document_mask = None
     if position_ids is not None:  # packed rows: attention stays inside each document
-        document_mask = packed_document_mask(position_ids, context_split, context_group, seq_len)
+        document_mask = packed_document_mask(
+            position_ids, context_split, context_group, seq_len, whole=context_heads
+        )
     elif context_split is not None:
         position_ids = context_split.local_positions(seq_len, device=inputs.device)
     cos, sin = rotary_emb(position_ids, seq_len, x.dtype)
@@ -355,12 +362,15 @@ def packed_document_mask(
     context_split: LoadBalancedSplit | None,
     context_group: dist.ProcessGroup | None,
     seq_len: int,
+    *,
+    whole: bool = False,
 ) -> DocumentMask:
     """A packed batch's document mask, once per forward: FlexAttention's block mask or the dense ``[B, 1, T, T]``
     one (:func:`~lightning_d9d.modules.attention.document_attention_mask`); under cp the dense rows of this rank's
     ``T / cp`` queries (``seq_len`` of them) against all ``T`` keys: the rows of the whole batch's mask that one
     process builds, so the documents are those one process sees (numbered over the whole row, gathered
-    positions)."""
+    positions). ``whole``: under cp the whole rows' mask of any kind, as one process builds it (head-parallel
+    attention attends every query)."""
     if context_split is None:
         return document_attention_mask(position_ids)
     if context_group is None:
@@ -368,9 +378,11 @@ def packed_document_mask(
             "packed position_ids under context parallelism need the cp group to gather every rank's positions "
             "(context_group is None): parallelize the model with parallelize_context, which sets it"
         )
-    whole = gather_positions(position_ids, context_split, context_group)  # [B, T]: a few bytes per token
+    rows = gather_positions(position_ids, context_split, context_group)  # [B, T]: a few bytes per token
+    if whole:
+        return document_attention_mask(rows)
     queries = context_split.local_positions(seq_len, device=position_ids.device)
-    return document_causal_mask(document_ids(whole), queries)
+    return document_causal_mask(document_ids(rows), queries)
 
 
 class DecoderParts(Protocol):
@@ -503,6 +515,7 @@ class DecoderStage(CausalLMStage):
         self.sequence_shards = 1  # as the model's: hidden states between stages hold T / tp positions
         self.context_split: LoadBalancedSplit | None = None  # as the model's: set by parallelize_context
         self.context_group: dist.ProcessGroup | None = None
+        self.context_heads = False
 
     def forward(
         self,
@@ -524,6 +537,7 @@ class DecoderStage(CausalLMStage):
             sequence_shards=self.sequence_shards,
             context_split=self.context_split,
             context_group=self.context_group,
+            context_heads=self.context_heads,
         )
         return self.head(hidden, labels, ignore_index)
 
@@ -554,7 +568,7 @@ class Qwen3Stage(DecoderStage):
         convert_blocks_to_float8([self.layers], dims, options)
         self.split_over_tp(dims)
         if dims.cp_enabled:
-            parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
+            parallelize_context(self, dims.mesh_for("cp"), options.context_attention, tp=dims.tp)
         # Before the layers are wrapped: TP and CP (above). No dropout in the layers: no RNG state to keep.
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
 
@@ -645,7 +659,7 @@ class Qwen3ForCausalLM(CausalLM):
         convert_blocks_to_float8([self.model.layers], dims, options)
         split_model_over_tp(self, dims)
         if dims.cp_enabled:
-            parallelize_context(self, dims.mesh_for("cp"), options.context_attention)
+            parallelize_context(self, dims.mesh_for("cp"), options.context_attention, tp=dims.tp)
         # Before the layers are wrapped: TP and CP (above). The decoder layers have no dropout (Qwen3's
         # attention_dropout is 0), so activation checkpointing need not save and restore the RNG state.
         parallelize_blocks(self, [self.model.layers], dims, options, preserve_rng_state=False)

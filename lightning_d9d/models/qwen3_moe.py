@@ -276,7 +276,7 @@ def split_sequences(module: nn.Module, dims: ParallelDims, options: ParallelOpti
     whole sequences (the ``sequence`` view: the cp x tp ranks, each holding some of every sequence's
     positions when it routes). Before the layers are wrapped (checkpointing, compile)."""
     if dims.cp_enabled:
-        parallelize_context(module, dims.mesh_for("cp"), options.context_attention)
+        parallelize_context(module, dims.mesh_for("cp"), options.context_attention, tp=dims.tp)
     if dims.cp_enabled or dims.tp_enabled:
         group = dims.mesh_for("sequence").get_group()
         for block in module.modules():

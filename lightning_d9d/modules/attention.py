@@ -25,6 +25,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -68,6 +69,24 @@ class ContextAttentionFn(Protocol):
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: torch.Tensor | None = None
     ) -> torch.Tensor: ...
+
+
+class HeadParallelContext(ABC):
+    """A context-parallel path that splits attention by heads instead of by queries (what :attr:`Attention.context`
+    may hold, besides a :class:`ContextAttentionFn`): :meth:`to_heads` turns this rank's part of the sequence, every
+    head, into the whole sequence of some heads, the block's own attention runs on them as in one process (its
+    backend, its document mask), and :meth:`to_sequence` turns the output back (:mod:`~lightning_d9d.modules.
+    head_parallel_attention`, which imports this module)."""
+
+    @abstractmethod
+    def to_heads(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[B, heads, T / cp, D]`` at this rank's positions -> ``[B, heads / cp, T, D]`` in sequence order."""
+
+    @abstractmethod
+    def to_sequence(self, out: torch.Tensor) -> torch.Tensor:
+        """``[B, heads / cp, T, D]`` in sequence order -> ``[B, heads, T / cp, D]`` at this rank's positions."""
 
 
 @dataclass(frozen=True)
@@ -439,9 +458,10 @@ class Attention(nn.Module):
         # A registered backend's name, or None for $LIGHTNING_D9D_ATTENTION / automatic selection.
         self.attention_backend: str | None = None
         # Set by a context-parallel plan: attends this rank's queries to the whole sequence's keys and values (a
-        # ContextAttentionFn of modules/context_attention.py, which also takes a packed batch's document mask);
-        # None attends within the local sequence.
-        self.context: ContextAttentionFn | None = None
+        # ContextAttentionFn of modules/context_attention.py, which also takes a packed batch's document mask), or
+        # splits the heads over the cp ranks around this block's own attention (a HeadParallelContext); None
+        # attends within the local sequence.
+        self.context: ContextAttentionFn | HeadParallelContext | None = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, document_mask: DocumentMask | None = None
@@ -449,7 +469,8 @@ class Attention(nn.Module):
         """``x``: ``[B, T, hidden]``; ``cos``/``sin``: ``[B or 1, T, head_dim]``. Returns ``[B, T, hidden]``.
         ``document_mask``: a packed batch's mask (:func:`document_attention_mask`): each token attends only the
         earlier tokens of its own document. Under context parallelism ``T`` is this rank's part and the mask the
-        dense ``[B, 1, T, T * cp]``: its queries' rows of the one-process mask."""
+        dense ``[B, 1, T, T * cp]``: its queries' rows of the one-process mask; under head-parallel context
+        parallelism (a :class:`HeadParallelContext`) the one-process mask of the whole sequence, any kind."""
         b, t, _ = x.shape
         # -1 instead of the configured head counts: under tensor parallelism each rank holds only some heads.
         q = self.q_proj(x).view(b, t, -1, self.head_dim)
@@ -458,15 +479,33 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
-        if self.context is not None:
+        q, k = apply_rotary(q, k, cos, sin)  # under cp at each token's true position: before any exchange
+        context = self.context
+        if isinstance(context, HeadParallelContext):
+            q, k, v = context.to_heads(q, k, v)
+            out = context.to_sequence(self._attend(q, k, v, document_mask))
+        elif context is not None:
             # run_decoder builds the dense rows under cp
             if isinstance(document_mask, BlockMask | VarlenDocuments):
                 kind = type(document_mask).__name__
                 raise TypeError(f"context-parallel attention takes the dense document mask, not a {kind}")
             # keyword only when given: a path registered elsewhere may take (q, k, v) alone
-            out = self.context(q, k, v) if document_mask is None else self.context(q, k, v, document_mask)
-            return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+            out = context(q, k, v) if document_mask is None else context(q, k, v, document_mask)
+        else:
+            out = self._attend(q, k, v, document_mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document_mask: DocumentMask | None
+    ) -> torch.Tensor:
+        """This block's own attention over whole sequences: ``[B, heads, T, D]`` (``k``/``v`` grouped) -> the
+        same shape, causal or within each document of ``document_mask``."""
+        if isinstance(document_mask, torch.Tensor) and document_mask.shape[-2] != q.shape[2]:
+            raise ValueError(
+                f"a document mask of {document_mask.shape[-2]} query rows for {q.shape[2]} queries: under "
+                "head-parallel context parallelism the model builds the whole sequence's mask "
+                "(ContextSplitAware.context_heads, set by parallelize_context)"
+            )
         if document_mask is not None:
             if self.repeat_kv_heads:
                 raise ValueError(
@@ -474,11 +513,10 @@ class Attention(nn.Module):
                     "context-parallel SDPA, which takes no mask): use lightning_d9d's context parallelism "
                     "(parallelize_context), which takes the document mask, or cp=1"
                 )
-            return self.o_proj(document_attention(q, k, v, document_mask).transpose(1, 2).reshape(b, t, -1))
+            return document_attention(q, k, v, document_mask)
         groups = q.shape[1] // k.shape[1]
         if groups > 1 and self.repeat_kv_heads:
             k, v = repeat_kv(k, groups), repeat_kv(v, groups)
         # Repeated heads mark torch's context-parallel SDPA, which dispatches on plain SDPA: left to torch.
         name = self.attention_backend or ("sdpa" if self.repeat_kv_heads else None)
-        out = select_attention_backend(q, name).run(q, k, v)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+        return select_attention_backend(q, name).run(q, k, v)

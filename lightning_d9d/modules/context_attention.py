@@ -18,6 +18,8 @@ Memory for K/V grows with the whole sequence, which is fine for the moderate cp 
 log-sum-exp, with the same head-and-tail layout. It has CUDA kernels only and takes no mask: chosen by ``"auto"``
 it hands packed batches and sliding-window layers to the all-gather path (logged once); asked for by name it
 refuses them.
+:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention` (``"heads"``, Ulysses) splits the
+heads instead: two all-to-alls per layer around the model's own attention over the whole sequence.
 :func:`context_attention` picks one (``"auto"``: torch's on CUDA meshes, all-gather elsewhere) and logs the
 choice once.
 
@@ -37,13 +39,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from lightning_d9d.compat import import_private
-from lightning_d9d.modules.attention import ContextAttentionFn, repeat_kv
+from lightning_d9d.modules.attention import ContextAttentionFn, HeadParallelContext, repeat_kv
 from lightning_d9d.modules.documents import attended_keys
+from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention
 
 log = logging.getLogger("lightning_d9d.modules")
 
-#: The context-parallel attention paths by name (``ParallelOptions.context_attention``).
-CONTEXT_ATTENTION = ("auto", "all_gather", "torch_ring")
+#: The context-parallel attention paths by name (``ParallelOptions.context_attention``): ``"heads"`` splits the
+#: heads instead of the queries (:mod:`~lightning_d9d.modules.head_parallel_attention`).
+CONTEXT_ATTENTION = ("auto", "all_gather", "torch_ring", "heads")
 
 
 def check_context_attention(value: str, *, owner: str) -> str:
@@ -99,10 +103,14 @@ class LoadBalancedSplit:
         """This rank's part of ``tensor`` along ``dim`` (the sequence): its two chunks, in order."""
         return tensor.index_select(dim, self.positions(tensor.shape[dim], device=tensor.device))
 
+    def held_order(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
+        """Every rank's positions, rank after rank: indices that cut a sequence into the concatenation of every
+        rank's part (rank order)."""
+        return torch.cat([self.positions(seq_len, rank=r, device=device) for r in range(self.cp)])
+
     def gather_order(self, seq_len: int, device: torch.device | None = None) -> torch.Tensor:
         """Indices that put the concatenation of every rank's part (rank order) back in sequence order."""
-        held = torch.cat([self.positions(seq_len, rank=r, device=device) for r in range(self.cp)])
-        return torch.argsort(held)
+        return torch.argsort(self.held_order(seq_len, device=device))
 
 
 def gather_positions(local: torch.Tensor, split: LoadBalancedSplit, group: dist.ProcessGroup) -> torch.Tensor:
@@ -365,18 +373,23 @@ def _log_once(key: str, message: str, *args: object) -> None:
         log.info(message, *args)
 
 
-def context_attention(split: LoadBalancedSplit, mesh: DeviceMesh, name: str = "auto") -> ContextAttentionFn:
+def context_attention(
+    split: LoadBalancedSplit, mesh: DeviceMesh, name: str = "auto"
+) -> ContextAttentionFn | HeadParallelContext:
     """The context-parallel attention called ``name`` (one of :data:`CONTEXT_ATTENTION`) over the 1-D cp
     ``mesh``; ``"auto"`` is torch's ring kernels on CUDA (packed batches on the all-gather path, which takes
-    their document mask) and the portable all-gather path elsewhere. The choice is logged once per process
-    (INFO, ``lightning_d9d.modules``)."""
+    their document mask) and the portable all-gather path elsewhere; ``"heads"`` the head-parallel exchanges
+    (:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention`), asked for by name only. The
+    choice is logged once per process (INFO, ``lightning_d9d.modules``)."""
     if name not in CONTEXT_ATTENTION:
         raise ValueError(
             f"context_attention={name!r}: choose one of {', '.join(map(repr, CONTEXT_ATTENTION))}"
         )
     chosen = name if name != "auto" else ("torch_ring" if mesh.device_type == "cuda" else "all_gather")
-    attention: ContextAttentionFn
-    if chosen == "torch_ring":
+    attention: ContextAttentionFn | HeadParallelContext
+    if chosen == "heads":
+        attention = HeadParallelAttention(split, mesh.get_group())
+    elif chosen == "torch_ring":
         packed = AllGatherAttention(split, mesh.get_group()) if name == "auto" else None
         attention = TorchRingAttention(split, mesh, packed)
     else:

@@ -5,7 +5,9 @@ cp rank ``r`` holds chunks ``r`` and ``2cp - 1 - r`` of ``2cp`` (see
 so it runs on the local tokens unchanged; attention sees the whole sequence's keys and values through
 :class:`~lightning_d9d.modules.context_attention.AllGatherAttention`, the portable exact path (CPU/gloo and
 GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`;
-packed batches, whose document mask it cannot take, on the all-gather path). The cp ranks of one data replica
+packed batches, whose document mask it cannot take, on the all-gather path), or, asked for by name
+(``"heads"``), head-parallel: the heads split over the cp ranks around each block's own attention over the whole
+sequence (:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention`). The cp ranks of one data replica
 get the same batch from the sampler; :func:`split_batch` cuts it (inputs and labels alike) before the model. The
 loss of each rank is its local tokens' mean, weighed by the strategy over the ``loss`` view (which includes cp)
 into the global token mean; FSDP shards over ``dp_shard * cp``.
@@ -23,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.modules.attention import Attention
 from lightning_d9d.modules.context_attention import LoadBalancedSplit, context_attention
+from lightning_d9d.modules.head_parallel_attention import check_head_parallel
 from lightning_d9d.modules.inputs import ModelInputs
 
 
@@ -31,40 +34,49 @@ class ContextSplitAware(Protocol):
     """A module that derives its RoPE positions from the split it runs under (``None``: the whole sequence),
     and gathers a packed batch's positions over the cp group (``context_group``) into the document mask of its
     queries against every key, once per forward
-    (:func:`~lightning_d9d.modules.context_attention.gather_positions`)."""
+    (:func:`~lightning_d9d.modules.context_attention.gather_positions`); with ``context_heads`` (head-parallel
+    attention) the whole sequence's queries: each rank attends every position for some heads."""
 
     context_split: LoadBalancedSplit | None
     context_group: dist.ProcessGroup | None
+    context_heads: bool
 
 
-def parallelize_context(module: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto") -> LoadBalancedSplit:
+def parallelize_context(
+    module: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto", *, tp: int = 1
+) -> LoadBalancedSplit:
     """Switch every :class:`~lightning_d9d.modules.Attention` in ``module`` to context-parallel attention over the
     1-D ``cp_mesh`` and hand the split and the cp group to every :class:`ContextSplitAware` submodule (for its
     positions and a packed batch's document mask), in place.
 
     ``attention`` names the path (:func:`~lightning_d9d.modules.context_attention.context_attention`):
-    ``"auto"`` (torch's ring kernels on CUDA, all-gather elsewhere), ``"all_gather"`` or ``"torch_ring"``.
-    Returns the split, which says what :func:`split_batch` cuts each batch into.
+    ``"auto"`` (torch's ring kernels on CUDA, all-gather elsewhere), ``"all_gather"``, ``"torch_ring"`` or
+    ``"heads"`` (head-parallel; cp must divide each tp rank's query heads, ``num_heads / tp``, refused here
+    otherwise). Returns the split, which says what :func:`split_batch` cuts each batch into.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
         )
-    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attend = context_attention(split, cp_mesh, attention)
-    switched = 0
-    for submodule in module.modules():
-        if isinstance(submodule, Attention):
-            submodule.context = attend
-            switched += 1
-        if isinstance(submodule, ContextSplitAware):
-            submodule.context_split = split
-            submodule.context_group = cp_mesh.get_group()
-    if switched == 0:
+    attentions = [submodule for submodule in module.modules() if isinstance(submodule, Attention)]
+    if not attentions:
         raise ValueError(
             f"parallelize_context: {type(module).__name__} has no lightning_d9d Attention module to split the "
             "sequence for; build its attention from lightning_d9d.modules.Attention, or use cp=1"
         )
+    heads = attention == "heads"
+    if heads:  # before the mesh's group runs anything
+        for submodule in attentions:
+            check_head_parallel(submodule.num_heads, cp_mesh.size(), owner=type(module).__name__, tp=tp)
+    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+    attend = context_attention(split, cp_mesh, attention)
+    for submodule in attentions:
+        submodule.context = attend
+    for aware in module.modules():
+        if isinstance(aware, ContextSplitAware):
+            aware.context_split = split
+            aware.context_group = cp_mesh.get_group()
+            aware.context_heads = heads
     return split
 
 

@@ -34,7 +34,9 @@ class ParallelOptions:
             ``"reduce-overhead"``: CUDA graphs, where nothing stands in their way, see
             :func:`~lightning_d9d.plans.compile.cudagraph_fallback`).
         context_attention: the context-parallel attention path when cp > 1: ``"auto"`` (torch's ring kernels on
-            CUDA, the portable all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"`` (CUDA only).
+            CUDA, the portable all-gather path elsewhere), ``"all_gather"``, ``"torch_ring"`` (CUDA only) or
+            ``"heads"``: head-parallel (Ulysses), two all-to-alls per layer around the model's own attention over
+            the whole sequence for ``heads / cp`` heads; cp must divide each tp rank's query heads.
         fsdp_on_one_rank: wrap the model in FSDP2 also when the whole world is one rank (parameters are then
             ``DTensor``s as on every other layout). ``False`` leaves plain parameters there: no all-gather
             copies, casts or hooks around each block (the mixed precision then comes from autocast).

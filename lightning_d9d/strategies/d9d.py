@@ -79,7 +79,8 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             graphs per block, on one GPU with ``fsdp_on_one_rank=False`` and dense blocks; elsewhere the blocks
             compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
-            all-gather path elsewhere), ``"all_gather"`` or ``"torch_ring"``; the choice is logged once.
+            all-gather path elsewhere), ``"all_gather"``, ``"torch_ring"`` or ``"heads"`` (head-parallel: the heads
+            split over cp around the model's own attention); the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
             ``None`` (default): where they are sharded; ``True`` also on one rank, where the gathered copy is
             the bf16 cast of the weights (3.3 GiB less at Qwen3-4B's layer x 18 on one H100, 1.7 % slower:
