@@ -44,6 +44,7 @@ from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.modules.moe.choose import ENV_VAR as DISPATCH_ENV_VAR
 from lightning_d9d.pipeline import PipelineRunner, StageLayout, carve_stages, check_pipeline_config
+from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel, split_batch
 from lightning_d9d.plans.lora import LoRA, apply_lora
 from lightning_d9d.strategies.grad_norm import group_parameters_by_mesh, total_grad_norm
@@ -169,6 +170,10 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
     # under pp as D9DStrategy does: the stages carved from the model, each planned, the schedule over them
     if dims.pp_enabled:
         config = check_pipeline_config(dims.pp, layout.schedule, layout.microbatches, None)
+        # the strategy's checks, on the model as a LightningModule's child
+        check_pipeline_model(
+            nn.ModuleDict({"model": model}), config, dims.pp, StageLayout(), (hf_pipeline_for,)
+        )
         splittable = model if layout.family in OURS else hf_pipeline_for(model)
         assert splittable is not None
         stages = carve_stages(splittable, config, dims, StageLayout())
@@ -280,8 +285,11 @@ def layout_facts(model: nn.Module) -> dict[str, Any]:
             }
         ),
         "dispatchers": sorted(
-            {type(m._d9d_dispatcher).__name__ for m in modules if hasattr(m, "_d9d_dispatcher")}
-            | {type(m.dispatcher).__name__ for m in modules if isinstance(m, MoE)} - {"LocalDispatcher"}
+            (
+                {type(m._d9d_dispatcher).__name__ for m in modules if hasattr(m, "_d9d_dispatcher")}
+                | {type(m.dispatcher).__name__ for m in modules if isinstance(m, MoE)}
+            )
+            - {"LocalDispatcher"}  # the experts all on this rank: no tokens move
         ),
         "float8_linears": sum(type(m).__name__ == "Float8Linear" for m in modules),
     }
