@@ -21,6 +21,9 @@ parameter): each rounding is still unbiased on its own.
 DTensor parameters step on their local part (``to_local()``), their state being DTensors of the same placements,
 so checkpoints save it sharded like torch's AdamW's. ``scale_gradients`` takes norm clipping's coefficient into
 the next step (in fp32), as :class:`lightning_d9d.optim.MasterWeightAdamW` does.
+
+Where Triton runs (:mod:`lightning_d9d.kernels.dispatch`), a parameter's local part steps in one fused pass with
+the same bits (:mod:`lightning_d9d.kernels.stochastic_adamw`); elsewhere in chunks of torch operations.
 """
 
 from __future__ import annotations
@@ -34,12 +37,18 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_d9d.kernels.adamw import AdamWHyper
+from lightning_d9d.kernels.stochastic_adamw import (
+    global_index_layout,
+    stochastic_adamw_step_triton,
+    use_stochastic_adamw_kernel,
+)
 from lightning_d9d.optim.gradient_scale import PendingGradientScale
 from lightning_d9d.optim.stochastic_rounding import (
     axis_offsets,
     flat_global_index,
     random_bits16,
     stochastic_round_bf16,
+    stream_key,
 )
 
 # Which random stream rounds which tensor of a step: independent bits for the weight and each moment.
@@ -154,6 +163,10 @@ class StochasticAdamW(PendingGradientScale, torch.optim.Optimizer):
         if isinstance(param, DTensor) and isinstance(grad, DTensor) and grad.placements != param.placements:
             grad = grad.redistribute(param.device_mesh, param.placements)
         keys = ("exp_avg", "exp_avg_sq", "master") if self.master_weights else ("exp_avg", "exp_avg_sq")
+        if self._step_fused(
+            param, _local(grad), [_local(state[key]) for key in keys], hyper, seed, grad_scale
+        ):
+            return
         local = _local(param)
         written = [local, *(_local(state[key]) for key in keys)]
         flat = [_flat(tensor) for tensor in written]
@@ -177,6 +190,33 @@ class StochasticAdamW(PendingGradientScale, torch.optim.Optimizer):
         for tensor, flattened in zip(written, flat, strict=True):
             if flattened.data_ptr() != tensor.data_ptr():  # a non-contiguous tensor stepped through a copy
                 tensor.copy_(flattened.view(tensor.shape))
+
+    def _step_fused(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        state: list[Tensor],
+        hyper: AdamWHyper,
+        seed: int,
+        grad_scale: Tensor | None,
+    ) -> bool:
+        """The whole local part in one Triton pass (:mod:`lightning_d9d.kernels.stochastic_adamw`, the same bits
+        as :meth:`_step_chunk`) where the kernel runs on these tensors; False (nothing done) elsewhere."""
+        local = _local(param)
+        if not use_stochastic_adamw_kernel(local, grad, *state):
+            return False
+        index = global_index_layout(axis_offsets(param), tuple(local.shape), tuple(param.shape))
+        if index is None:
+            return False
+        exp_avg, exp_avg_sq, *master = state
+        param_key, exp_avg_key, exp_avg_sq_key = (
+            stream_key(seed=seed, step=hyper.step, stream=stream) for stream in _STREAMS.values()
+        )
+        keys = (param_key, exp_avg_key, exp_avg_sq_key)
+        stochastic_adamw_step_triton(
+            local, grad, exp_avg, exp_avg_sq, master[0] if master else None, hyper, keys, index, grad_scale
+        )
+        return True
 
     def _step_chunk(
         self,

@@ -43,9 +43,15 @@ def _splitmix64(value: int) -> int:
     return value ^ (value >> 31)
 
 
+def stream_key(*, seed: int, step: int, stream: int) -> int:
+    """The 64-bit key of one random stream at one step, which :func:`random_bits16` mixes with each index (and
+    the fused kernel, :mod:`lightning_d9d.kernels.stochastic_adamw`, takes as it is)."""
+    return _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ stream)
+
+
 def random_bits16(index: Tensor, *, seed: int, step: int, stream: int) -> Tensor:
     """16 uniform random bits (int32 in [0, 2**16)) per element of ``index`` (int64 global element indices)."""
-    key = _splitmix64(_splitmix64(_splitmix64(seed) ^ step) ^ stream)
+    key = stream_key(seed=seed, step=step, stream=stream)
     low, high = key & _MASK32, key >> 32
     hashed = _mix32(_mix32((index & _MASK32) ^ low) ^ ((index >> 32) ^ high))
     return (hashed >> 16).to(torch.int32)

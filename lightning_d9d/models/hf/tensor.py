@@ -46,6 +46,7 @@ from torch.distributed.tensor.parallel import (
 
 from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan, moe_blocks
 from lightning_d9d.models.hf.loss import forward_tree
+from lightning_d9d.models.hf.sinks import SINKS, HeadShardedSinks, sink_attention_plan, sink_attentions
 from lightning_d9d.plans.fp8 import float8_input_cast
 from lightning_d9d.plans.tensor import (
     SEQUENCE_DIM,
@@ -96,9 +97,12 @@ def split_modules(model: nn.Module) -> dict[str, str]:
     keep their full width, and under ep the dispatcher moves only this rank's tokens.
     """
     blocks = tuple(moe_blocks(model))
+    planned = expand_plan(model, config_tp_plan(model))
+    if planned:  # GPT-OSS's plan names its embedding only: its sink attentions' heads split too
+        planned.update(sink_attention_plan(model, planned))
     return {
         name: style
-        for name, style in expand_plan(model, config_tp_plan(model)).items()
+        for name, style in planned.items()
         if not any(name == block or name.startswith(f"{block}.") for block in blocks)
     }
 
@@ -180,15 +184,15 @@ def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) 
     regions = {
         module_name.rpartition(".")[0] for module_name, style in split.items() if style in (*COLUMN, *ROW)
     }
+    with_sinks = sink_attentions(model)  # their sinks split with the heads (HeadShardedSinks)
     for region in sorted(regions):
         for inner_name, inner in modules[region].named_modules(prefix=region):
             # a planned layer's own children (LoRA's adapters) are its style's to shard
             inside_planned = inner_name.rpartition(".")[0] in split
-            if (
-                inner_name in split
-                or inside_planned
-                or not any(True for _ in inner.parameters(recurse=False))
-            ):
+            own = [name for name, _ in inner.named_parameters(recurse=False)]
+            if inner_name in with_sinks:
+                own.remove(SINKS)
+            if inner_name in split or inside_planned or not own:
                 continue
             raise NotImplementedError(
                 f"{type(model).__name__}: tp={tp}: {inner_name} ({type(inner).__name__}) sits among split "
@@ -466,7 +470,7 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
                 f"{name}: its MoE blocks run on each tp rank's sequence shard: sequence_parallel=False is not "
                 "supported for an MoE model"
             )
-        return plan
+        return _with_sharded_sinks(model, plan)
     for norm in [*layout.layer_norms, *layout.final_norms]:
         # a plain shard out: the next region takes either, but Gemma 2 / 3 add their post-attention and
         # post-feedforward norms' outputs to the residual stream (a plain shard), and the model slices the final
@@ -479,6 +483,15 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
     plan[names[id(layout.layers[0])]] = HiddenStatesLayout(
         Replicate(), Shard(SEQUENCE_DIM), check_length=True
     )
+    return _with_sharded_sinks(model, plan)
+
+
+def _with_sharded_sinks(model: nn.Module, plan: dict[str, ParallelStyle]) -> dict[str, ParallelStyle]:
+    """Every sink attention whose projections the plan splits shards its sinks with its heads, before its own
+    style (the region's sequence gather)."""
+    for name in sink_attentions(model):
+        if f"{name}.q_proj" in plan:
+            plan[name] = HeadShardedSinks(plan.get(name))
     return plan
 
 

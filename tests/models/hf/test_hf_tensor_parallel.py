@@ -13,7 +13,7 @@ import torch.distributed as dist
 import transformers
 from distributed import run_distributed
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import parallelize_hf
@@ -232,3 +232,63 @@ def test_activation_checkpointing_matches_one_process(tp: int, recompute: bool |
     assert got["loss_error"] <= 1e-5
     assert got["norm_error"] <= 1e-5
     assert got["param_error"] <= 1e-5
+
+
+# ----------------------------------------------------------------------------------------------------- GPT-OSS
+def gpt_oss_body() -> dict[str, Any] | None:
+    from tiny_hf import tiny_causal_lm
+
+    model = tiny_causal_lm("gpt_oss")
+    dims = ParallelDims(tp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    parallelize_hf(model, dims, ParallelOptions())
+    seen: list[tuple[int, ...]] = []
+    model.model.layers[1].register_forward_pre_hook(lambda _, args: seen.append(tuple(args[0].shape)))
+    result = train(model, slice(None), tensor_parallel=True)
+    named = dict(model.named_parameters())
+    attention = "model.layers.0.self_attn"
+    # each parameter's placement on the tp mesh dim, and this rank's shape
+    result["tp_layouts"] = {
+        name: (
+            param.placements[param.device_mesh.mesh_dim_names.index("tp")],
+            tuple(param.to_local().shape),
+        )
+        for name, param in named.items()
+        if name.startswith(attention)
+        and isinstance(param, DTensor)
+        and "tp" in param.device_mesh.mesh_dim_names
+    }
+    result["between_layers"] = seen[0]
+    params = {name: full(p).detach().clone() for name, p in named.items()}
+    return {**result, "params": params} if dist.get_rank() == 0 else None
+
+
+def test_gpt_oss_tp_matches_one_process() -> None:
+    """GPT-OSS at tp=2 against the unmodified model (``tiny_hf.reference_run``): its config's tp plan names the
+    embedding only, so the adapter splits each attention's heads itself (q/k/v column-parallel, o row-parallel,
+    their biases with them: o's added once, after the reduction), each head's sink with its head (``Shard(0)``
+    over tp), and runs the MoE block (biased router, biased experts in GPT-OSS's layout) whole on each rank's
+    sequence shard. Sliding and full layers, the experts' clamp biting (``tiny_hf.FAMILY_FIELDS``)."""
+    from tiny_hf import reference_run, tiny_causal_lm
+
+    got = run_distributed(gpt_oss_body, 2)[0]
+    expected = reference_run(tiny_causal_lm("gpt_oss"), STEPS)
+    heads, kv_heads, head_dim = 4, 2, 16
+    attention = "model.layers.0.self_attn"
+    assert got["tp_layouts"] == {
+        f"{attention}.sinks": (Shard(0), (heads // 2,)),
+        f"{attention}.q_proj.weight": (Shard(0), (heads * head_dim // 2, HIDDEN)),
+        f"{attention}.q_proj.bias": (Shard(0), (heads * head_dim // 2,)),
+        f"{attention}.k_proj.weight": (Shard(0), (kv_heads * head_dim // 2, HIDDEN)),
+        f"{attention}.k_proj.bias": (Shard(0), (kv_heads * head_dim // 2,)),
+        f"{attention}.v_proj.weight": (Shard(0), (kv_heads * head_dim // 2, HIDDEN)),
+        f"{attention}.v_proj.bias": (Shard(0), (kv_heads * head_dim // 2,)),
+        f"{attention}.o_proj.weight": (Shard(1), (HIDDEN, heads * head_dim // 2)),
+        f"{attention}.o_proj.bias": (Replicate(), (HIDDEN,)),
+    }
+    assert got["between_layers"] == (ROWS, SEQ // 2, HIDDEN)  # sequence parallel around the MoE blocks
+    assert got["logits_local"] == (ROWS, SEQ, VOCAB // 2)
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= 1e-5
+    assert set(got["params"]) == set(expected["params"])
+    for name, param in expected["params"].items():
+        assert float((got["params"][name] - param).abs().max()) <= 1e-5, name
