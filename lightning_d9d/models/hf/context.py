@@ -15,7 +15,8 @@ the model runs on the local tokens unchanged, except for three things :func:`par
   attention: Mistral's and StarCoder2's every layer, Gemma2's and Gemma3's ``"sliding_attention"`` layers) adds
   the window's band to the mask on the all-gather path (torch's ring kernels hand such a layer to it under
   ``"auto"``); an attention logit soft cap (Gemma2's ``softcap``) runs on the all-gather path too, which then
-  computes the scores itself.
+  computes the scores itself. Under ``"heads"`` (head-parallel) the model's own attention function runs over the
+  whole sequence for this rank's heads instead, windows, soft caps and sinks its own (:mod:`.head_parallel`).
 - the causal mask: our name has no mask function in ``transformers``' mask interface, so the model builds no
   (local, wrong) causal mask and hands the attention ``None``; the attention applies the global causal mask itself.
 - positions: a forward pre-hook on the base model (the decoder) gives it ``position_ids`` of this rank's chunks by
@@ -23,14 +24,15 @@ the model runs on the local tokens unchanged, except for three things :func:`par
 
 Packed rows: ``position_ids`` of the caller's (restarting at 0 per document; the strategy cuts them like the ids)
 stay the RoPE positions, and the same pre-hook gathers them over cp once per forward into each rank's documents'
-mask (``[B, 1, T / cp, T]``, 4-D, which ``transformers`` hands on unchanged); the all-gather path only (the
-ring kernels are refused, by name, before any collective).
+mask (``[B, 1, T / cp, T]``, 4-D, which ``transformers`` hands on unchanged; head-parallel: the whole
+``[B, 1, T, T]``); the all-gather and head-parallel paths only (the ring kernels are refused, by name, before any
+collective).
 
 A 2-D ``attention_mask`` (``[B, T / cp]``, padding: 1 keep, 0 pad; the strategy cuts it like the inputs) is
 all-gathered over cp by the same pre-hook into the whole sequence's key mask, handed on as ``[B, 1, 1, T]``
 (``transformers`` passes a 4-D mask through unchanged) and combined with the causal mask; a padded query that
-would see no key at all sees itself (its output reaches no unpadded token and no counted label). Only the
-all-gather path takes it (torch's ring kernels know only the causal mask).
+would see no key at all sees itself (its output reaches no unpadded token and no counted label). The all-gather
+and head-parallel paths take it (torch's ring kernels know only the causal mask).
 
 Labels must be shifted by the caller (``model_loss(..., loss_fn)`` with ``labels[:, t]`` the token after ``t``):
 the model's own ``labels=`` loss shifts inside the local chunks, which under cp are not contiguous.
@@ -52,14 +54,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_d9d.models.hf.head_parallel import head_parallel_forward, keep_own_attention
 from lightning_d9d.modules.context_attention import (
     AllGatherAttention,
     LoadBalancedSplit,
+    TorchRingAttention,
     context_attention,
     gather_positions,
     masked_attention,
 )
 from lightning_d9d.modules.documents import document_causal_mask, document_ids
+from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention
 
 #: The name our context-parallel attention is registered under in ``transformers``' attention interface.
 CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
@@ -105,10 +110,11 @@ def check_hf_context_model(model: nn.Module, cp: int) -> None:
 
 
 def parallelize_hf_context(
-    model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto"
+    model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto", *, tp: int = 1
 ) -> LoadBalancedSplit:
     """Context parallelism over the 1-D ``cp_mesh`` for a ``transformers`` model, in place (see the module's
-    docstring); ``attention`` names the path (``"auto"``, ``"all_gather"``, ``"torch_ring"``). Returns the split."""
+    docstring); ``attention`` names the path (``"auto"``, ``"all_gather"``, ``"torch_ring"``, ``"heads"``: cp must
+    divide the query heads of a tp rank, ``num_attention_heads / tp``). Returns the split."""
     if cp_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_hf_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
@@ -121,6 +127,8 @@ def parallelize_hf_context(
             "config and is_causal, as transformers' attention classes have); use cp=1"
         )
     attention = _attention_path(model, attentions, cp_mesh.size(), attention)
+    if attention == "heads":  # before the configs name our attention
+        keep_own_attention(model, attentions, cp_mesh.size(), tp)
     split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
     attend = context_attention(split, cp_mesh, attention)
     for module in attentions:
@@ -138,7 +146,11 @@ def parallelize_hf_context(
     base = getattr(model, "base_model", None)
     base = base if isinstance(base, nn.Module) else model
     hook = _GlobalPositions(
-        base, split, cp_mesh.get_group(), all_gather=isinstance(attend, AllGatherAttention)
+        base,
+        split,
+        cp_mesh.get_group(),
+        masks=not isinstance(attend, TorchRingAttention),
+        whole=isinstance(attend, HeadParallelAttention),
     )
     base.register_forward_pre_hook(hook, with_kwargs=True)
     return split
@@ -216,7 +228,8 @@ def context_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function ``transformers`` calls (``[B, heads, T / cp, head_dim]`` in, ``[B, T / cp, heads,
-    head_dim]`` out, no weights): this rank's queries against the whole sequence, by global position."""
+    head_dim]`` out, no weights): this rank's queries against the whole sequence, by global position (or, head-
+    parallel, the model's own attention over the whole sequence for this rank's heads)."""
     attend = getattr(module, _ATTEND, None)
     if attend is None:
         raise RuntimeError(
@@ -225,6 +238,11 @@ def context_attention_forward(
         )
     if dropout:
         raise NotImplementedError(f"context-parallel attention has no dropout (got dropout={dropout})")
+    if isinstance(attend, HeadParallelAttention):
+        out = head_parallel_forward(
+            module, attend, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs
+        )
+        return out, None
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     head_dim = query.shape[-1]
     if (sinks is not None or softcap is not None) and not isinstance(attend, AllGatherAttention):
@@ -338,14 +356,24 @@ class _GlobalPositions:
     passes none, and a 2-D padding ``attention_mask`` gathered over cp into the whole sequence's key mask.
 
     ``position_ids`` of the caller's (packed rows: restarting at 0 per document, cut by the strategy like the
-    ids) stay this rank's RoPE positions and give the attention the documents' mask (:meth:`document_mask`)."""
+    ids) stay this rank's RoPE positions and give the attention the documents' mask (:meth:`document_mask`).
+
+    ``masks``: the attention takes a padding or documents' mask (torch's ring kernels do not); ``whole``: its
+    queries are the whole sequence's (head-parallel), not this rank's."""
 
     def __init__(
-        self, model: nn.Module, split: LoadBalancedSplit, group: dist.ProcessGroup, *, all_gather: bool
+        self,
+        model: nn.Module,
+        split: LoadBalancedSplit,
+        group: dist.ProcessGroup,
+        *,
+        masks: bool,
+        whole: bool = False,
     ) -> None:
         self.split = split
         self.group = group
-        self.all_gather = all_gather
+        self.masks = masks
+        self.whole = whole
         names = [
             p.name
             for p in inspect.signature(model.forward).parameters.values()
@@ -387,7 +415,7 @@ class _GlobalPositions:
                 f"{type(module).__name__} under cp={self.split.cp}: position_ids together with an attention_mask; "
                 "pass one: position_ids restarting per document (packed rows), or a 2-D padding mask"
             )
-        elif not self.all_gather:  # before any collective: every cp rank refuses alike
+        elif not self.masks:  # before any collective: every cp rank refuses alike
             raise NotImplementedError(
                 f"{type(module).__name__} under cp={self.split.cp}: position_ids of the caller's (packed rows) with "
                 "torch's ring kernels, which know only the causal mask; use "
@@ -405,11 +433,13 @@ class _GlobalPositions:
     def document_mask(self, positions: torch.Tensor, batch: int) -> torch.Tensor:
         """``[B, 1, T / cp, T]``: this rank's queries' rows of the one-process document mask (our models' mask,
         :func:`~lightning_d9d.modules.documents.document_causal_mask`), from every rank's positions gathered once
-        per forward."""
+        per forward; ``[B, 1, T, T]``, the whole mask, for head-parallel attention."""
         local = positions.to(torch.int64).expand(batch, -1)  # [B, T / cp]
-        whole = gather_positions(local, self.split, self.group)
-        queries = self.split.local_positions(local.shape[1], device=whole.device)
-        return document_causal_mask(document_ids(whole), queries)
+        rows = gather_positions(local, self.split, self.group)
+        if self.whole:
+            return document_causal_mask(document_ids(rows))
+        queries = self.split.local_positions(local.shape[1], device=rows.device)
+        return document_causal_mask(document_ids(rows), queries)
 
     def gather_keys(self, mask: torch.Tensor) -> torch.Tensor:
         """This rank's ``[B, T / cp]`` padding mask -> the whole sequence's ``[B, 1, 1, T]`` (bool, in order)."""

@@ -126,7 +126,7 @@ def parallelize_hf(
         parallelize_tensor(model, dims.mesh_for("tp"), plan)
         localize_head_counts(model, split_modules(model), dims.tp)
     if dims.cp_enabled:
-        parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention)
+        parallelize_hf_context(model, dims.mesh_for("cp"), options.context_attention, tp=dims.tp)
     else:  # no host sync in the mask preparation of a plain causal forward
         causal_attention_without_mask_sync(model)
     parallelize_hf_experts(model, dims, options)

@@ -166,12 +166,12 @@ def test_packed_rows_under_cp_with_ring_kernels_or_a_mask_are_refused_before_any
     model = tiny_causal_lm("qwen3")
     split = LoadBalancedSplit(2, 0)
     ids, positions = torch.zeros(2, 6, dtype=torch.long), torch.tensor([[0, 1, 0, 1, 2, 3]]).expand(2, -1)
-    ring = _GlobalPositions(model.base_model, split, None, all_gather=False)  # type: ignore[arg-type]
+    ring = _GlobalPositions(model.base_model, split, None, masks=False)  # type: ignore[arg-type]
     with pytest.raises(
         NotImplementedError, match=r"cp=2: position_ids .*ring kernels.*context_attention='all_gather'"
     ):
         ring(model.base_model, (), {"input_ids": ids, "position_ids": positions})
-    gather = _GlobalPositions(model.base_model, split, None, all_gather=True)  # type: ignore[arg-type]
+    gather = _GlobalPositions(model.base_model, split, None, masks=True)  # type: ignore[arg-type]
     with pytest.raises(
         NotImplementedError, match=r"cp=2: position_ids together with an attention_mask; pass one"
     ):
