@@ -205,7 +205,12 @@ class StochasticAdamW(PendingGradientScale, torch.optim.Optimizer):
         local = _local(param)
         if not use_stochastic_adamw_kernel(local, grad, *state):
             return False
-        index = global_index_layout(axis_offsets(param), tuple(local.shape), tuple(param.shape))
+        # where the local part lies never changes for a parameter: computed once (axis_offsets' DTensor
+        # arithmetic costs more host time than the kernel's launch); the cache is not state (not saved)
+        layouts = self.__dict__.setdefault("_index_layouts", {})
+        if param not in layouts:
+            layouts[param] = global_index_layout(axis_offsets(param), tuple(local.shape), tuple(param.shape))
+        index = layouts[param]
         if index is None:
             return False
         exp_avg, exp_avg_sq, *master = state
