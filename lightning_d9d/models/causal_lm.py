@@ -131,12 +131,8 @@ class CausalLM(nn.Module):
     def pipeline_keep(self, layer_ids: Sequence[int], *, first: bool, last: bool) -> None:
         """Drop, in place, every layer but ``layer_ids``, and the embedding / norm and head unless this rank
         holds the first / last stage (see :class:`~lightning_d9d.pipeline.PipelineSplittable`)."""
-        if self.config.tie_word_embeddings and not (first and last):
-            raise ValueError(
-                f"{type(self).__name__}: tie_word_embeddings=True cannot be split over pipeline stages on "
-                "different ranks (the embedding and the head would be two copies); set tie_word_embeddings=False "
-                "or pp=1"
-            )
+        # A tied embedding and head on two ranks: each keeps its copy, which the pipeline runner trains as one
+        # (lightning_d9d.pipeline.tied).
         keep = {str(i) for i in layer_ids}
         for key in [key for key in self.model.layers if key not in keep]:
             del self.model.layers[key]

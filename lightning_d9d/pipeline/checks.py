@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_d9d.pipeline.carve import SplittableView, StageLayout, find_splittable, splittable_view
 from lightning_d9d.pipeline.schedules import PipelineConfig
-from lightning_d9d.pipeline.split import balanced_stage_layers
+from lightning_d9d.pipeline.split import balanced_stage_layers, rank_of_stage
 
 
 def tied_parameters(module: nn.Module) -> list[tuple[str, str]]:
@@ -43,7 +43,8 @@ def check_pipeline_model(
 ) -> None:
     """Raise ``ValueError`` with the numbers and the fix if ``owner``'s pipelined model cannot be split into
     ``pp * stages_per_rank`` stages: fewer layers than stages, ``layers_per_stage`` that do not fit, or tied
-    parameters (they would live on two ranks as two copies that drift apart)."""
+    parameters where the schedule puts the first and last stage on one rank (elsewhere their copies train as one:
+    :mod:`lightning_d9d.pipeline.tied`)."""
     if pp <= 1:
         return
     model, splittable = find_splittable(owner, views)
@@ -55,12 +56,16 @@ def check_pipeline_model(
         layers_per_stage=layout.layers_per_stage,
     )
     tied = tied_parameters(model)
-    if tied:
+    last = config.num_stages(pp) - 1
+    if tied and rank_of_stage(0, pp, config.stages_per_rank, v_shape=config.v_shape) == rank_of_stage(
+        last, pp, config.stages_per_rank, v_shape=config.v_shape
+    ):
         shown = ", ".join(f"{a} = {b}" for a, b in tied[:3])
         raise ValueError(
-            f"pp={pp}: {type(model).__name__} ties parameters ({shown}); the pipeline stages holding them sit "
-            "on different ranks, where they would become two copies. Untie them (for our models: "
-            "tie_word_embeddings=False) or use pp=1"
+            f"pp={pp}: {type(model).__name__} ties parameters ({shown}), and the {config.schedule} schedule "
+            "puts the first and the last stage on one rank as two FSDP units, which cannot share a parameter. "
+            "Use a schedule that ends on another rank (1F1B, Interleaved1F1B, ...), or untie them "
+            "(tie_word_embeddings=False)"
         )
 
 

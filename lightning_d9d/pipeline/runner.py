@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from lightning_d9d.modules.moe import paused_load_counting
 from lightning_d9d.pipeline.forward_only import pipeline_forward_loss
 from lightning_d9d.pipeline.schedules import PipelineConfig, build_schedule
 from lightning_d9d.pipeline.split import rank_of_stage
+from lightning_d9d.pipeline.tied import TiedAcrossStages
 from lightning_d9d.plans.tensor import local_loss, maybe_loss_parallel
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -103,7 +104,11 @@ class PipelineRunner:
         stages: Mapping[int, nn.Module],
         dims: ParallelDims,
         device: torch.device,
+        tied: Sequence[tuple[str, str]] = (),
     ) -> None:
+        """``tied``: the names under which ``model`` held one parameter before the stages were carved
+        (:func:`~lightning_d9d.pipeline.checks.tied_parameters`); copies on several ranks train as one
+        (:mod:`lightning_d9d.pipeline.tied`)."""
         self.config = config
         # The trimmed model the stages share their modules with, held weakly: the strategies keep the runner in a
         # weak map keyed by the user's module, which may be this model itself.
@@ -129,6 +134,9 @@ class PipelineRunner:
         self._stage_computes_loss = False  # the last stage was handed the labels (see the module docstring)
         self._checked: set[str] = set()  # "train" / "eval": whose first batch was compared
         self._accepted_kwargs: set[frozenset[str]] = set()  # keyword-input names every local stage takes
+        self._tied = TiedAcrossStages(model, tied, self.group, device)
+        self._tied.sync_values()  # the copies alike from the start; again before the first step (loads)
+        self._tied_loaded = False
 
     @property
     def model(self) -> nn.Module | None:
@@ -172,6 +180,11 @@ class PipelineRunner:
         not keep alive (see ``_model``)."""
         self._user_loss = None
         self._weight = _unweighted
+
+    def _sync_tied_after_loads(self) -> None:
+        if not self._tied_loaded:
+            self._tied_loaded = True
+            self._tied.sync_values()
 
     def check_stage_kwargs(self, stage_kwargs: Mapping[str, Any]) -> None:
         """Refuse keyword inputs a local stage's forward does not take, naming the stage and the keyword (before
@@ -258,11 +271,14 @@ class PipelineRunner:
         self._grad_factor = grad_factor
         if "return_outputs" in inspect.signature(schedule.step).parameters:
             kwargs["return_outputs"] = False  # nobody reads the merged logits; don't build them
+        self._sync_tied_after_loads()
         try:
             with maybe_loss_parallel(self.loss_parallel):
                 schedule.step(*args, **kwargs)
         finally:
             self._forget_step()
+        if self.sync_gradients:  # the gradients of the optimizer step are complete: the tied copies' summed
+            self._tied.sum_gradients()
         if self.holds_last:
             # The schedule's own list, not every loss_fn call: on its first step torch also calls the loss on
             # shape-inference outputs.
@@ -288,6 +304,7 @@ class PipelineRunner:
         stage_kwargs = stage_kwargs or {}
         self.check_stage_kwargs(stage_kwargs)
         self.check_same_batch((*inputs, *stage_kwargs.values()), target, "eval")
+        self._sync_tied_after_loads()
 
         def plain_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return output if fused_ignore_index is not None else local_loss(loss_fn(output, target))

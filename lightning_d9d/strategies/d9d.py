@@ -32,7 +32,12 @@ from lightning_d9d.pipeline import (
     check_pipeline_config,
     find_splittable,
 )
-from lightning_d9d.pipeline.checks import check_batches_split, check_pipeline_model, has_splittable_child
+from lightning_d9d.pipeline.checks import (
+    check_batches_split,
+    check_pipeline_model,
+    has_splittable_child,
+    tied_parameters,
+)
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import Fp8Filter
@@ -278,10 +283,11 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             prepare.materialize(model, self.root_device, self.broadcast)
             return None
         pipelined, splittable = find_splittable(model, PIPELINE_VIEWS)
+        tied = tied_parameters(pipelined)  # before the carving leaves each rank its own copy
         stages = carve_stages(splittable, self.pipeline, dims, self._stage_layout)
         prepare.parallelize(model, dims, self.parallel_options(), stages)
         prepare.materialize(model, self.root_device, self.broadcast)
-        return PipelineRunner(self.pipeline, pipelined, stages, dims, self.root_device)
+        return PipelineRunner(self.pipeline, pipelined, stages, dims, self.root_device, tied)
 
     def _check_pipeline_model(self, *, built_only: bool) -> None:
         """Pipeline settings against the model (stages vs. layers, tied weights); ``built_only``: skip if the

@@ -16,6 +16,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_d9d.pipeline.tied import is_tied_copy
+
 _GroupKey = tuple[object, ...]
 
 
@@ -61,10 +63,9 @@ def total_grad_norm(
     on ``device``: its peers would otherwise wait for it forever.
     """
     norm_type = float(norm_type)
-    norms = [
-        _local_norm(_group_norm([p.grad for p in group if p.grad is not None], norm_type, foreach))
-        for group in groups
-    ]
+    # A weight tied across pipeline ranks counts once: its other copies hold the same (summed) gradient.
+    counted = [[p.grad for p in group if p.grad is not None and not is_tied_copy(p)] for group in groups]
+    norms = [_local_norm(_group_norm(grads, norm_type, foreach)) for grads in counted if grads]
     if norms:
         device = norms[0].device
     stacked = torch.stack([norm.to(device=device, dtype=torch.float32) for norm in norms]) if norms else None

@@ -62,7 +62,13 @@ def test_stages_keep_global_names_and_compose_to_the_model() -> None:
     torch.testing.assert_close(parts[1](parts[0](ids)), whole(ids), rtol=0, atol=0)
 
 
-def test_tied_embeddings_cannot_be_split_across_ranks() -> None:
-    model = Qwen3ForCausalLM(Qwen3Config.tiny(tie_word_embeddings=True))
-    with pytest.raises(ValueError, match="tie_word_embeddings=True cannot be split"):
-        model.pipeline_keep([0], first=True, last=False)
+def test_a_tied_head_keeps_its_copy_on_the_last_stages_rank() -> None:
+    """Each rank keeps its end of a tied embedding and head: the first stage's the embedding, the last stage's
+    the head (the same tensor until the ranks give each its own memory; the runner then trains them as one)."""
+    first = Qwen3ForCausalLM(Qwen3Config.tiny(tie_word_embeddings=True))
+    first.pipeline_keep([0], first=True, last=False)
+    assert first.model.embed_tokens is not None and first.lm_head is None
+    last = Qwen3ForCausalLM(Qwen3Config.tiny(tie_word_embeddings=True))
+    embedding = last.model.embed_tokens.weight
+    last.pipeline_keep([1], first=False, last=True)
+    assert last.model.embed_tokens is None and last.lm_head is not None and last.lm_head.weight is embedding

@@ -69,6 +69,11 @@ def four_ranks(pp: int, schedule: str, microbatches: int, **extra: object) -> di
 FOUR_RANKS = {
     "pp4_1F1B": four_ranks(4, "1F1B", 4),
     "pp4_1F1B_acc": four_ranks(4, "1F1B", 4, **ACCUMULATE_CLIP),
+    # the embedding (stage 0) tied to the head (stage 3), the middle ranks holding neither: built on meta, each
+    # copy initialised under its own name, then stage 0's value; their gradients summed, the norm counting one
+    "pp4_1F1B_tied_acc": four_ranks(
+        4, "1F1B", 4, model={"num_hidden_layers": 4, "tie_word_embeddings": True}, **ACCUMULATE
+    ),
     "pp4_Interleaved1F1B": four_ranks(4, "Interleaved1F1B", 8, model={"num_hidden_layers": 8}),
     "pp4_Interleaved1F1B_acc": four_ranks(
         4, "Interleaved1F1B", 8, model={"num_hidden_layers": 8}, **ACCUMULATE_CLIP

@@ -57,9 +57,15 @@ def test_the_checks_name_the_numbers_and_the_fix() -> None:
         ValueError, match=r"layers_per_stage \[3, 1\] must have 2 positive entries adding up to 2"
     ):
         _check(untied, pp=2, layers_per_stage=[3, 1])
-    tied = Qwen3Config.tiny(tie_word_embeddings=True, num_hidden_layers=2)
-    with pytest.raises(ValueError, match=r"ties parameters \(model.embed_tokens.weight = lm_head.weight\)"):
-        _check(tied, pp=2)
+    tied = Qwen3Config.tiny(tie_word_embeddings=True, num_hidden_layers=4)
+    _check(tied, pp=2)  # the embedding's and the head's copies on two ranks train as one
+    _check(tied, pp=2, schedule="Interleaved1F1B")  # stage 0 on rank 0, stage 3 on rank 1
+    with pytest.raises(
+        ValueError,
+        match=r"ties parameters \(model.embed_tokens.weight = lm_head.weight\), and the ZBVZeroBubble schedule "
+        r"puts the first and the last stage on one rank as two FSDP units",
+    ):
+        _check(tied, pp=2, schedule="ZBVZeroBubble")
     _check(tied, pp=1)  # one stage: ties are fine
 
 
@@ -69,10 +75,14 @@ def test_a_built_model_fails_before_any_process_starts(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(_SubprocessScriptLauncher, "_call_children_scripts", started)
     trainer = L.Trainer(
-        strategy=D9DStrategy(pp=2), accelerator="cpu", devices=2, logger=False, enable_progress_bar=False
+        strategy=D9DStrategy(pp=2, pipeline_schedule="ZBVZeroBubble"),
+        accelerator="cpu",
+        devices=2,
+        logger=False,
+        enable_progress_bar=False,
     )
     with pytest.raises(ValueError, match="ties parameters"):
-        trainer.fit(LM(Qwen3Config.tiny(tie_word_embeddings=True), eager=True))
+        trainer.fit(LM(Qwen3Config.tiny(tie_word_embeddings=True, num_hidden_layers=4), eager=True))
     assert not dist.is_initialized()
 
 

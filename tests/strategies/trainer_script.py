@@ -43,6 +43,7 @@ from lightning_d9d.callbacks import preemption as preemption_callback
 from lightning_d9d.callbacks.moe import ExpertLoadBalancing
 from lightning_d9d.callbacks.preemption import Preemption
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, causal_lm
+from lightning_d9d.pipeline.tied import is_tied_copy
 from lightning_d9d.state.selection import incomplete_reason, looks_like_checkpoint
 
 # How often the fused LM head + loss ran (causal_lm.head_loss: CausalLM.forward_loss, or a last pipeline stage
@@ -80,7 +81,11 @@ class RecordGradNorms(Callback):
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:  # type: ignore[no-untyped-def]
         squares = square_sums(
-            {plain_name(name): p.grad for name, p in pl_module.named_parameters() if p.grad is not None}
+            {
+                plain_name(name): p.grad
+                for name, p in pl_module.named_parameters()
+                if p.grad is not None and not is_tied_copy(p)  # a weight tied across pipeline ranks: once
+            }
         )
         if self.pipelined:
             # each pipeline rank holds other layers; dp replicas of a stage report the same names and values
@@ -301,9 +306,12 @@ def plain_name(name: str) -> str:
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by its plain name; a weight tied across pipeline ranks under its first name only
+    (as one process names it), its other copies left out."""
     return {
         plain_name(name): (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu().clone()
         for name, p in module.named_parameters()
+        if not is_tied_copy(p)
     }
 
 

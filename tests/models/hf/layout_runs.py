@@ -44,7 +44,7 @@ from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.modules.moe import MoE
 from lightning_d9d.modules.moe.choose import ENV_VAR as DISPATCH_ENV_VAR
 from lightning_d9d.pipeline import PipelineRunner, StageLayout, carve_stages, check_pipeline_config
-from lightning_d9d.pipeline.checks import check_pipeline_model
+from lightning_d9d.pipeline.checks import check_pipeline_model, tied_parameters
 from lightning_d9d.plans import ParallelOptions, maybe_loss_parallel, split_batch
 from lightning_d9d.plans.lora import LoRA, apply_lora
 from lightning_d9d.strategies.grad_norm import group_parameters_by_mesh, total_grad_norm
@@ -176,10 +176,11 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
         )
         splittable = model if layout.family in OURS else hf_pipeline_for(model)
         assert splittable is not None
+        tied = tied_parameters(model)
         stages = carve_stages(splittable, config, dims, StageLayout())
         for stage in stages.values():
             stage.parallelize(dims, options)  # type: ignore[operator]
-        runner = PipelineRunner(config, model, stages, dims, device)
+        runner = PipelineRunner(config, model, stages, dims, device, tied)
     elif layout.family in OURS:
         model.parallelize(dims, options)  # type: ignore[operator]
     else:

@@ -58,6 +58,15 @@ RUNS: dict[str, dict[str, Any]] = {
         },
     },
     "cohere_1F1B_logit_scale": pp_run("cohere", "1F1B"),  # its default logit_scale: 0.0625
+    # the embedding on stage 0 tied to the head on stage 1 (Gemma's default): each rank initialises its copy by
+    # its own name on meta, then takes stage 0's value; the copies' gradients summed, the norm counting one
+    "gemma_1F1B_tied_meta_accumulate2_clip": {
+        **pp_run("gemma", "1F1B"),
+        "model": {"tie_word_embeddings": True},
+        "meta": True,
+        "accumulate": 2,
+        "clip": 2.7,  # the reference's norms: 2.68, 2.67, 2.74
+    },
     "qwen3_moe_1F1B": {**pp_run("qwen3_moe", "1F1B"), "validate": True},
     # packed rows: every stage of every microbatch gets the positions, transformers builds each stage's mask
     "qwen3_1F1B_packed": {**pp_run("qwen3", "1F1B"), "validate": True, "packed": True},
@@ -71,6 +80,9 @@ RUNS: dict[str, dict[str, Any]] = {
     "qwen3_pp2_dp2_tp2": pp_run("qwen3", "1F1B", devices=8, dp_shard=2, tp=2),
     # each stage's MoE blocks route its sequence shards, ep carved from the tp ranks
     "qwen3_moe_pp2_tp2_ep2": pp_run("qwen3_moe", "1F1B", devices=4, tp=2, ep=2),
+    # no pp or tp plan in its config: the adapter's own (models/hf/family_plans.py), the head's tp plan carried
+    # into the last stage
+    "stablelm_pp2_tp2": pp_run("stablelm", "1F1B", devices=4, tp=2),
 }
 
 

@@ -238,13 +238,15 @@ def test_pp_with_router_logits_is_refused() -> None:
         hf_pipeline_for(transformers.Qwen3MoeForCausalLM(config))
 
 
-def test_pp_with_tied_embeddings_is_refused() -> None:
+def test_pp_with_tied_embeddings_is_refused_where_one_rank_holds_both_ends() -> None:
     owner = nn.Module()
-    owner.model = tiny(num_hidden_layers=2, tie_word_embeddings=True)
-    config = check_pipeline_config(2, "1F1B", 2, None)
+    owner.model = tiny(num_hidden_layers=4, tie_word_embeddings=True)
+    check_pipeline_model(owner, check_pipeline_config(2, "1F1B", 2, None), 2, StageLayout(), PIPELINE_VIEWS)
+    config = check_pipeline_config(2, "ZBVZeroBubble", 4, None)
     with pytest.raises(
         ValueError,
-        match=r"^pp=2: Qwen3ForCausalLM ties parameters \(model\.embed_tokens\.weight = lm_head\.weight\)",
+        match=r"^pp=2: Qwen3ForCausalLM ties parameters \(model\.embed_tokens\.weight = lm_head\.weight\), "
+        r"and the ZBVZeroBubble schedule puts the first and the last stage on one rank",
     ):
         check_pipeline_model(owner, config, 2, StageLayout(), PIPELINE_VIEWS)
 

@@ -142,6 +142,7 @@ def meta_initialised(family: str, *, layers: int = 2, **overrides: Any) -> dict[
     with torch.device("meta"):
         model = tiny_model(family, layers=layers, **overrides)
     model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gave the tied modules a tensor each
     init_transformers_model_(model, META_SEED)
     return {name: p.detach().clone() for name, p in model.named_parameters()}
 
