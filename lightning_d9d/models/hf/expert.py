@@ -8,21 +8,23 @@ tokens go to their experts (older plans name it ``"moe_tp_experts"``). There, th
 its top-k and its load-balancing loss stay exactly as the model computes them. :func:`parallelize_hf_experts` changes,
 for each experts module:
 
-- the stacked weights become ``DTensor``s sharded over ``ep`` on the expert dimension, and the module its own FSDP
-  unit over the ranks that hold the same experts, gradients divided by the ranks whose loss is averaged
-  (:func:`~lightning_d9d.plans.expert.split_expert_weights`, as for our own MoE blocks);
+- the stacked weights (and GPT-OSS's per-expert biases) become ``DTensor``s sharded over ``ep`` on the expert
+  dimension, and the module its own FSDP unit over the ranks that hold the same experts, gradients divided by the
+  ranks whose loss is averaged (:func:`~lightning_d9d.plans.expert.split_expert_weights`, as for our own MoE
+  blocks);
 - its forward (:func:`expert_parallel_forward`): our dispatcher (all-to-all over ``ep``, DeepEP where installed
   and asked for: :func:`~lightning_d9d.modules.moe.expert_parallel_dispatcher`) brings each rank the rows of its
   local experts, grouped by expert; one grouped GEMM per projection runs them
-  (:func:`~lightning_d9d.kernels.grouped_mm`) in ``transformers``' weight layout (``gate_up_proj [E, 2 * ffn,
-  hidden]`` with the gate rows first, ``down_proj [E, hidden, ffn]``, the module's own ``act_fn``), each row's
-  activation weighed by its router weight before the down projection; the rows come back and are summed per
-  token.
+  (:func:`~lightning_d9d.kernels.grouped_mm`) in the module's layout (:mod:`.expert_layouts`: ``transformers``'
+  usual ``gate_up_proj [E, 2 * ffn, hidden]`` with the gate rows first, ``down_proj [E, hidden, ffn]`` and the
+  module's own ``act_fn``, each row's activation weighed by its router weight before the down projection; or
+  GPT-OSS's transposed weights with their biases, gate and up interleaved, its clamped SwiGLU, the router weight
+  on the output); the rows come back and are summed per token.
 
 Refused before any collective (:func:`check_hf_expert_model`): a config without ``base_model_ep_plan`` (a dense
-model), a plan that names no experts module, an experts module that is not ``transformers``' stacked layout (other
-parameters, biases, another forward signature, or a forward that computes otherwise on a small CPU probe: gate and
-up interleaved, another gate), and an ``ep`` that does not divide the number of experts.
+model), a plan that names no experts module, an experts module in neither layout (other parameters, another forward
+signature, or a forward that computes otherwise on a small CPU probe: gate and up read otherwise, another gate),
+and an ``ep`` that does not divide the number of experts.
 
 Without ``ep`` the same forward runs with a local dispatcher (a permutation by expert; no exchange) wherever the
 probe finds it exact, unless ``$LIGHTNING_D9D_HF_KERNELS=0``: ``transformers``' own grouped forward, compiled
@@ -31,7 +33,7 @@ over the experts in fp32 (``transformers::grouped_mm_fallback``, reading the off
 the grouped GEMM in autocast's dtype, every step on the device.
 
 LoRA (``LoRA(experts=True)``): :func:`lora_hf_experts`, registered with the LoRA plan, offers it every experts
-module the ep plan names; one in the stacked layout takes per-expert adapters
+module the ep plan names; one in the usual stacked layout takes per-expert adapters
 (:class:`~lightning_d9d.modules.lora.ExpertsLoRA`, as ``lora``) and runs our forward from then on, on any degree
 (with the local dispatcher until a plan changes it), which adds each projection's adapter update to its grouped
 GEMM's output; another layout is refused naming the module. The adapters are split over ``ep`` with their experts.
@@ -51,12 +53,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
-from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, loop_grouped_mm, weigh_rows
+from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, loop_grouped_mm
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf.config_plans import expert_modules
+from lightning_d9d.models.hf.expert_layouts import (
+    STACKED,
+    ExpertsLayout,
+    describe_layouts,
+    layout_named,
+    probe_parameters,
+)
 from lightning_d9d.models.hf.kernels import ENV_VAR as HF_KERNELS_ENV_VAR
 from lightning_d9d.models.hf.kernels import hf_kernels_enabled
 from lightning_d9d.modules.hf_init import is_transformers_model
@@ -66,11 +74,9 @@ from lightning_d9d.plans.expert import split_expert_weights
 from lightning_d9d.plans.lora import StackedExperts, register_experts_finder
 from lightning_d9d.plans.options import ParallelOptions
 
-# The experts module's layout: its parameters and its forward's arguments.
-WEIGHTS = ("gate_up_proj", "down_proj")
-ARGUMENTS = ("hidden_states", "top_k_index", "top_k_weights")
-# The instance attributes an expert-parallel experts module holds its dispatcher and its number of experts in.
-_DISPATCHER, _NUM_EXPERTS = "_d9d_dispatcher", "_d9d_num_experts"
+# The instance attributes an expert-parallel experts module holds its dispatcher, its number of experts and its
+# layout in.
+_DISPATCHER, _NUM_EXPERTS, _LAYOUT = "_d9d_dispatcher", "_d9d_num_experts", "_d9d_layout"
 # _forward_problem's findings, by class and settings
 _PROBED: dict[tuple[Any, ...], str | None] = {}
 log = logging.getLogger("lightning_d9d.models.hf")
@@ -96,34 +102,23 @@ def check_hf_expert_model(model: nn.Module, ep: int) -> None:
 
 def _layout_problem(experts: nn.Module) -> str | None:
     """Why the adapter's forward (:func:`expert_parallel_forward`) cannot run ``experts`` (``None``: it can):
-    it takes ``transformers``' stacked layout only, and only where the class's own forward computes what ours does
-    (:func:`_forward_problem`)."""
-    own = dict(experts.named_parameters(recurse=False))
-    act_fn = getattr(experts, "act_fn", None)
-    others = [
-        child for child in experts.children() if child is not act_fn and not isinstance(child, ExpertsLoRA)
-    ]
-    if sorted(own) != sorted(WEIGHTS) or others:
-        return (
-            f"holds {sorted(own)}; the adapter takes only transformers' stacked experts "
-            f"({' and '.join(WEIGHTS)}, no biases)"
-        )
+    it takes the stacked layouts of :mod:`.expert_layouts` only (``transformers``' usual one and GPT-OSS's), and
+    only where the class's own forward computes what ours does (:func:`_forward_problem`)."""
+    layout = layout_named(experts)
+    if layout is None:
+        own = sorted(name for name, _ in experts.named_parameters(recurse=False))
+        return f"holds {own}; the adapter takes only {describe_layouts()}"
     arguments = [p for p in inspect.signature(type(experts).forward).parameters if p != "self"]
-    if tuple(arguments[: len(ARGUMENTS)]) != ARGUMENTS or not callable(act_fn):
+    if tuple(arguments[: len(layout.arguments)]) != layout.arguments:
         return (
-            f"has a forward taking {arguments} and act_fn={act_fn!r}; the adapter's forward replaces "
-            f"forward({', '.join(ARGUMENTS)}) with an act_fn"
+            f"has a forward taking {arguments}; the adapter's forward replaces "
+            f"forward({', '.join(layout.arguments)})"
         )
-    experts_count, double_ffn, hidden = own["gate_up_proj"].shape
-    if own["down_proj"].shape != (experts_count, hidden, double_ffn // 2):
-        return (
-            f"has gate_up_proj {tuple(own['gate_up_proj'].shape)} and down_proj {tuple(own['down_proj'].shape)}, "
-            "not transformers' [E, 2 * ffn, hidden] / [E, hidden, ffn]"
-        )
-    return _forward_problem(experts)
+    problem = layout.problem(experts)
+    return problem if problem is not None else _forward_problem(experts, layout)
 
 
-def _forward_problem(experts: nn.Module) -> str | None:
+def _forward_problem(experts: nn.Module, layout: ExpertsLayout) -> str | None:
     """Whether the class's own forward computes what :func:`expert_parallel_forward` does (``None``: it does),
     read off a probe: a shallow copy of ``experts`` with small random fp32 weights on the CPU, its experts chosen
     at random for a few tokens, both forwards compared. Stacked experts may gate otherwise (gate and up
@@ -143,31 +138,27 @@ def _forward_problem(experts: nn.Module) -> str | None:
     implementation = getattr(config, "_experts_implementation", None)
     key: tuple[Any, ...] = (type(experts), type(getattr(experts, "act_fn", None)), settings, implementation)
     if key not in _PROBED:
-        _PROBED[key] = _probe_forward(experts)
+        _PROBED[key] = _probe_forward(experts, layout)
     return _PROBED[key]
 
 
-def _probe_forward(experts: nn.Module) -> str | None:
+def _probe_forward(experts: nn.Module, layout: ExpertsLayout) -> str | None:
     num_experts = int(experts.get_parameter("gate_up_proj").shape[0])
     hidden, ffn, tokens, top_k = 16, 8, 12, min(2, num_experts)
     # the probe's own numbers, drawn without advancing the caller's RNG stream
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        gate_up_proj = torch.randn(num_experts, 2 * ffn, hidden) / hidden**0.5
-        down_proj = torch.randn(num_experts, hidden, ffn) / ffn**0.5
+        parameters = probe_parameters(layout, experts, num_experts, hidden, ffn)
         hidden_states = torch.randn(tokens, hidden)
         top_k_index = torch.rand(tokens, num_experts).topk(top_k, dim=1).indices
         top_k_weights = torch.rand(tokens, top_k)
     probe = copy.copy(experts)  # shares act_fn and config; its own parameters and attributes below
-    probe.__dict__["_parameters"] = {
-        "gate_up_proj": nn.Parameter(gate_up_proj, requires_grad=False),
-        "down_proj": nn.Parameter(down_proj, requires_grad=False),
-    }
+    probe.__dict__["_parameters"] = dict(parameters)
     # the class's forward knows no adapters: both forwards compute the base
     probe.__dict__["_modules"] = {
         name: child for name, child in experts._modules.items() if not isinstance(child, ExpertsLoRA)
     }
-    probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts})
+    probe.__dict__.update({_DISPATCHER: LocalDispatcher(), _NUM_EXPERTS: num_experts, _LAYOUT: layout})
     try:
         with torch.no_grad():
             theirs = type(experts).forward(probe, hidden_states, top_k_index, top_k_weights)
@@ -180,8 +171,8 @@ def _probe_forward(experts: nn.Module) -> str | None:
         return "has a forward whose output is not [tokens, hidden]; the adapter's forward returns that"
     if not torch.allclose(theirs, ours, rtol=1e-5, atol=1e-6):
         return (
-            f"has a forward that computes otherwise than act_fn(gate) * up on gate_up_proj's halves, weighted, "
-            f"through down_proj (largest difference on a probe {(theirs - ours).abs().max():.3g})"
+            f"has a forward that computes otherwise than {layout.math} (largest difference on a probe "
+            f"{(theirs - ours).abs().max():.3g})"
         )
     return None
 
@@ -204,21 +195,21 @@ def offer_experts_to_float8(model: nn.Module, options: ParallelOptions) -> list[
     give every experts module of ``model`` in ``transformers``' stacked layout the
     :class:`~lightning_d9d.modules.moe.GroupedGemmExperts` trait (``gemm_backend=None``, its widths), so that
     :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8` decides on it as on our experts; returns them.
-    :func:`parallelize_hf_experts` then runs those it pointed at the float8 backend through our forward. A layout
-    the adapter cannot run keeps ``transformers``' forward, in bf16: refused under ``fp8_experts=True``. Call it
+    :func:`parallelize_hf_experts` then runs those it pointed at the float8 backend through our forward. Another
+    layout (GPT-OSS's, or one the adapter cannot run) stays in bf16: refused under ``fp8_experts=True``. Call it
     before the float8 conversion."""
     if options.fp8 is None or options.fp8_experts is False:
         return []
     offered = []
     for module_name, experts in expert_modules(model).items():
-        problem = _layout_problem(experts)
+        problem = _layout_problem(experts) or _stacked_only(experts, "the float8 grouped GEMM")
         if problem is not None:
             if options.fp8_experts:
                 raise ValueError(
                     f"fp8_experts=True: {type(model).__name__}'s {module_name} ({type(experts).__name__}) {problem}; "
-                    "leave fp8_experts=None (its experts then keep transformers' forward, in bf16)"
+                    "leave fp8_experts=None (its experts then run in bf16)"
                 )
-            log.info("fp8: %s keeps transformers' experts forward, in bf16: it %s", module_name, problem)
+            log.info("fp8: %s keeps its experts in bf16: it %s", module_name, problem)
             continue
         _, double_ffn, hidden = experts.get_parameter("gate_up_proj").shape
         # plain attributes (the module is transformers'): read by the FP8 plan and by expert_parallel_forward
@@ -283,9 +274,19 @@ def _run_ours_locally(model: nn.Module) -> list[nn.Module]:
     return changed
 
 
+def _stacked_only(experts: nn.Module, what: str) -> str | None:
+    """Why ``what`` (LoRA's adapters, the float8 grouped GEMM) cannot run ``experts``, in a layout the adapter
+    runs otherwise: they take the usual stacked layout only (``None``: ``experts`` is in it)."""
+    if layout_named(experts) is STACKED:
+        return None
+    own = sorted(name for name, _ in experts.named_parameters(recurse=False))
+    return f"holds {own}; only transformers' stacked experts ({' and '.join(STACKED.weights)}) take {what}"
+
+
 def _run_ours(experts: nn.Module, dispatcher: TokenDispatcher) -> None:
     setattr(experts, _DISPATCHER, dispatcher)
     setattr(experts, _NUM_EXPERTS, int(experts.get_parameter("gate_up_proj").shape[0]))
+    setattr(experts, _LAYOUT, layout_named(experts))
     experts.forward = types.MethodType(expert_parallel_forward, experts)  # type: ignore[method-assign]
 
 
@@ -312,31 +313,14 @@ def _experts_forward(
     """:func:`expert_parallel_forward` with the grouped GEMM given (the probe runs the reference loop, whatever
     the registry would choose on this machine)."""
     dispatcher: TokenDispatcher = getattr(self, _DISPATCHER)
-    gate_up_proj = _local(self.get_parameter("gate_up_proj"))
-    down_proj = _local(self.get_parameter("down_proj"))
+    layout: ExpertsLayout = getattr(self, _LAYOUT)
     # not bincount: on CUDA it reads the largest index on the host first, which a CUDA graph cannot capture
     counts = count_tokens_per_expert(top_k_index, getattr(self, _NUM_EXPERTS))
     empty = top_k_weights.new_empty(0)  # the router's logits and probabilities: no dispatcher reads them
     routing = Routing(top_k_index, top_k_weights, counts, logits=empty, probs=empty)
     dispatched = dispatcher.dispatch(hidden_states, routing)
-    counts, rows = dispatched.tokens_per_expert, dispatched.tokens
-    adapter = experts_adapter(self)
-    gate_up = matmul(rows, gate_up_proj.transpose(1, 2), counts)
-    if adapter is not None:
-        gate_up = gate_up + adapter.update("gate_up_proj", rows, counts)
-    gate, up = gate_up.chunk(2, dim=-1)
-    act_fn: Any = self.act_fn
-    # each row weighed by its routing weight before the down projection (combine only sums: see moe.dispatch)
-    activation = weigh_rows(act_fn(gate) * up, dispatched.row_weights)
-    output = matmul(activation, down_proj.transpose(1, 2), counts)
-    if adapter is not None:
-        output = output + adapter.update("down_proj", activation, counts)
+    output = layout.run(self, dispatched.tokens, dispatched.tokens_per_expert, dispatched.row_weights, matmul)
     return dispatcher.combine(output, dispatched)
-
-
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """This rank's experts (FSDP has gathered its own dimension by now); the gradient flows back into the DTensor."""
-    return weight.to_local() if isinstance(weight, DTensor) else weight
 
 
 # ------------------------------------------------------------------------------------------------------ LoRA
@@ -349,7 +333,7 @@ def lora_hf_experts(module: nn.Module) -> dict[str, StackedExperts]:
     for prefix, model in _transformers_models(module).items():
         for name, experts in expert_modules(model).items():
             full_name = f"{prefix}.{name}" if prefix else name
-            problem = _layout_problem(experts)
+            problem = _layout_problem(experts) or _stacked_only(experts, "LoRA's per-expert adapters")
             if problem is not None:
                 raise ValueError(
                     f"LoRA(experts=True): {type(model).__name__}'s {full_name} ({type(experts).__name__}) "
