@@ -2,8 +2,10 @@
 
 ``config.base_model_tp_plan`` and ``config.base_model_ep_plan`` map module-name patterns of the base model
 (``"layers.*.self_attn.q_proj"``, ``*`` for a layer number) to style names; the causal LM class's ``_tp_plan``
-adds the head. The tensor-parallel and expert-parallel plans (:mod:`.tensor`, :mod:`.expert`) both start here:
-which modules a plan names, and which modules are the MoE blocks (the parents of the experts modules).
+adds the head; ``config.base_model_pp_plan`` and the class's ``_pp_plan`` the pipeline cut. A family whose config
+ships none gets the adapter's own (:mod:`.family_plans`). The tensor-parallel, expert-parallel and pipeline plans
+(:mod:`.tensor`, :mod:`.expert`, :mod:`.pipeline`) all start here: which modules a plan names, and which modules
+are the MoE blocks (the parents of the experts modules).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import re
 from collections.abc import Mapping
 
 from torch import nn
+
+from lightning_d9d.models.hf.family_plans import PipelinePart, family_plans
 
 # Expert-parallel plan style names (of the transformers versions we support).
 GROUPED_WEIGHTS = ("grouped_gemm",)
@@ -27,9 +31,12 @@ def _base_prefix(model: nn.Module) -> str:
 
 def config_tp_plan(model: nn.Module) -> dict[str, str]:
     """The model's tensor-parallel plan as ``transformers`` assembles it, keyed by patterns relative to
-    ``model``: the config's ``base_model_tp_plan`` under the base model's prefix, then the class's ``_tp_plan``
-    (the head). Empty when the config has none."""
+    ``model``: the config's ``base_model_tp_plan`` (or the adapter's for its family) under the base model's
+    prefix, then the class's ``_tp_plan`` (the head). Empty when neither has one."""
     base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    ours = family_plans(model.config)
+    if not base_plan and ours is not None:
+        base_plan = dict(ours.tp)
     if not base_plan:
         return {}
     at = _base_prefix(model)
@@ -40,9 +47,30 @@ def config_tp_plan(model: nn.Module) -> dict[str, str]:
 
 def head_tp_plan(model: nn.Module) -> dict[str, str]:
     """The head's part of the plan: the causal LM class's ``_tp_plan`` (the instance attribute of that name holds
-    the whole merged plan), or for a pipeline stage of one its ``head_tp_plan``."""
+    the whole merged plan; the adapter's for its family where the class has none), or for a pipeline stage of one
+    its ``head_tp_plan``."""
     carried = getattr(model, "head_tp_plan", None)
-    return dict(carried if carried is not None else getattr(type(model), "_tp_plan", None) or {})
+    if carried is not None:
+        return dict(carried)
+    own = dict(getattr(type(model), "_tp_plan", None) or {})
+    ours = family_plans(model.config)
+    return own if own or ours is None else dict(ours.head_tp)
+
+
+def config_pp_plan(model: nn.Module) -> dict[str, PipelinePart]:
+    """The config's ``base_model_pp_plan`` (part -> input names, output names), or the adapter's for its family;
+    empty when neither has one."""
+    plan = dict(getattr(model.config, "base_model_pp_plan", None) or {})
+    ours = family_plans(model.config)
+    return plan if plan or ours is None else dict(ours.pp)
+
+
+def head_pp_plan(model: nn.Module) -> dict[str, PipelinePart]:
+    """The causal LM class's ``_pp_plan`` (the head), or the adapter's for its family; empty when neither has
+    one."""
+    plan = dict(getattr(type(model), "_pp_plan", None) or {})
+    ours = family_plans(model.config)
+    return plan if plan or ours is None else dict(ours.head_pp)
 
 
 def config_ep_plan(model: nn.Module) -> dict[str, str]:

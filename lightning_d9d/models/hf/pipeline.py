@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 
 from lightning_d9d.mesh import ParallelDims
-from lightning_d9d.models.hf.config_plans import moe_blocks
+from lightning_d9d.models.hf.config_plans import config_pp_plan, head_pp_plan, head_tp_plan, moe_blocks
 from lightning_d9d.models.hf.expert import offer_experts_to_float8, parallelize_hf_experts
 from lightning_d9d.models.hf.kernels import swap_hf_kernels
 from lightning_d9d.models.hf.loss import LogitSteps, forward_tree, logit_changes, logit_steps
@@ -79,8 +79,7 @@ def pipeline_parts(model: nn.Module) -> tuple[dict[str, tuple[list[str], list[st
     (the class's ``_pp_plan``); refuses, naming the model and the field, what a stage cannot be carved from."""
     name = type(model).__name__
     config = model.config
-    plan = dict(getattr(config, "base_model_pp_plan", None) or {})
-    head_plan = dict(getattr(type(model), "_pp_plan", None) or {})
+    plan, head_plan = config_pp_plan(model), head_pp_plan(model)  # the config's, or ours for its family
     if not plan or not head_plan:
         missing = "base_model_pp_plan" if not plan else f"{name}._pp_plan (the head)"
         raise ValueError(
@@ -318,7 +317,7 @@ class TransformersStage(nn.Module):
         self.base_model_prefix = str(getattr(model, "base_model_prefix", "model") or "model")
         self.model_name = type(model).__name__
         self.head_name = pipeline.head_name
-        self.head_tp_plan: Mapping[str, str] = dict(getattr(type(model), "_tp_plan", None) or {})
+        self.head_tp_plan: Mapping[str, str] = head_tp_plan(model)
         embed_input, embed_output = pipeline.plan[EMBEDDING]
         # first stage: token ids by the embedding's input name; later ones: hidden states by its output name
         self.input_name = (embed_input if first else embed_output)[0]

@@ -21,6 +21,7 @@ from lightning_d9d.models.hf import (
     hf_tensor_plan,
     parallelize_hf,
 )
+from lightning_d9d.models.hf.config_plans import config_tp_plan
 from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.pipeline import embedding_steps
 from lightning_d9d.models.hf.tensor import NO_SCALE, EmbeddingScale, embedding_scale
@@ -264,6 +265,42 @@ def test_a_style_not_translated_yet_is_refused(style: str) -> None:
         r"is not translated yet;",
     ):
         check_hf_model(model, ParallelDims(tp=2))
+
+
+def test_stablelm_gets_the_adapters_plans_and_a_shipped_plan_wins() -> None:
+    """StableLM's config ships no tp or pp plan and its class no head plans: the adapter's (family_plans) apply;
+    a plan the config ships is taken instead."""
+    config = transformers.StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.StableLmForCausalLM(config)
+    assert config.base_model_tp_plan is None and config.base_model_pp_plan is None
+    plan = config_tp_plan(model)
+    assert plan["model.layers.*.self_attn.q_proj"] == "colwise"
+    assert plan["model.layers.*.mlp.down_proj"] == "rowwise"
+    assert plan["lm_head"] == "colwise_gather_output"
+    check_hf_model(model, ParallelDims(tp=2))
+    pipeline = hf_pipeline_for(model)
+    assert pipeline is not None and list(pipeline.plan) == ["embed_tokens", "layers", "norm"]
+    assert pipeline.head_name == "lm_head"
+    model.config.base_model_tp_plan = {"layers.*.mlp.gate_proj": "colwise"}
+    assert set(config_tp_plan(model)) == {"model.layers.*.mlp.gate_proj", "lm_head"}
+
+
+def test_stablelm_per_head_norms_are_refused_under_tp() -> None:
+    """``qk_layernorm=True``: one LayerNorm per head (``q_layernorm.norms.<head>``), which the plan does not split:
+    each rank would run the first heads' norms on its own heads."""
+    config = transformers.StableLmConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, qk_layernorm=True,
+    )  # fmt: skip
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^StableLmForCausalLM: tp=2: model\.layers\.0\.self_attn\.q_layernorm\.norms\.0 \(LayerNorm\) sits "
+        r"among split projections but the config's tp plan does not name it",
+    ):
+        check_hf_model(transformers.StableLmForCausalLM(config), ParallelDims(tp=2))
 
 
 class ScaledEmbedding(nn.Embedding):
