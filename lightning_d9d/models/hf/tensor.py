@@ -20,9 +20,11 @@ torch's ``ParallelStyle``s (:mod:`lightning_d9d.plans.tensor`) and add what ``tr
 
 MoE blocks (the parents of the experts modules the ep plan names) are not split: each runs on this rank's
 sequence shard with its weights whole, and the caller sums their gradients over tp (:func:`split_modules` says
-why). A style this slice does not translate yet (``mla_kv_a_proj``, ``local_colwise``, ...) is refused, naming
-the model class, the module and the style. ``transformers`` is never imported here: the model is read through
-its attributes.
+why). The styles with which ``transformers`` gathers a region's features (``colwise_gather_output`` /
+``rowwise_split_input``: Phi-3's fused projections, OLMo 2's q/k/v) and MLA's latent projection
+(``mla_kv_a_proj``) are split by heads (:mod:`.head_split`). A style this slice does not translate yet
+(``local_colwise``, ...) is refused, naming the model class, the module and the style. ``transformers`` is never
+imported here: the model is read through its attributes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ from torch.distributed.tensor.parallel import (
 )
 
 from lightning_d9d.models.hf.config_plans import config_tp_plan, expand_plan, moe_blocks
+from lightning_d9d.models.hf.head_split import (
+    HEAD_SPLIT_STYLES,
+    check_head_split,
+    covered,
+    head_split_plan,
+    localize_config,
+)
 from lightning_d9d.models.hf.loss import forward_tree
 from lightning_d9d.models.hf.sinks import SINKS, HeadShardedSinks, sink_attention_plan, sink_attentions
 from lightning_d9d.plans.fp8 import float8_input_cast
@@ -61,7 +70,8 @@ from lightning_d9d.plans.tensor import (
 
 # Plan style names (of every transformers version we support) that this adapter translates.
 COLUMN = ("colwise",)
-ROW = ("rowwise",)
+# rowwise_split_input: transformers slices a gathered input; under the head split it arrives as this rank's part
+ROW = ("rowwise", "rowwise_split_input")
 GATHERED_COLUMN = ("colwise_gather_output", "colwise_rep")  # for the LM head only
 PER_HEAD_NORM = ("replicated_with_grad_allreduce",)
 EMBEDDING = ("embedding_rowwise",)
@@ -85,6 +95,13 @@ def input_embedding(model: nn.Module) -> nn.Module | None:
 def output_embedding(model: nn.Module) -> nn.Module | None:
     """The model's LM head (``get_output_embeddings()``), if it has one."""
     return _module_from(model, "get_output_embeddings")
+
+
+def inner_split(model: nn.Module, split: Mapping[str, str]) -> dict[str, str]:
+    """``split`` but the head and the input embedding: the decoder's split modules."""
+    ends = (output_embedding(model), input_embedding(model))
+    modules = dict(model.named_modules())
+    return {name: style for name, style in split.items() if modules[name] not in ends}
 
 
 def split_modules(model: nn.Module) -> dict[str, str]:
@@ -124,7 +141,8 @@ def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
     ends = (output_embedding(model), input_embedding(model))
     split = split_modules(model)
     for module_name, style in split.items():
-        translated = KNOWN if modules[module_name] in ends else (*COLUMN, *ROW, *PER_HEAD_NORM)
+        inner = (*COLUMN, *ROW, *PER_HEAD_NORM, *HEAD_SPLIT_STYLES)
+        translated = KNOWN if modules[module_name] in ends else inner
         if style not in translated:
             raise NotImplementedError(
                 f"{name}: tp={tp}: the tp plan's style {style!r} (for {module_name}) is not translated yet; "
@@ -151,6 +169,7 @@ def check_tensor_parallel_model(model: nn.Module, tp: int) -> None:
                 ("in_features", module.in_features) if style in ROW else ("out_features", module.out_features)
             )
             check_tensor_parallel_sizes(tp, name, {f"{module_name}.{field}": size})
+    check_head_split(model, inner_split(model, split), tp)
     _check_regions_covered(model, split, tp)
     _check_moe_blocks(model, split, tp)
 
@@ -182,13 +201,18 @@ def _check_regions_covered(model: nn.Module, split: Mapping[str, str], tp: int) 
     this rank's part, silently (older plans lack Qwen3's q/k norms, for one). Refuse it by name."""
     modules = dict(model.named_modules())
     regions = {
-        module_name.rpartition(".")[0] for module_name, style in split.items() if style in (*COLUMN, *ROW)
+        module_name.rpartition(".")[0]
+        for module_name, style in inner_split(model, split).items()
+        if style in (*COLUMN, *ROW, *HEAD_SPLIT_STYLES)
     }
+    accounted = covered(model, split)  # split with the heads, or whole by design (head_split)
     with_sinks = sink_attentions(model)  # their sinks split with the heads (HeadShardedSinks)
     for region in sorted(regions):
         for inner_name, inner in modules[region].named_modules(prefix=region):
             # a planned layer's own children (LoRA's adapters) are its style's to shard
             inside_planned = inner_name.rpartition(".")[0] in split
+            if inner_name in accounted:
+                continue
             own = [name for name, _ in inner.named_parameters(recurse=False)]
             if inner_name in with_sinks:
                 own.remove(SINKS)
@@ -456,8 +480,10 @@ def hf_tensor_plan(model: nn.Module, *, sequence_parallel: bool | None = None) -
             plan[module_name] = row_parallel_to_sequence() if sp else RowwiseParallel()
         elif style in PER_HEAD_NORM:
             plan[module_name] = per_head_norm()
-        else:  # refused by check_tensor_parallel_model
+        elif style not in HEAD_SPLIT_STYLES:  # refused by check_tensor_parallel_model
             raise NotImplementedError(f"{name}: the tp plan's style {style!r} for {module_name}")
+    # gathered columns and MLA's latent projections, split by heads; the norms over a gathered q/k/v's features
+    plan.update(head_split_plan(model, inner_split(model, split)))
     if isinstance(embedding, nn.Embedding) and id(embedding) in names:
         plan[names[id(embedding)]] = VocabParallelWholeEmbedding()
     if isinstance(head, nn.Linear) and id(head) in names:
@@ -497,11 +523,18 @@ def _with_sharded_sinks(model: nn.Module, plan: dict[str, ParallelStyle]) -> dic
 
 def localize_head_counts(model: nn.Module, split: Mapping[str, str], tp: int) -> None:
     """Attention modules whose q/k/v are split: the head counts some families keep as attributes (and read
-    their view shapes from) become this rank's. Qwen3 and Llama view with ``-1`` heads and need none."""
+    their view shapes from) become this rank's, and so do those a forward reads from its config (Phi-3:
+    :func:`~.head_split.localize_config`). Qwen3 and Llama view with ``-1`` heads and need none."""
     modules = dict(model.named_modules())
-    parents = {name.rpartition(".")[0] for name, style in split.items() if style in COLUMN}
+    parents = {
+        name.rpartition(".")[0]
+        for name, style in inner_split(model, split).items()
+        if style in (*COLUMN, *HEAD_SPLIT_STYLES)
+    }
     for parent in parents:
         module = modules.get(parent)
+        if module is not None:
+            localize_config(module, tp)
         for attribute in HEAD_COUNTS:
             value = getattr(module, attribute, None)
             if isinstance(value, int) and not isinstance(value, bool):

@@ -254,7 +254,8 @@ def test_pp_with_tied_embeddings_is_refused_where_one_rank_holds_both_ends() -> 
 
 @pytest.mark.parametrize(
     "style",
-    ["packed_colwise", "moe_tp_experts", "colwise_gather_output"],  # the last: for the head only
+    # the last two: split by heads where a fused projection, a q/k/v or MLA's latent projection has them
+    ["packed_colwise", "moe_tp_experts", "colwise_gather_output", "mla_kv_a_proj"],
 )
 def test_a_style_not_translated_yet_is_refused(style: str) -> None:
     model = tiny()
@@ -301,6 +302,26 @@ def test_stablelm_per_head_norms_are_refused_under_tp() -> None:
         r"among split projections but the config's tp plan does not name it",
     ):
         check_hf_model(transformers.StableLmForCausalLM(config), ParallelDims(tp=2))
+
+
+def test_a_lora_adapted_fused_projection_is_refused_under_tp() -> None:
+    """Phi-3's fused ``qkv_proj`` is split by heads by cutting its gathered output (head_split.FusedColumns);
+    LoRA's styles would shard the adapted layer as a plain column-parallel one."""
+    from lightning_d9d.modules.lora import LoRALinear
+
+    config = transformers.Phi3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    model = transformers.Phi3ForCausalLM(config)
+    check_hf_model(model, ParallelDims(tp=2))  # translated
+    attention = model.model.layers[0].self_attn
+    attention.qkv_proj = LoRALinear.from_linear(attention.qkv_proj, rank=4, alpha=8.0)
+    with pytest.raises(
+        NotImplementedError,
+        match=r"^Phi3ForCausalLM: tp=2: the fused projection model\.layers\.0\.self_attn\.qkv_proj is a LoRALinear",
+    ):
+        check_hf_model(model, ParallelDims(tp=2))
 
 
 class ScaledEmbedding(nn.Embedding):

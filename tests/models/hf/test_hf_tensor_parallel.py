@@ -292,3 +292,142 @@ def test_gpt_oss_tp_matches_one_process() -> None:
     assert set(got["params"]) == set(expected["params"])
     for name, param in expected["params"].items():
         assert float((got["params"][name] - param).abs().max()) <= 1e-5, name
+
+
+# --------------------------------------------------------------- gathered styles split by heads (head_split), StableLM
+# name -> (family, config overrides, sequence_parallel): every case runs in one launch (head_split_body)
+HEAD_SPLIT_CASES: dict[str, tuple[str, dict[str, Any], bool | None]] = {
+    # a fused qkv_proj (4 q heads, 2 kv heads: unequal sections) and gate_up_proj, colwise_gather_output
+    "phi3": ("phi3", {}, None),
+    "phi3_tied_replicated_stream": ("phi3", {"tied": True}, False),
+    # q/k norms over all heads' features
+    "olmo2": ("olmo2", {}, None),
+    "olmo2_replicated_stream": ("olmo2", {}, False),
+    # a fused gate_up_proj, biased q/k/v
+    "glm4": ("glm4", {}, None),
+    # multi-head latent attention, low-rank q (q_a_proj ... q_b_proj) or a full q_proj; a dense layer, an MoE layer
+    "deepseek_v3": ("deepseek_v3", {}, None),
+    "deepseek_v3_tied_full_q": ("deepseek_v3", {"tied": True, "q_lora_rank": None}, None),
+    # the adapter's own plan (family_plans)
+    "stablelm": ("stablelm", {}, None),
+    "stablelm_tied": ("stablelm", {"tied": True}, None),
+}
+# what one process holds per layer: 4 heads of 16 (DeepSeek-V3: values of 16), an MLP 128 wide
+HEADS_WIDTH, MLP_WIDTH = 4 * 16, 128
+
+
+def _layout(param: torch.Tensor) -> tuple[str, tuple[int, ...]]:
+    """A parameter's placement over tp (``"whole"``: not split over tp) and this rank's shape."""
+    names = param.device_mesh.mesh_dim_names or () if isinstance(param, DTensor) else ()
+    if "tp" in names:
+        return repr(param.placements[names.index("tp")]), tuple(param.to_local().shape)
+    return "whole", tuple(full(param).shape)
+
+
+def _record_input(_: nn.Module, args: tuple[Any, ...], *, seen: dict[str, tuple[int, ...]], key: str) -> None:
+    inputs = args[0]  # the style's own hooks may have made it a DTensor: this rank's part
+    seen.setdefault(key, tuple((inputs.to_local() if isinstance(inputs, DTensor) else inputs).shape))
+
+
+def head_split_body() -> dict[str, Any] | None:
+    from functools import partial
+
+    from tiny_hf import tiny_causal_lm
+
+    results: dict[str, Any] = {}
+    for case, (family, overrides, sequence_parallel) in HEAD_SPLIT_CASES.items():
+        model = tiny_causal_lm(family, **overrides)
+        dims = ParallelDims(tp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+        parallelize_hf(model, dims, ParallelOptions(), sequence_parallel=sequence_parallel)
+        layer = model.model.layers[0]
+        seen: dict[str, tuple[int, ...]] = {}
+        for key, module in [
+            ("between_layers", model.model.layers[1]),
+            ("heads", layer.self_attn.o_proj),  # the attention's output: this rank's heads
+            ("mlp", layer.mlp.down_proj),  # this rank's MLP columns (gate * up)
+        ]:
+            module.register_forward_pre_hook(partial(_record_input, seen=seen, key=key))
+        result = train(model, slice(None), tensor_parallel=True)
+        result.update(seen)
+        result["layouts"] = {
+            name.removeprefix("model.layers.0."): _layout(p)
+            for name, p in model.named_parameters()
+            if name.startswith("model.layers.0.")
+        }
+        result["attention_config_heads"] = layer.self_attn.config.num_attention_heads
+        result["model_config_heads"] = model.config.num_attention_heads
+        result["tied"] = model.lm_head.weight is model.model.embed_tokens.weight
+        result["params"] = {name: full(p).detach().clone() for name, p in model.named_parameters()}
+        results[case] = result
+    return results if dist.get_rank() == 0 else None
+
+
+@pytest.fixture(scope="module")
+def head_split_results() -> dict[str, Any]:
+    return run_distributed(head_split_body, 2)[0]
+
+
+# the layer-0 parameters whose layout shows the translation (placement over tp, this rank's shape)
+HEAD_SPLIT_LAYOUTS: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {
+    "phi3": {  # transformers' own placement of the fused weights; each rank computes whole heads and halves
+        "self_attn.qkv_proj.weight": ("Shard(dim=0)", ((4 + 2 * 2) * 16 // 2, HIDDEN)),
+        "self_attn.o_proj.weight": ("Shard(dim=1)", (HIDDEN, HEADS_WIDTH // 2)),
+        "mlp.gate_up_proj.weight": ("Shard(dim=0)", (2 * MLP_WIDTH // 2, HIDDEN)),
+        "mlp.down_proj.weight": ("Shard(dim=1)", (HIDDEN, MLP_WIDTH // 2)),
+    },
+    "olmo2": {
+        "self_attn.q_proj.weight": ("Shard(dim=0)", (HEADS_WIDTH // 2, HIDDEN)),
+        "self_attn.q_norm.weight": ("Shard(dim=0)", (HEADS_WIDTH // 2,)),  # this rank's heads' features
+        "self_attn.k_norm.weight": ("Shard(dim=0)", (2 * 16 // 2,)),
+    },
+    "glm4": {
+        "self_attn.q_proj.bias": ("Shard(dim=0)", (HEADS_WIDTH // 2,)),
+        "mlp.gate_up_proj.weight": ("Shard(dim=0)", (2 * MLP_WIDTH // 2, HIDDEN)),
+    },
+    "deepseek_v3": {  # the low-rank path whole, the heads split
+        "self_attn.q_a_proj.weight": ("whole", (32, HIDDEN)),
+        "self_attn.q_a_layernorm.weight": ("whole", (32,)),
+        "self_attn.q_b_proj.weight": ("Shard(dim=0)", (4 * (16 + 8) // 2, 32)),
+        "self_attn.kv_a_proj_with_mqa.weight": ("whole", (32 + 8, HIDDEN)),
+        "self_attn.kv_a_layernorm.weight": ("whole", (32,)),
+        "self_attn.kv_b_proj.weight": ("Shard(dim=0)", (4 * (16 + 16) // 2, 32)),
+        "self_attn.o_proj.weight": ("Shard(dim=1)", (HIDDEN, HEADS_WIDTH // 2)),
+    },
+    "deepseek_v3_tied_full_q": {"self_attn.q_proj.weight": ("Shard(dim=0)", (4 * (16 + 8) // 2, HIDDEN))},
+    "stablelm": {
+        "self_attn.k_proj.weight": ("Shard(dim=0)", (2 * 16 // 2, HIDDEN)),
+        "input_layernorm.bias": ("Replicate()", (HIDDEN,)),
+    },
+}
+
+
+@pytest.mark.parametrize("case", list(HEAD_SPLIT_CASES))
+def test_gathered_styles_split_by_heads_match_one_process(
+    head_split_results: dict[str, Any], case: str
+) -> None:
+    """Phi-3 (fused qkv and gate_up), OLMo 2 (q/k norms over all heads), GLM-4 (fused gate_up), DeepSeek-V3 (MLA)
+    and StableLM (the adapter's plan) at tp=2 against the unmodified model in one process (``tiny_hf.reference_run``,
+    6 AdamW steps): each rank computes its heads and MLP columns only, the fused weights keep ``transformers``'
+    placement, MLA's low-rank path stays whole."""
+    from tiny_hf import reference_run, tiny_causal_lm
+
+    family, overrides, sequence_parallel = HEAD_SPLIT_CASES[case]
+    got = head_split_results[case]
+    expected = reference_run(tiny_causal_lm(family, **overrides), STEPS)
+    assert got["tied"] == overrides.get("tied", False)
+    assert got["heads"] == (ROWS, SEQ, HEADS_WIDTH // 2)
+    assert got["mlp"] == (ROWS, SEQ, MLP_WIDTH // 2)
+    sequence = SEQ if sequence_parallel is False else SEQ // 2
+    assert got["between_layers"] == (ROWS, sequence, HIDDEN)
+    assert got["logits_local"] == (ROWS, SEQ, VOCAB // 2)
+    for name, layout in HEAD_SPLIT_LAYOUTS.get(case, {}).items():
+        assert got["layouts"][name] == layout, name
+    # Phi-3 reads its q width from the config: its attentions' copy holds this rank's heads, the model's all
+    assert (got["attention_config_heads"], got["model_config_heads"]) == (
+        (2, 4) if family == "phi3" else (4, 4)
+    )
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= 1e-5
+    assert set(got["params"]) == set(expected["params"])
+    for name, param in expected["params"].items():
+        assert float((got["params"][name] - param).abs().max()) <= 1e-5, name
