@@ -22,9 +22,9 @@ from lightning_d9d.models.hf import (
     parallelize_hf,
 )
 from lightning_d9d.models.hf.config_plans import config_tp_plan
+from lightning_d9d.models.hf.embedding import NO_SCALE, EmbeddingScale, embedding_scale
 from lightning_d9d.models.hf.loss import plain_head
 from lightning_d9d.models.hf.pipeline import embedding_steps
-from lightning_d9d.models.hf.tensor import NO_SCALE, EmbeddingScale, embedding_scale
 from lightning_d9d.pipeline import StageLayout, check_pipeline_config
 from lightning_d9d.pipeline.checks import check_pipeline_model
 from lightning_d9d.plans import ParallelOptions

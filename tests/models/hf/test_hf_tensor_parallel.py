@@ -182,7 +182,7 @@ PAD = 70
         ("qwen3", True, 2, 2, None),
         ("llama", False, 2, 2, PAD),
         ("llama", True, 4, 2, PAD),
-        # the scaled embeddings (tensor.embedding_scale), Gemma 2 / 3's norms after attention and MLP
+        # the scaled embeddings (embedding.embedding_scale), Gemma 2 / 3's norms after attention and MLP
         ("gemma", False, 2, 2, PAD),
         ("gemma2", False, 2, 2, None),
         ("gemma3", True, 2, 2, None),
