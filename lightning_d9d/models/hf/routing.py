@@ -14,11 +14,14 @@ the last two to its experts module. Each router here keeps its class's own forwa
 - :func:`add_selection_bias` (the user calls it, on ``meta`` or not, before the strategy sets up, e.g. in
   ``configure_model``): the router also gets ``expert_bias [E]`` (fp32 zeros, a persistent buffer: training
   state, saved in the training checkpoint), and the wrapper chooses the experts by ``softmax(logits) + bias``
-  while the weights stay the chosen experts' unbiased probabilities (renormalised where the class renormalises);
+  while the weights stay what the class computes from the chosen experts' unbiased logits (their probabilities,
+  renormalised where the class renormalises, or GPT-OSS's softmax over the chosen logits);
   ``ExpertLoadBalancing`` moves the bias after each optimizer step. The logits are the class's own, so an
   auxiliary load-balancing loss the model computes from them is unchanged.
 
-Which weights a class returns (renormalised or not, in which dtype) is read off the class itself: its forward
+Which weights a class returns (:data:`WEIGHTINGS`: the chosen probabilities, renormalised or not, or a softmax
+over the chosen logits, as GPT-OSS's router with its logit bias computes them; in which dtype) is read off the class
+itself: its forward
 runs on a CPU copy of the router for fp32 and bf16 inputs, and the biased wrapper, with the bias at zero, must
 give the same indices and weights exactly, or the class is refused with its name (:func:`add_selection_bias`) or
 left to count only. A router whose forward does not return that triple is left alone.
@@ -46,9 +49,14 @@ from lightning_d9d.models.hf.config_plans import expert_modules, moe_blocks
 from lightning_d9d.modules.moe.router import count_expert_load
 
 log = logging.getLogger("lightning_d9d.models.hf")
-# The instance attribute that marks a wrapped router: whether its weights are renormalised over the top k.
-_RENORMALISES = "_d9d_renormalises"
-_PROBED: dict[tuple[type, tuple[tuple[str, Any], ...]], bool | None] = {}
+# How a router class weighs the experts it chose: their softmax probabilities (Qwen3-MoE), those renormalised over
+# the top k (Mixtral; Qwen3-MoE with norm_topk_prob), or a softmax over the chosen experts' logits, in the logits'
+# dtype (GPT-OSS: the renormalised probabilities' value, rounded otherwise).
+PROBABILITIES, RENORMALISED, CHOSEN_LOGITS = "probabilities", "renormalised", "softmax_of_chosen_logits"
+WEIGHTINGS = (PROBABILITIES, RENORMALISED, CHOSEN_LOGITS)
+# The instance attribute that marks a wrapped router: its class's weighting (one of WEIGHTINGS).
+_WEIGHTING = "_d9d_weighting"
+_PROBED: dict[tuple[type, tuple[tuple[str, Any], ...]], str | None] = {}
 
 
 def hf_routers(model: nn.Module) -> dict[str, nn.Module]:
@@ -103,14 +111,14 @@ def _looks_like_router(module: nn.Module) -> bool:
 
 def _wrap(router: Any, *, selection_bias: bool, refuse: bool) -> bool:
     """Install the wrapper (and the bias when ``selection_bias``); False where the class is not ours to wrap."""
-    if getattr(router, _RENORMALISES, None) is None:  # not wrapped yet: read the class off a probe first
-        renormalises = _renormalisation_of(router)
-        if renormalises is None:
+    if getattr(router, _WEIGHTING, None) is None:  # not wrapped yet: read the class off a probe first
+        weighting = _weighting_of(router)
+        if weighting is None:
             if refuse:
                 raise NotImplementedError(
                     f"{type(router).__name__}: its forward does not return (logits, top-k weights, top-k "
-                    "indices) that a softmax over the logits, its top k and (optionally) their renormalisation "
-                    "reproduce exactly, so the selection bias cannot choose for it; train without "
+                    "indices) that a softmax over the logits, its top k and their probabilities (optionally "
+                    "renormalised) or a softmax over their logits reproduce exactly, so the selection bias cannot choose for it; train without "
                     "add_selection_bias (the auxiliary loss of the model's config balances it)"
                 )
             log.info("%s: not a softmax top-k router; its load is not counted", type(router).__name__)
@@ -121,7 +129,7 @@ def _wrap(router: Any, *, selection_bias: bool, refuse: bool) -> bool:
         )
         router.register_buffer("expert_bias", None)
         router.count_load = True
-        setattr(router, _RENORMALISES, renormalises)
+        setattr(router, _WEIGHTING, weighting)
         router.forward = types.MethodType(_counting_forward, router)  # type: ignore[method-assign]
         _zero_counters_at_init(router)
     if selection_bias and router.expert_bias is None:
@@ -132,8 +140,8 @@ def _wrap(router: Any, *, selection_bias: bool, refuse: bool) -> bool:
     return True
 
 
-def _renormalisation_of(router: Any) -> bool | None:
-    """:func:`_probe_renormalisation`, once per class and settings: a class may renormalise by a setting of the
+def _weighting_of(router: Any) -> str | None:
+    """:func:`_probe_weighting`, once per class and settings: a class may renormalise by a setting of the
     instance (Qwen3-MoE's ``norm_topk_prob``), so the key holds the instance's plain attributes."""
     settings = tuple(
         sorted(
@@ -144,7 +152,7 @@ def _renormalisation_of(router: Any) -> bool | None:
     )
     key = (type(router), settings)
     if key not in _PROBED:
-        _PROBED[key] = _probe_renormalisation(router)
+        _PROBED[key] = _probe_weighting(router)
     return _PROBED[key]
 
 
@@ -154,7 +162,7 @@ def _counting_forward(
     logits, weights, indices = type(self).forward(self, hidden_states)
     if self.expert_bias is not None:
         weights, indices = _biased_choice(
-            logits, self.expert_bias, self.top_k, self._d9d_renormalises, weights.dtype
+            logits, self.expert_bias, self.top_k, getattr(self, _WEIGHTING), weights.dtype
         )
     if self.training:
         count_expert_load(
@@ -164,30 +172,34 @@ def _counting_forward(
 
 
 def _biased_choice(
-    logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalises: bool, dtype: torch.dtype
+    logits: torch.Tensor, bias: torch.Tensor, top_k: int, weighting: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The experts chosen by ``softmax(logits) + bias``; their weights the unbiased probabilities."""
+    """The experts chosen by ``softmax(logits) + bias``; their weights by the class's ``weighting`` (one of
+    :data:`WEIGHTINGS`) from the unbiased logits."""
     probs = torch.softmax(logits.float(), dim=-1)
     indices = torch.topk(probs + bias, top_k, dim=-1).indices
+    if weighting == CHOSEN_LOGITS:
+        chosen = logits.gather(1, indices)
+        return torch.softmax(chosen, dim=1, dtype=chosen.dtype).to(dtype), indices
     weights = probs.gather(1, indices)
-    if renormalises:
+    if weighting == RENORMALISED:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(dtype), indices
 
 
-def _probe_renormalisation(router: Any) -> bool | None:
-    """Whether the class renormalises its top-k weights (read off its forward on a CPU copy of ``router``), or
-    ``None`` where neither reading reproduces its outputs exactly."""
+def _probe_weighting(router: Any) -> str | None:
+    """How the class weighs its top-k experts (:data:`WEIGHTINGS`, read off its forward on a CPU copy of
+    ``router`` with random parameters: its weight and any logit bias), or ``None`` where no weighting reproduces
+    its outputs exactly."""
     probe: Any = copy.deepcopy(router)
     probe.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(0)
-    candidates = [False, True]
+    candidates = list(WEIGHTINGS)
     for dtype in (torch.float32, torch.bfloat16):
         probe.to(dtype)
         with torch.no_grad():
-            probe.get_parameter("weight").copy_(
-                torch.randn(probe.get_parameter("weight").shape, generator=generator)
-            )
+            for param in probe.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator))
             hidden = torch.randn(7, probe.get_parameter("weight").shape[1], generator=generator).to(dtype)
             try:
                 outputs = type(router).forward(probe, hidden)

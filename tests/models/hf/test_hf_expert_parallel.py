@@ -34,10 +34,16 @@ RUNS: dict[str, dict[str, Any]] = {
     },
     "pp2_selection_bias": {**ep_run(2, **PIPELINE), "exclude_experts": [], "selection_bias": 0.02},
     # GPT-OSS's experts: per-expert biases split with their weights, gate and up interleaved, the clamped SwiGLU
-    # (its clamp biting: tiny_hf.FAMILY_FIELDS), its biased router's choice through our dispatcher; and with its
-    # attention split by heads (sinks with them) at tp=2
+    # (its clamp biting: tiny_hf.FAMILY_FIELDS), its biased router's choice through our dispatcher; with its
+    # attention split by heads (sinks with them) at tp=2 and the selection bias choosing for its router
     "gpt_oss_ep2": {"family": "gpt_oss", "layers": 2, "devices": 2, "dims": {"ep": 2}, "validate": True},
-    "gpt_oss_tp2_ep2": {"family": "gpt_oss", "layers": 2, "devices": 4, "dims": {"tp": 2, "ep": 2}},
+    "gpt_oss_tp2_ep2_selection_bias": {
+        "family": "gpt_oss",
+        "layers": 2,
+        "devices": 4,
+        "dims": {"tp": 2, "ep": 2},
+        "selection_bias": 0.02,
+    },
 }
 
 
@@ -135,3 +141,28 @@ def test_gpt_oss_experts_that_gate_otherwise_are_refused(limit: bool, alpha: boo
         r"GPT-OSS's clamped SwiGLU",
     ):
         check_hf_model(model, ParallelDims(ep=2))
+
+
+def test_gpt_oss_router_counts_and_takes_the_selection_bias() -> None:
+    """GPT-OSS's router (the top k of its logits, a bias among their terms, and a softmax over the chosen logits)
+    is read off its class: it counts its load with the class's own outputs, and under the selection bias chooses by
+    ``softmax(logits) + bias`` while its weights stay the softmax over the chosen experts' unbiased logits."""
+    from tiny_hf import tiny_causal_lm
+
+    from lightning_d9d.models.hf import add_selection_bias, hf_routers
+
+    reference, model = tiny_causal_lm("gpt_oss"), tiny_causal_lm("gpt_oss")
+    add_selection_bias(model)
+    routers = list(hf_routers(model).values())
+    assert [router._d9d_weighting for router in routers] == ["softmax_of_chosen_logits"] * 2
+    expected = reference(input_ids=GPT_OSS_IDS).logits
+    assert torch.equal(model(input_ids=GPT_OSS_IDS).logits, expected)  # a zero bias: the class's numbers
+    assert all(int(router.expert_load.sum()) == GPT_OSS_IDS.numel() * 2 for router in routers)
+    seen: list[tuple[torch.Tensor, ...]] = []
+    for router in routers:
+        router.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 10.0]))  # expert 3 chosen by every token
+        router.register_forward_hook(lambda _module, _args, output: seen.append(output))
+    assert not torch.equal(model(input_ids=GPT_OSS_IDS).logits, expected)
+    for logits, weights, indices in seen:
+        assert bool((indices == 3).any(dim=-1).all())
+        assert torch.equal(weights, torch.softmax(logits.gather(1, indices), dim=1))

@@ -98,7 +98,7 @@ def test_a_router_that_always_renormalises_in_fp32_is_read_off_its_class() -> No
     model = tiny_causal_lm("mixtral", layers=1).to(torch.bfloat16)
     add_selection_bias(model)
     (router,) = hf_routers(model).values()
-    assert router._d9d_renormalises is True
+    assert router._d9d_weighting == "renormalised"
     assert torch.equal(reference(input_ids=IDS).logits, model(input_ids=IDS).logits)
 
 
