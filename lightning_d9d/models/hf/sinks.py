@@ -8,17 +8,19 @@ attention takes (q/k/v column-parallel, o row-parallel: its bias added once, aft
 projections the config's plan leaves out, and :class:`HeadShardedSinks` shards ``sinks`` with the heads:
 
 - the Parameter becomes a ``Shard(0)`` ``DTensor`` over tp (checkpoints and FSDP know its layout);
-- during the module's forward its ``sinks`` attribute is this rank's shard (``to_local()``, the gradient
-  flowing back into the ``DTensor``), so the class's own attention, ``transformers``' eager function (which reads
-  ``module.sinks``) and the context-parallel one (handed ``s_aux=self.sinks``) see this rank's heads' sinks beside
-  this rank's heads. Outside the forward the attribute is the Parameter again, under its own name
-  (``self_attn.sinks``), as FSDP and checkpoints read it.
+- the module's class becomes a subclass (of the same name) whose ``sinks`` attribute reads this rank's shard of
+  the tp ``DTensor`` (``to_local()``, the gradient flowing back into the ``DTensor``), so the class's own
+  attention, ``transformers``' eager function (which reads ``module.sinks``) and the context-parallel one (handed
+  ``s_aux=self.sinks``) see this rank's heads' sinks beside this rank's heads. The Parameter keeps its name
+  (``self_attn.sinks``) in ``_parameters``, where FSDP, the optimizer and checkpoints find it; FSDP's one read by
+  attribute (of its sharded Parameter, over its data mesh and tp) gets the Parameter (:func:`_local_sinks`).
 
 Nothing here imports ``transformers``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from torch import nn
@@ -54,9 +56,8 @@ def sink_attention_plan(model: nn.Module, planned: dict[str, str]) -> dict[str, 
 
 
 class HeadShardedSinks(ParallelStyle):
-    """``sinks`` sharded with the heads (``Shard(0)`` over tp) and read as this rank's shard during the module's
-    forward (see the module docstring); then ``then``, the module's own style in the plan (the region's sequence
-    gather), if any."""
+    """``sinks`` sharded with the heads (``Shard(0)`` over tp) and read as this rank's shard (see the module
+    docstring); then ``then``, the module's own style in the plan (the region's sequence gather), if any."""
 
     def __init__(self, then: ParallelStyle | None = None) -> None:
         super().__init__()
@@ -68,18 +69,23 @@ class HeadShardedSinks(ParallelStyle):
             raise TypeError(f"{type(module).__name__} holds no per-head sinks to shard")
         sharded = distribute_tensor(sinks.detach(), device_mesh, [Shard(0)])
         module._parameters[SINKS] = nn.Parameter(sharded, requires_grad=sinks.requires_grad)
-        module.register_forward_pre_hook(_expose_local_sinks)
-        module.register_forward_hook(_hide_local_sinks, always_call=True)
+        module.__class__ = _local_sinks_class(type(module))
         return module if self.then is None else self.then._apply(module, device_mesh)
 
 
-def _expose_local_sinks(module: nn.Module, args: Any) -> None:
-    """For the forward: ``module.sinks`` is this rank's shard. An instance attribute is found before
-    ``nn.Module.__getattr__`` looks in ``_parameters``; FSDP, ``named_parameters`` and the state dict read
-    ``_parameters`` and still see the ``DTensor`` Parameter."""
+def _local_sinks(module: nn.Module) -> Any:
+    """``module.sinks``: this rank's shard where the Parameter is the tp ``DTensor`` (on the tp mesh alone, as the
+    plan made it and as FSDP hands it to the forward once gathered); the Parameter itself otherwise (FSDP's shard
+    over its data mesh and tp, which FSDP reads back by this name; a stand-in the initialisation puts there)."""
     sinks = module._parameters[SINKS]
-    module.__dict__[SINKS] = sinks.to_local() if isinstance(sinks, DTensor) else sinks
+    if isinstance(sinks, DTensor) and len(sinks.placements) == 1:
+        return sinks.to_local()
+    return sinks
 
 
-def _hide_local_sinks(module: nn.Module, args: Any, output: Any) -> None:
-    module.__dict__.pop(SINKS, None)
+@functools.cache
+def _local_sinks_class(cls: type[nn.Module]) -> type[nn.Module]:
+    """``cls`` with ``sinks`` read by :func:`_local_sinks`, a property: no forward changes the module's state for
+    it, so a compiled layer traces it (recompute included) without a graph break. Named as ``cls``, so messages
+    and ``repr`` name the family's class."""
+    return type(cls.__name__, (cls,), {SINKS: property(_local_sinks), "__module__": cls.__module__})
