@@ -20,7 +20,6 @@ Nothing here imports ``transformers``.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 from torch import nn
@@ -31,6 +30,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 SINKS = "sinks"
 # The projections of a head-parallel attention and the style each takes.
 PROJECTIONS = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+# an attention class -> its subclass that reads the sinks as this rank's shard
+_LOCAL_SINKS_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 
 
 def sink_attentions(model: nn.Module) -> dict[str, nn.Module]:
@@ -83,9 +84,11 @@ def _local_sinks(module: nn.Module) -> Any:
     return sinks
 
 
-@functools.cache
 def _local_sinks_class(cls: type[nn.Module]) -> type[nn.Module]:
     """``cls`` with ``sinks`` read by :func:`_local_sinks`, a property: no forward changes the module's state for
     it, so a compiled layer traces it (recompute included) without a graph break. Named as ``cls``, so messages
-    and ``repr`` name the family's class."""
-    return type(cls.__name__, (cls,), {SINKS: property(_local_sinks), "__module__": cls.__module__})
+    and ``repr`` name the family's class; one per class."""
+    if cls not in _LOCAL_SINKS_CLASSES:
+        attributes = {SINKS: property(_local_sinks), "__module__": cls.__module__}
+        _LOCAL_SINKS_CLASSES[cls] = type(cls.__name__, (cls,), attributes)
+    return _LOCAL_SINKS_CLASSES[cls]
