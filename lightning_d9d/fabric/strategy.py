@@ -33,6 +33,7 @@ from lightning_d9d.loss import LossContext, compute_loss, vocab_parallel
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.modules.inputs import ModelInputs
 from lightning_d9d.optim import MasterWeightAdamW, check_master_weight_run
+from lightning_d9d.optim.eager_state import EagerState
 from lightning_d9d.pipeline.runner import LossFn
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.plans.fp8 import Fp8Filter
@@ -312,7 +313,7 @@ def _check_rebindable(optimizer: Optimizer, names: dict[int, str]) -> None:
             "set-up model instead (model = fabric.setup_module(model); optimizer = "
             "fabric.setup_optimizers(MasterWeightAdamW(model.parameters(), ...)))"
         )
-    if optimizer.state:
+    if optimizer.state and (not isinstance(optimizer, EagerState) or optimizer.has_stepped()):
         raise ValueError(
             f"{type(optimizer).__name__} has state already (it stepped): fabric.setup(model, optimizer) "
             "under the d9d strategy gives it the sharded parameters, which its state would not match; set it "
@@ -333,7 +334,8 @@ def _unwrapped_name(name: str) -> str:
 
 
 def _rebind(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> None:
-    """Point ``optimizer`` at the parameters that now stand under the same names in ``module``."""
+    """Point ``optimizer`` at the parameters that now stand under the same names in ``module``; an optimizer that
+    built its state with itself (``StochasticAdamW``) builds it anew for them."""
     current = {_unwrapped_name(name): param for name, param in module.named_parameters()}
     for group in optimizer.param_groups:
         rebound = []
@@ -347,3 +349,5 @@ def _rebind(optimizer: Optimizer, names: dict[int, str], module: nn.Module) -> N
                 )
             rebound.append(current[name])
         group["params"] = rebound
+    if isinstance(optimizer, EagerState):
+        optimizer.rebuild_state()

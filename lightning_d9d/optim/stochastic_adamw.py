@@ -99,7 +99,21 @@ class StochasticAdamW(PendingGradientScale, torch.optim.Optimizer):
                     f"StochasticAdamW takes bf16 parameters, got {param.dtype} of {tuple(param.shape)}: train "
                     "with Trainer(precision='bf16-true'); for fp32 parameters use torch.optim.AdamW"
                 )
-            if param.requires_grad:  # state now: DCP maps a checkpoint's entries onto the keys it finds
+        self.rebuild_state()  # state now: DCP maps a checkpoint's entries onto the keys it finds
+
+    def has_stepped(self) -> bool:
+        """Whether any parameter took a step (:class:`~lightning_d9d.optim.eager_state.EagerState`)."""
+        return any(int(state["step"]) > 0 for state in self.state.values() if "step" in state)
+
+    def rebuild_state(self) -> None:
+        """Each trainable parameter's state as it starts (the masters from the parameters' values now), any other
+        entry dropped: construction calls it, and ``fabric.setup(model, optimizer)`` again once sharding replaced
+        the parameters (:class:`~lightning_d9d.optim.eager_state.EagerState`)."""
+        self.state.clear()
+        # the fused step's cache of where each parameter's shard lies, keyed by the parameters it held
+        self.__dict__.pop("_index_layouts", None)
+        for param in self._parameters():
+            if param.requires_grad:
                 self.state[param] = self._initial_state(param)
 
     @property
