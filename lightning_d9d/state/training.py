@@ -57,6 +57,7 @@ from torch.optim import Optimizer
 
 from . import manifest, rng, selection, untrusted
 from .atomic import AtomicDirectory, agree, fsync, interrupted_replacement
+from .boxes import BoxedSavePlanner
 from .errors import (
     CheckpointError,
     CheckpointFileError,
@@ -138,7 +139,10 @@ def save(path: str | os.PathLike[str], checkpoint: Mapping[str, Any]) -> Path:
     temp = directory.open()
 
     def write_tensors_and_checksum() -> tuple[dict[str, manifest.FileEntry], Any]:
-        _dcp_result(directory, temp, lambda: dcp.save(sections, checkpoint_id=temp))
+        # a strided shard's parts as chunks of their own (expert-tensor parallelism: state/boxes.py)
+        _dcp_result(
+            directory, temp, lambda: dcp.save(sections, checkpoint_id=temp, planner=BoxedSavePlanner())
+        )
         return _checksum_share(directory, temp), rng.collect()
 
     return _commit(directory, meta, directory.gather(write_tensors_and_checksum))
@@ -195,7 +199,9 @@ def save_async(
     Every rank calls it, then later :meth:`PendingSave.finish`."""
     directory, sections, meta = _open(path, checkpoint)
     temp = directory.open()
-    write = dcp.async_save(sections, checkpoint_id=temp, process_group=group, async_stager=stager)
+    write = dcp.async_save(
+        sections, checkpoint_id=temp, process_group=group, async_stager=stager, planner=BoxedSavePlanner()
+    )
     if not isinstance(write, Future):  # a response with two futures comes only with an async stager
         raise TypeError(
             f"torch.distributed.checkpoint.async_save returned {type(write).__name__}, not a Future"

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed.checkpoint.metadata as dcp_metadata
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
+from .boxes import BoxedLoadPlanner
 from .errors import CorruptIndexError
 from .manifest import is_file_name
 from .selection import DCP_METADATA_NAME
@@ -196,8 +197,9 @@ def check_plain_entries(path: Path, metadata: Metadata) -> None:
             load_plain(io.BytesIO(file.read(info.length)), path, index.fqn)
 
 
-class RestrictedLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` whose non-tensor ("bytes") entries are unpickled with ``weights_only=True``.
+class RestrictedLoadPlanner(BoxedLoadPlanner):
+    """``DefaultLoadPlanner`` whose non-tensor ("bytes") entries are unpickled with ``weights_only=True`` (and
+    whose strided shards load box by box: :mod:`.boxes`).
 
     :func:`check_plain_entries` has refused a crafted entry before the load starts; this keeps ``dcp.load``
     itself from unpickling anything else should the files change in between.
