@@ -12,6 +12,7 @@ from lightning_d9d.modules.moe.block import MoE
 from lightning_d9d.modules.moe.choose import expert_parallel_dispatcher
 from lightning_d9d.modules.moe.deepep import DeepEPDispatcher, deep_ep_available
 from lightning_d9d.modules.moe.dispatch import Dispatched, LocalDispatcher, TokenDispatcher
+from lightning_d9d.modules.moe.expert_tensor import ExpertTensorParallelDispatcher
 from lightning_d9d.modules.moe.experts import GroupedExperts, GroupedGemmExperts
 from lightning_d9d.modules.moe.losses import attach_loss, load_balancing_loss, router_loss, router_z_loss
 from lightning_d9d.modules.moe.router import Routing, TopKRouter
@@ -20,6 +21,7 @@ __all__ = [
     "AllToAllDispatcher",
     "DeepEPDispatcher",
     "Dispatched",
+    "ExpertTensorParallelDispatcher",
     "GroupedExperts",
     "GroupedGemmExperts",
     "LoadCountingRouter",

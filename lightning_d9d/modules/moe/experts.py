@@ -8,8 +8,11 @@ weight as it is: two parameters had to be concatenated every forward (an expert-
 whose gradient came back as two strided slices that autograd copied again). transformers' Qwen3-MoE holds
 ``gate_up_proj [E, 2 * ffn, hidden]`` (gate rows first) and ``down_proj [E, hidden, ffn]``, checkpoints hold one
 ``[out, in]`` matrix per expert: the Hugging Face mapping transposes, stacks and concatenates
-(:mod:`lightning_d9d.state.hf.qwen3_moe`). No plan shards the ffn dimension of the experts (tensor parallelism
-leaves them whole; expert parallelism splits dimension 0), so gate and up never need cutting alike.
+(:mod:`lightning_d9d.state.hf.qwen3_moe`). Expert-tensor parallelism
+(:func:`~lightning_d9d.plans.expert_tensor.split_experts_over_tp`) cuts the ffn dimension over tp, gate and up
+alike: ``gate_up_proj`` as ``_StridedShard(2, split_factor=2)`` (rank ``r`` holds the ``r``-th ``ffn / tp`` of the
+gate columns, then the same of the up columns), ``down_proj`` as ``Shard(1)``; the forward takes the local halves
+at whatever width they have, and its down GEMM then gives a partial sum over tp.
 
 Expert parallelism (:func:`~lightning_d9d.plans.parallelize_expert`) shards dimension 0 over ``ep``: each rank
 holds ``num_experts / ep`` consecutive experts (``DTensor``s, whose local part :meth:`GroupedExperts.forward`
@@ -101,7 +104,7 @@ class GroupedExperts(nn.Module):
         gate_up = grouped_mm(grouped, gate_up_proj, tokens_per_expert, backend=self.gemm_backend)
         if adapter is not None:
             gate_up = gate_up + adapter.update("gate_up_proj", grouped, tokens_per_expert)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        gate, up = gate_up.chunk(2, dim=-1)  # this rank's ffn / tp of each under expert-tensor parallelism
         hidden = weighted_swiglu(gate, up, row_weights)
         output = grouped_mm(hidden, down_proj, tokens_per_expert, backend=self.gemm_backend)
         if adapter is not None:
