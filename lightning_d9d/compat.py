@@ -271,9 +271,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 ("optim/stochastic_rounding.py",),
                 "where a DTensor's local part starts in the global tensor: StochasticAdamW hashes global "
                 "element indices so that every layout rounds alike"),
-    PrivateName("torch.distributed.tensor.placement_types", "_StridedShard", ("optim/stochastic_rounding.py",),
+    PrivateName("torch.distributed.tensor.placement_types", "_StridedShard",
+                ("optim/stochastic_rounding.py", "plans/expert_tensor.py", "plans/memory.py", "state/boxes.py"),
                 "the placement FSDP over tp gives a parameter's tp-sharded dim: its rows interleave, so "
-                "StochasticAdamW indexes them through a table"),
+                "StochasticAdamW indexes them through a table; expert-tensor parallelism's fused gate/up shard "
+                "(each tp rank its part of the gate, then of the up), which the memory plan counts and DCP "
+                "writes box by box"),
     PrivateName(_FUNCTIONAL, "all_to_all_single_autograd", ("modules/head_parallel_attention.py",),
                 "an all-to-all with autograd (its backward the all-to-all back) that torch.compile traces: "
                 "head-parallel attention's exchanges of heads and positions (all_to_all_autograd)"),

@@ -62,8 +62,8 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
     Args: the degrees and plan options of :class:`~lightning_d9d.strategies.D9DStrategy` that apply to a
     loop of one's own: ``dp_replicate``, ``dp_shard`` (``-1``: whatever the world leaves), ``cp``, ``tp``,
     ``ep``, ``activation_checkpointing``, ``compile``, ``context_attention``, ``reshard_after_forward``,
-    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``async_tp``, ``lora``, ``process_group_backend``,
-    ``timeout``. ``pp > 1`` is refused (module docstring).
+    ``fsdp_on_one_rank``, ``fp8``, ``fp8_filter``, ``fp8_experts``, ``async_tp``, ``lora``,
+    ``expert_tensor_parallel``, ``process_group_backend``, ``timeout``. ``pp > 1`` is refused (module docstring).
 
     Set up the model and its optimizer together (``fabric.setup(model, optimizer)``: the optimizer is given the
     parallel parameters, which replace the model's) or the model first (``fabric.setup_module``). A model built
@@ -93,6 +93,7 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
         fp8_experts: bool | None = False,
         async_tp: bool = False,
         lora: LoRA | None = None,
+        expert_tensor_parallel: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -112,6 +113,7 @@ class D9DFabricStrategy(D9DStrategyBase, ModelParallelStrategy):
             fp8_filter=fp8_filter,
             fp8_experts=fp8_experts,
             async_tp=async_tp,
+            expert_tensor_parallel=expert_tensor_parallel,
         )
         super().__init__(
             parallelize_fn=self._parallelize,

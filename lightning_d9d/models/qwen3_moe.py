@@ -33,7 +33,9 @@ Parallelism: data (FSDP/HSDP), expert (``ep``, carved from ``dp_shard x cp x tp`
 (``tp``) and pipeline parallelism. Under tp attention, the dense layers, the embedding and the head split as
 Qwen3's (:func:`~lightning_d9d.models.qwen3.tensor_plan`), while each tp rank routes its own positions through
 whole MoE weights (:mod:`lightning_d9d.plans.routing`): every token runs through its experts once, the MoE
-blocks' gradients are summed over tp, and ep (carved across tp) splits the experts. Under cp every rank holds
+blocks' gradients are summed over tp, and ep (carved across tp) splits the experts; or, with
+``expert_tensor_parallel``, each expert is split over tp and runs the tp group's tokens
+(:mod:`lightning_d9d.plans.expert_tensor`). Under cp every rank holds
 its load-balanced part of each sequence (:func:`~lightning_d9d.plans.parallelize_context`): attention sees the
 whole sequence, RoPE rotates by the global positions, and the MoE blocks, being position-wise, route the local
 tokens unchanged. Only the load-balancing loss looks across tokens: each block counts the tokens per expert over
@@ -80,6 +82,7 @@ from lightning_d9d.plans import (
     require_degrees,
     route_on_sequence_shards,
 )
+from lightning_d9d.plans.expert_tensor import split_experts_over_tp
 
 # tp splits attention and the dense layers; each tp rank routes its own positions; ep splits the experts.
 _SUPPORTED = (*DATA_PARALLEL, "cp", "ep", "tp")
@@ -265,6 +268,7 @@ class Qwen3MoeStage(DecoderStage):
         convert_blocks_to_float8([self.layers], dims, options)
         self.split_over_tp(dims)
         parallelize_expert(self, dims, options)
+        split_experts_over_tp(self, dims, options)
         route_on_sequence_shards(self, dims, options)
         split_sequences(self, dims, options)
         parallelize_blocks(self, [self.layers], dims, options, preserve_rng_state=False)
@@ -345,7 +349,9 @@ class Qwen3MoeForCausalLM(CausalLM):
         attention, dense layers, embedding and head as Qwen3's, the MoE blocks on this rank's positions; sizes
         tp does not divide refused before any collective), experts split over ``ep``
         (:func:`~lightning_d9d.plans.parallelize_expert`: all-to-all dispatch, expert weights sharded over ep
-        and FSDP over the remaining data ranks), the MoE blocks' gradients summed over tp
+        and FSDP over the remaining data ranks), or with ``options.expert_tensor_parallel`` each expert split over
+        tp (:func:`~lightning_d9d.plans.expert_tensor.split_experts_over_tp`: the tp group's routed tokens gathered
+        to the shards, the partial outputs reduce-scattered), the MoE blocks' gradients summed over tp
         (:func:`~lightning_d9d.plans.route_on_sequence_shards`), context parallelism over ``cp``
         (:func:`split_sequences`: load-balanced sequence parts, all-gather attention, RoPE at the global
         positions, the load-balancing loss counted over the cp x tp ranks), then activation checkpointing,
@@ -363,6 +369,7 @@ class Qwen3MoeForCausalLM(CausalLM):
         convert_blocks_to_float8([self.model.layers], dims, options)
         split_model_over_tp(self, dims)
         parallelize_expert(self, dims, options)
+        split_experts_over_tp(self, dims, options)
         route_on_sequence_shards(self, dims, options)
         split_sequences(self, dims, options)
         # No dropout and no random routing: recompute needs no saved RNG state.

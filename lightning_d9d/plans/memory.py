@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_d9d.compat import strided_shard_type
 from lightning_d9d.kernels.linear_cross_entropy import default_chunk_tokens
 
 GIB = 1024**3
@@ -70,12 +71,14 @@ def _states_by_group(
 
 
 def local_numel(parameter: torch.Tensor) -> float:
-    """This rank's share of a parameter: its global size over the mesh dims it is sharded on (DTensor), else all."""
+    """This rank's share of a parameter: its global size over the mesh dims it is sharded on (DTensor), else all.
+    A strided shard counts as a shard (the fused gate/up weight of experts split over tp: ``plans/expert_tensor.py``;
+    torch's ``_StridedShard`` is no ``Shard``)."""
     if isinstance(parameter, DTensor):
         ways = math.prod(
             parameter.device_mesh.size(dim)
             for dim, placement in enumerate(parameter.placements)
-            if isinstance(placement, Shard)
+            if isinstance(placement, (Shard, strided_shard_type()))
         )
         return parameter.numel() / ways
     return float(parameter.numel())
@@ -86,9 +89,10 @@ class ActivationShape:
     """What one rank computes on at a time: ``tokens`` per microbatch (after the cp split), the transformer
     ``layers`` it holds, how many microbatches are alive at once (``in_flight``: 1 without pipelines), the
     activation element size, the tp degree (sequence parallel splits everything a block saves), whether it
-    holds the LM head (``head``) and recomputes blocks in backward (``recompute``), and whether the head's loss
+    holds the LM head (``head``) and recomputes blocks in backward (``recompute``), whether the head's loss
     is fused with it (``head_fused``: the chunked LM head + cross-entropy, which keeps no ``[tokens, vocab]``
-    logits)."""
+    logits), and whether the MoE experts are split over tp (``expert_tensor_parallel``: each tp rank then runs
+    the tp group's routed rows, ``tp`` times its own, through its ``1/tp`` of the experts' width)."""
 
     tokens: int
     layers: int
@@ -98,6 +102,7 @@ class ActivationShape:
     head: bool = True
     recompute: bool = False
     head_fused: bool = False
+    expert_tensor_parallel: bool = False
 
 
 def _config_value(config: Any, *names: str, default: int | None = None) -> int | None:
@@ -108,14 +113,16 @@ def _config_value(config: Any, *names: str, default: int | None = None) -> int |
     return default
 
 
-def block_elements_per_token(config: Any) -> int | None:
+def block_elements_per_token(config: Any, *, expert_rows: int = 1) -> int | None:
     """Elements a decoder block saves for backward per token, counted for our blocks: the two norms' inputs
     and outputs (4 hidden widths); q before its norm, after RoPE (kept by the attention kernel), the attention
     output and its copy into o_proj (4 q widths); k before its norm and after RoPE, and v (3 kv widths); per
     MLP the gate, the up projection and their activated product (3 intermediate widths); an MoE layer keeps
     that for each of its top-k experts with their inputs and outputs, plus the router logits. Assumes an
     attention kernel that keeps no ``[tokens, tokens]`` scores (flash / memory-efficient SDPA). None when
-    ``config`` lacks the sizes."""
+    ``config`` lacks the sizes. ``expert_rows``: how many tokens' expert rows (their ``hidden``-wide inputs and
+    outputs) a rank keeps per token of its own: ``tp`` when the experts are split over tp (the tp group's rows are
+    gathered; their ``ffn``-wide parts are ``1/tp`` as wide, the same elements), else 1."""
     hidden = _config_value(config, "hidden_size")
     heads = _config_value(config, "num_attention_heads")
     if hidden is None or heads is None:
@@ -128,7 +135,8 @@ def block_elements_per_token(config: Any) -> int | None:
         width = _config_value(config, "moe_intermediate_size", "intermediate_size")
         if width is None:
             return None
-        mlp = top_k * (3 * width + 2 * hidden) + experts  # expert inputs/outputs per choice, router logits
+        # expert inputs/outputs per choice, router logits
+        mlp = top_k * (3 * width + 2 * hidden * expert_rows) + experts
     else:
         width = _config_value(config, "intermediate_size")
         if width is None:
@@ -144,7 +152,7 @@ def activation_bytes(config: Any, shape: ActivationShape) -> int | None:
     keeps only its input (h) and one layer at a time is recomputed in full. The head, on the rank that holds it,
     adds :func:`head_bytes` for one microbatch.
     """
-    block = block_elements_per_token(config)
+    block = block_elements_per_token(config, expert_rows=shape.tp if shape.expert_tensor_parallel else 1)
     hidden = _config_value(config, "hidden_size")
     vocab = _config_value(config, "vocab_size", default=0) or 0
     if block is None or hidden is None:

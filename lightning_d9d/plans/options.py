@@ -54,6 +54,10 @@ class ParallelOptions:
             exists, before the blocks compile; no plan reads it.
         lora: low-rank adapters on the layers it names, every other parameter frozen
             (:class:`~lightning_d9d.plans.lora.LoRA`); applied before every other plan. ``None``: off.
+        expert_tensor_parallel: under tp > 1, split every MoE expert over the tp ranks (gate and up
+            column-wise, down row-wise: :mod:`lightning_d9d.plans.expert_tensor`), the tp group's routed tokens
+            gathered before the experts and their outputs reduce-scattered after; ``False`` (default) keeps the
+            experts whole on every tp rank, each rank routing its own tokens.
     """
 
     mp_policy: MixedPrecisionPolicy | None = None
@@ -67,6 +71,7 @@ class ParallelOptions:
     fp8_experts: bool | None = False
     async_tp: bool = False
     lora: LoRA | None = None
+    expert_tensor_parallel: bool = False
 
     def reshards(self, shard_ranks: int) -> bool:
         """Whether an FSDP unit whose parameters are sharded over ``shard_ranks`` ranks frees its gathered

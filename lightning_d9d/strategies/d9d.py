@@ -127,6 +127,12 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             every other plan, so the adapters are sharded with their layers on every degree. Return only the
             trainable parameters from ``configure_optimizers`` (``docs/finetune.md``). With ``fp8`` the adapted
             layers' base multiplies in float8 and the adapters in their own dtype; refused with ``fp8`` under tp.
+        expert_tensor_parallel: under tp > 1, every MoE expert split over the tp ranks (Megatron's expert-tensor
+            parallelism: gate and up column-wise, down row-wise, :mod:`lightning_d9d.plans.expert_tensor`), so
+            each tp rank holds ``1/tp`` of the experts; the tp group's routed tokens are all-gathered before the
+            experts and their outputs reduce-scattered after. ``False`` (default): whole experts on every tp rank,
+            each routing its own tokens. Refused with ep > 1, ``LoRA(experts=True)`` and float8 experts
+            (``docs/degrees.md``).
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
@@ -167,6 +173,7 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
         fp8_experts: bool | None = False,
         async_tp: bool = False,
         lora: LoRA | None = None,
+        expert_tensor_parallel: bool = False,
     ) -> None:
         check_collective_timeout(timeout)  # before any process starts: a wrong type would fail in init
         check_checkpoint_format(save_distributed_checkpoint, pp=pp)
@@ -196,6 +203,7 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
             fp8_filter=fp8_filter,
             fp8_experts=fp8_experts,
             async_tp=async_tp,
+            expert_tensor_parallel=expert_tensor_parallel,
         )
         self.memory_plan: MemoryPlan | None = None  # this rank's, from the first training step
         self._resumed_random_state = PendingRandomState()  # a resume's, put back at its first batch

@@ -92,6 +92,7 @@ def _activation_shape(run: PlannedRun, batch: Any, config: Any, head_fused: bool
         head_fused=head_fused,
         # whole-block recompute; "selective" keeps the matmul outputs, counted as no recompute (an upper bound)
         recompute=run.options.activation_checkpointing in (True, "full"),
+        expert_tensor_parallel=run.options.expert_tensor_parallel and dims.tp_enabled,
     )
 
 

@@ -13,6 +13,7 @@ from lightning_d9d.modules.context_attention import check_context_attention
 from lightning_d9d.plans.async_tp import check_async_tp, check_async_tp_device
 from lightning_d9d.plans.checkpointing import check_checkpointing_layout, checkpointing_kind
 from lightning_d9d.plans.compile import compile_mode
+from lightning_d9d.plans.expert_tensor import check_expert_tensor_parallel
 from lightning_d9d.plans.fp8 import Fp8Filter, check_fp8, check_fp8_device, check_fp8_experts
 from lightning_d9d.plans.lora import LoRA
 from lightning_d9d.plans.options import ParallelOptions
@@ -32,6 +33,7 @@ def checked_parallel_options(
     fp8_experts: bool | None,
     async_tp: bool,
     lora: LoRA | None = None,
+    expert_tensor_parallel: bool = False,
 ) -> ParallelOptions:
     """The options as given, each refused here when it cannot apply to the requested degrees (``dims``, not
     yet resolved against the world). ``mp_policy`` stays unset: it comes from the precision plugin, which the
@@ -51,6 +53,15 @@ def checked_parallel_options(
         fp8_experts=check_fp8_experts(fp8, fp8_experts, owner=owner),
         async_tp=check_async_tp(async_tp, tp=dims.tp, compile=compile, owner=owner),
         lora=lora,
+        expert_tensor_parallel=check_expert_tensor_parallel(
+            expert_tensor_parallel,
+            tp=dims.tp,
+            ep=dims.ep,
+            lora_experts=lora is not None and lora.experts,
+            fp8=fp8,
+            fp8_experts=fp8_experts,
+            owner=owner,
+        ),
     )
 
 

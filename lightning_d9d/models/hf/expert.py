@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from lightning_d9d.kernels import count_tokens_per_expert, grouped_mm, loop_grouped_mm
 from lightning_d9d.kernels.grouped_gemm_fp8 import FLOAT8_BACKEND
@@ -69,8 +70,15 @@ from lightning_d9d.models.hf.kernels import ENV_VAR as HF_KERNELS_ENV_VAR
 from lightning_d9d.models.hf.kernels import hf_kernels_enabled
 from lightning_d9d.modules.hf_init import is_transformers_model
 from lightning_d9d.modules.lora import ExpertsLoRA, StackedWeight, experts_adapter
-from lightning_d9d.modules.moe import LocalDispatcher, Routing, TokenDispatcher, expert_parallel_dispatcher
+from lightning_d9d.modules.moe import (
+    ExpertTensorParallelDispatcher,
+    LocalDispatcher,
+    Routing,
+    TokenDispatcher,
+    expert_parallel_dispatcher,
+)
 from lightning_d9d.plans.expert import split_expert_weights
+from lightning_d9d.plans.expert_tensor import check_expert_width, fused_columns, shard_experts_over_tp
 from lightning_d9d.plans.lora import StackedExperts, register_experts_finder
 from lightning_d9d.plans.options import ParallelOptions
 
@@ -226,7 +234,10 @@ def parallelize_hf_experts(
     """Split every experts module of ``model`` over ``ep`` (see the module docstring); returns them. Without ep
     the experts keep their weights and run our forward with a local dispatcher where it computes what theirs
     does (:func:`_run_ours_locally`). Call it after tp / cp and before the block plan (recompute, compile,
-    FSDP)."""
+    FSDP). With ``options.expert_tensor_parallel`` under tp each expert is split over tp instead
+    (:func:`split_hf_experts_over_tp`)."""
+    if options.expert_tensor_parallel and dims.tp_enabled:
+        return split_hf_experts_over_tp(model, dims, options)
     if not dims.ep_enabled:
         return _run_ours_locally(model)
     check_hf_expert_model(model, dims.ep)
@@ -236,6 +247,46 @@ def parallelize_hf_experts(
         num_experts = int(experts.get_parameter("gate_up_proj").shape[0])
         split_expert_weights(experts, dims, options)
         _run_ours(experts, expert_parallel_dispatcher(group, num_experts, backend=dispatch_backend))
+        changed.append(experts)
+    return changed
+
+
+def check_hf_expert_tensor_model(model: nn.Module, tp: int) -> None:
+    """Refuse, from the model alone (before any collective), what :func:`split_hf_experts_over_tp` cannot split:
+    no experts module in the ep plan, one the adapter's forward cannot run or not in ``transformers``' usual
+    stacked layout (GPT-OSS's biases come after the down projection, whose output is a partial sum over tp), or
+    an expert width tp does not divide."""
+    name = type(model).__name__
+    found = expert_modules(model)
+    if not found:
+        raise ValueError(
+            f"{name}: expert_tensor_parallel=True splits MoE experts, but its config's base_model_ep_plan names no "
+            "experts module; set expert_tensor_parallel=False"
+        )
+    for module_name, experts in found.items():
+        prefix = f"{name}: expert_tensor_parallel=True, tp={tp}: {module_name} ({type(experts).__name__})"
+        problem = _layout_problem(experts) or _stacked_only(experts, "expert-tensor parallelism")
+        if problem is not None:
+            raise NotImplementedError(f"{prefix} {problem}; use expert_tensor_parallel=False")
+        check_expert_width(int(experts.get_parameter("down_proj").shape[-1]), tp, prefix)
+
+
+def split_hf_experts_over_tp(
+    model: nn.Module, dims: ParallelDims, options: ParallelOptions
+) -> list[nn.Module]:
+    """Expert-tensor parallelism (:mod:`lightning_d9d.plans.expert_tensor`) for every experts module of
+    ``model`` in ``transformers``' stacked layout: ``gate_up_proj [E, 2 * ffn, hidden]`` split on its gate/up rows
+    (each tp rank its ``1/tp`` of the gate rows, then of the up rows), ``down_proj [E, hidden, ffn]`` on its ffn
+    columns, the module its own FSDP unit over the data ranks; its forward ours, with the local dispatcher wrapped
+    in the tp gather and reduce-scatter (:class:`~lightning_d9d.modules.moe.ExpertTensorParallelDispatcher`).
+    Returns the modules changed."""
+    check_hf_expert_tensor_model(model, dims.tp)
+    tp = dims.mesh_for("tp")
+    changed = []
+    for experts in expert_modules(model).values():
+        placements = {"gate_up_proj": fused_columns(1), "down_proj": Shard(2)}
+        shard_experts_over_tp(experts, placements, dims, options)
+        _run_ours(experts, ExpertTensorParallelDispatcher(LocalDispatcher(), tp))
         changed.append(experts)
     return changed
 

@@ -19,6 +19,7 @@ from lightning_d9d.models.hf.config_plans import moe_blocks
 from lightning_d9d.models.hf.context import check_hf_context_model, parallelize_hf_context
 from lightning_d9d.models.hf.expert import (
     check_hf_expert_model,
+    check_hf_expert_tensor_model,
     offer_experts_to_float8,
     parallelize_hf_experts,
 )
@@ -57,11 +58,12 @@ def hf_plan_for(module: nn.Module) -> Plan | None:
     return partial(parallelize_hf, module)
 
 
-def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
+def check_hf_model(model: nn.Module, dims: ParallelDims, options: ParallelOptions | None = None) -> None:
     """Everything the adapter refuses, from the degrees and the model's config alone (no process group is
     needed, so it runs before any collective): pp (the strategy cuts the model into stages first), for tp a
     missing plan, a style not translated yet, or a size tp does not divide, for cp and ep what
-    :func:`~.context.check_hf_context_model` and :func:`~.expert.check_hf_expert_model` refuse."""
+    :func:`~.context.check_hf_context_model` and :func:`~.expert.check_hf_expert_model` refuse, and with
+    ``options.expert_tensor_parallel`` what :func:`~.expert.check_hf_expert_tensor_model` refuses."""
     name = type(model).__name__
     require_degrees(
         dims,
@@ -75,6 +77,8 @@ def check_hf_model(model: nn.Module, dims: ParallelDims) -> None:
         check_hf_context_model(model, dims.cp)
     if dims.ep_enabled:
         check_hf_expert_model(model, dims.ep)
+    if options is not None and options.expert_tensor_parallel and dims.tp_enabled:
+        check_hf_expert_tensor_model(model, dims.tp)
 
 
 def parallelize_hf(
@@ -105,7 +109,8 @@ def parallelize_hf(
        (:func:`~.expert.parallelize_hf_experts`; without ep our forward with a local dispatcher, where a probe of
        the class finds it exact). Under tp
        each MoE block routes this rank's sequence shard, its weights whole, its gradients summed over tp
-       (:func:`~lightning_d9d.plans.sum_gradients_over_tp`).
+       (:func:`~lightning_d9d.plans.sum_gradients_over_tp`); with ``options.expert_tensor_parallel`` each expert
+       is split over tp instead (:func:`~.expert.split_hf_experts_over_tp`).
     3. In training no KV cache (:func:`train_without_cache`); under compile, no ``kernels`` routing wrapper
        around forwards (:func:`~.kernels.unwrap_hub_kernel_forwards`: it cannot compile inside recompute).
     4. Activation checkpointing and compile per decoder layer, then FSDP/HSDP per decoder layer plus the root
@@ -114,7 +119,7 @@ def parallelize_hf(
     ``sequence_parallel``: ``None`` where the model allows it, ``False`` keeps the residual stream replicated
     (as ``transformers``' own tp runs).
     """
-    check_hf_model(model, dims)
+    check_hf_model(model, dims, options)
     swap_hf_kernels(model)  # before any plan: only forwards change, names and shapes stay
     count_router_load(model)  # MoE routers count their load for ExpertLoadBalancing (outputs unchanged)
     # float8 linears before tp (its plan gives them torchao's float8 styles), after the kernel swaps' probes; the

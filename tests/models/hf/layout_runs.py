@@ -86,6 +86,7 @@ class Layout:
     microbatches: int = 2
     micro_steps: int = 1  # forward + backward per optimizer step, each on its part of the rank's rows
     lora: LoRA | None = None  # adapters on the layers it names, applied before every other plan
+    expert_tensor_parallel: bool = False  # under tp: each expert split over the tp ranks
 
     def one_rank(self) -> Layout:
         """The one-rank run this layout is held to: the same model and FP8 recipe, no parallelism. Under FP8 it
@@ -165,6 +166,7 @@ def train_layout(layout: Layout, shape: Shape, precision: str) -> dict[str, Any]
         mp_policy=mp_policy if precision == "bf16" else None,
         context_attention=layout.context_attention,
         fp8=layout.fp8,
+        expert_tensor_parallel=layout.expert_tensor_parallel,
     )
     runner = None
     # under pp as D9DStrategy does: the stages carved from the model, each planned, the schedule over them
