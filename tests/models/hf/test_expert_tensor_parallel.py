@@ -1,6 +1,6 @@
 """Expert-tensor parallelism (``expert_tensor_parallel=True``: each expert split over tp, the tp group's routed
 tokens gathered before the experts and their partial outputs reduce-scattered after) against one process, fp32 on
-gloo: our Qwen3-MoE and ``transformers``' Qwen3-MoE and Mixtral at tp=2, and our Qwen3-MoE at tp=2 x dp_shard=2
+gloo: our Qwen3-MoE and ``transformers``' Qwen3-MoE, Mixtral and DeepSeek-V3 at tp=2, and our Qwen3-MoE at tp=2 x dp_shard=2
 and at pp=2 x tp=2, each trained ``STEPS`` AdamW steps by ``layout_runs.train_layout`` (the strategy's pieces around the plans); the
 per-step losses and gradient norms and the parameters after the last step against the one-process run's. Four
 launches in all: the references on one rank, the tp=2 runs (with the checkpoint round trips) on two, each
@@ -43,7 +43,9 @@ from lightning_d9d.state.training import load, optimizer_state, save
 SHAPE = Shape(
     steps=4
 )  # tiny_hf's tiny models: 2 layers, hidden 64, 4 experts of width 32 (Mixtral: 128), top-2
-FAMILIES = ("ours_qwen3_moe", "qwen3_moe", "mixtral")
+# DeepSeek-V3: a dense layer, then an MoE layer with a shared expert beside the routed ones (run on each rank's own
+# tokens, added after the reduce-scatter)
+FAMILIES = ("ours_qwen3_moe", "qwen3_moe", "mixtral", "deepseek_v3")
 TP2 = {family: Layout(family, 2, {"tp": 2}, expert_tensor_parallel=True) for family in FAMILIES}
 FOUR_RANKS = {
     "tp2_dp_shard2": Layout("ours_qwen3_moe", 4, {"tp": 2, "dp_shard": 2}, expert_tensor_parallel=True),
