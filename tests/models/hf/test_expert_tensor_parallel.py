@@ -1,10 +1,10 @@
 """Expert-tensor parallelism (``expert_tensor_parallel=True``: each expert split over tp, the tp group's routed
 tokens gathered before the experts and their partial outputs reduce-scattered after) against one process, fp32 on
-gloo: our Qwen3-MoE and ``transformers``' Qwen3-MoE, Mixtral and DeepSeek-V3 at tp=2, and our Qwen3-MoE at tp=2 x dp_shard=2
-and at pp=2 x tp=2, each trained ``STEPS`` AdamW steps by ``layout_runs.train_layout`` (the strategy's pieces around the plans); the
-per-step losses and gradient norms and the parameters after the last step against the one-process run's. Four
-launches in all: the references on one rank, the tp=2 runs (with the checkpoint round trips) on two, each
-four-rank run on four.
+gloo: our Qwen3-MoE and ``transformers``' Qwen3-MoE, Mixtral and DeepSeek-V3 at tp=2, and our Qwen3-MoE at
+tp=2 x dp_shard=2 and at pp=2 x tp=2, each trained ``SHAPE.steps`` AdamW steps by ``layout_runs.train_layout`` (the
+strategy's pieces around the plans); the per-step losses and gradient norms and the parameters after the last
+step against the one-process run's. Four launches in all: the references on one rank, the tp=2 runs (with the
+checkpoint and export round trips) on two, each four-rank run on four.
 
 Each piece was seen failing these runs when broken: the partial outputs not reduce-scattered (each rank keeping its
 own rows of its partial sum), the fused gate/up weight split on its columns as a plain ``Shard`` (rank 0 all of the
@@ -12,7 +12,8 @@ gate, rank 1 all of the up), the tokens not gathered (each rank's own tokens thr
 
 The checkpoint round trips: a model and its AdamW state saved at tp=2 with the experts split (their gate/up weight a
 strided shard, written box by box: ``lightning_d9d/state/boxes.py``) load into the same model at tp=1 (FSDP over
-the two ranks) and back, every parameter and moment whole and equal.
+the two ranks) and back, every parameter and moment whole and equal; its Hugging Face export reads back into
+either layout, and ``transformers``' ``from_pretrained`` reads its experts whole.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from lightning_d9d.models.hf import check_hf_model, parallelize_hf
 from lightning_d9d.models.hf.config_plans import expert_modules
 from lightning_d9d.modules.moe import GroupedExperts
 from lightning_d9d.plans import ParallelOptions
+from lightning_d9d.state.hf import load_hf, save_hf
 from lightning_d9d.state.training import load, optimizer_state, save
 
 SHAPE = Shape(
@@ -83,15 +85,23 @@ def _stepped(model: nn.Module) -> torch.optim.Optimizer:
     return optimizer
 
 
-def _whole(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+
+def _whole_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, by name."""
+    return {name: _whole(param) for name, param in model.named_parameters()}
+
+
+def _whole_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """Every parameter and its AdamW moments, whole, by name."""
-    found = {}
+    found = _whole_parameters(model)
     for name, param in model.named_parameters():
-        found[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach()
-        for key in ("exp_avg", "exp_avg_sq"):
-            moment = optimizer.state[param][key]
-            found[f"{name}.{key}"] = moment.full_tensor() if isinstance(moment, DTensor) else moment
-    return {name: value.detach().clone() for name, value in found.items()}
+        found.update(
+            {f"{name}.{key}": _whole(optimizer.state[param][key]) for key in ("exp_avg", "exp_avg_sq")}
+        )
+    return found
 
 
 def _round_trip(directory: str, family: str, source: dict[str, Any], target: dict[str, Any]) -> bool:
@@ -99,7 +109,7 @@ def _round_trip(directory: str, family: str, source: dict[str, Any], target: dic
     parameter and moment whole must come back equal (also where the source's differ from the fresh model's)."""
     model, _ = _parallel(family, **source)
     optimizer = _stepped(model)
-    expected = _whole(model, optimizer)
+    expected = _whole_state(model, optimizer)
     path = Path(directory) / f"{family}-{'-'.join(map(str, source.values()))}"
     save(
         path,
@@ -108,8 +118,36 @@ def _round_trip(directory: str, family: str, source: dict[str, Any], target: dic
     other, _ = _parallel(family, **target)
     other_optimizer = torch.optim.AdamW(other.parameters(), lr=0.01)
     load(path, other, {0: other_optimizer}, strict=True, weights_only=True)
-    got = _whole(other, other_optimizer)
+    got = _whole_state(other, other_optimizer)
     return got.keys() == expected.keys() and all(torch.equal(got[key], expected[key]) for key in expected)
+
+
+def _hf_round_trip(directory: str, family: str) -> dict[str, bool]:
+    """``family`` with its experts split (stepped once) exported in Hugging Face format, then read back into the
+    split layout and into FSDP alone: every parameter whole as exported. ``transformers``' own ``from_pretrained``
+    (rank 0) reads the export's experts as the split model's whole ones."""
+    model, _ = _parallel(family, {"tp": 2}, etp=True)
+    _stepped(model)  # every parameter moved from the fresh models' start
+    expected = _whole_parameters(model)
+    path = Path(directory) / f"{family}-hf"
+    save_hf(model, path)
+    found = {}
+    for name, layout in {"into_etp": ({"tp": 2}, True), "into_tp1": ({"dp_shard": 2}, False)}.items():
+        other, _ = _parallel(family, *layout)
+        load_hf(other, path)
+        got = _whole_parameters(other)
+        found[name] = got.keys() == expected.keys() and all(
+            torch.equal(got[k], v) for k, v in expected.items()
+        )
+    if dist.get_rank() == 0 and family != "ours_qwen3_moe":
+        import transformers
+
+        loaded = dict(transformers.AutoModelForCausalLM.from_pretrained(path).named_parameters())
+        experts = [name for name in expected if ".experts." in name]
+        found["from_pretrained"] = bool(experts) and all(
+            torch.equal(loaded[name].detach(), expected[name]) for name in experts
+        )
+    return found
 
 
 def _expert_layouts(family: str) -> list[tuple[str, str, tuple[int, ...]]]:
@@ -131,6 +169,7 @@ def _two_ranks(directory: str) -> dict[str, Any] | None:
         "etp_to_tp1": _round_trip(directory, "ours_qwen3_moe", etp, fsdp),
         "tp1_to_etp": _round_trip(directory, "ours_qwen3_moe", fsdp, etp),
         "hf_etp_to_tp1": _round_trip(directory, "qwen3_moe", etp, fsdp),
+        "export": {family: _hf_round_trip(directory, family) for family in ("ours_qwen3_moe", "qwen3_moe")},
     }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, checks)
@@ -206,6 +245,14 @@ def test_each_tp_rank_holds_its_half_of_every_expert() -> None:
 @pytest.mark.parametrize("check", ["etp_to_tp1", "tp1_to_etp", "hf_etp_to_tp1"])
 def test_a_checkpoint_of_split_experts_loads_into_whole_ones_and_back(check: str) -> None:
     assert all(rank[check] for rank in two_ranks()["checks"])
+
+
+@pytest.mark.parametrize("family", ["ours_qwen3_moe", "qwen3_moe"])
+def test_the_hugging_face_export_of_split_experts_holds_them_whole(family: str) -> None:
+    ranks = [rank["export"][family] for rank in two_ranks()["checks"]]
+    assert all(rank == {**rank, "into_etp": True, "into_tp1": True} for rank in ranks), ranks
+    if family != "ours_qwen3_moe":
+        assert ranks[0]["from_pretrained"], ranks[0]
 
 
 def test_the_adapter_refuses_what_it_cannot_split_before_any_collective() -> None:
