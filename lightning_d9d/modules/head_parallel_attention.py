@@ -97,25 +97,28 @@ class HeadParallelAttention(HeadParallelContext):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         batch, heads, local_len, head_dim = q.shape
         cp = self.split.cp
-        if heads % cp or heads % k.shape[1] or k.shape != v.shape or k.shape[-1] != head_dim:
+        if heads % cp or heads % k.shape[1] or k.shape[:3] != v.shape[:3] or k.shape[-1] != head_dim:
             raise ValueError(
-                f"head-parallel attention over cp={cp} takes q [B, heads, T / cp, D] with cp dividing heads and "
-                f"k, v of one shape whose heads divide them, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
-                f"v {tuple(v.shape)}"
+                f"head-parallel attention over cp={cp} takes q [B, heads, T / cp, D] with cp dividing heads, k "
+                f"[B, kv_heads, T / cp, D] whose heads divide them and v of k's heads (any head size), got q "
+                f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
             )
         repeats = kv_repeats(heads, k.shape[1], cp)
-        k, v = repeat_kv(k, repeats), repeat_kv(v, repeats)
-        kv_heads = k.shape[1]
-        # One exchange for all three: block j of dim 0, [B, (heads + 2 kv) / cp, T / cp, D], holds rank j's heads
-        # of q, k and v at this rank's positions.
-        outgoing = torch.cat([self._by_rank(x) for x in (q, k, v)], dim=2)
+        parts = [self._by_rank(x) for x in (q, *(repeat_kv(x, repeats) for x in (k, v)))]
+        # One exchange for all three: block j of dim 0 holds rank j's heads of q, k and v at this rank's
+        # positions, flattened (v's head size may differ from q's and k's: MLA's does).
+        sizes = [part[0, 0].numel() for part in parts]
+        outgoing = torch.cat([part.reshape(cp, batch, -1) for part in parts], dim=2)
         incoming = all_to_all_autograd(outgoing.contiguous(), self.group)  # block i: rank i's positions
         seq_len = cp * local_len
-        # [cp, B, h, T / cp, D] -> [B, h, T, D]: rank 0's positions, then rank 1's, ... -> sequence order
-        whole = incoming.permute(1, 2, 0, 3, 4).reshape(batch, -1, seq_len, head_dim)
-        whole = whole.index_select(2, self.split.gather_order(seq_len, device=q.device))
-        q_heads, kv_share = heads // cp, kv_heads // cp
-        q_out, k_out, v_out = whole.split([q_heads, kv_share, kv_share], dim=1)
+        order = self.split.gather_order(seq_len, device=q.device)
+        out = []
+        for piece, part in zip(incoming.split(sizes, dim=2), parts, strict=True):
+            share, size = part.shape[2], part.shape[-1]
+            # [cp, B, h, T / cp, D] -> [B, h, T, D]: rank 0's positions, then rank 1's, ... -> sequence order
+            whole = piece.reshape(cp, batch, share, local_len, size).permute(1, 2, 0, 3, 4)
+            out.append(whole.reshape(batch, share, seq_len, size).index_select(2, order))
+        q_out, k_out, v_out = out
         return q_out, k_out, v_out
 
     def to_sequence(self, out: torch.Tensor) -> torch.Tensor:

@@ -308,7 +308,11 @@ def assert_applied(layout: Layout, ranks: list[dict[str, Any]], reference: list[
     for facts in ranks:
         assert ("tp" in facts["meshes"]) == (dims.get("tp", 1) > 1), facts
         assert ("ep" in facts["meshes"]) == (dims.get("ep", 1) > 1), facts
-        expected_attention = {"all_gather": ["AllGatherAttention"], "torch_ring": ["TorchRingAttention"]}
+        expected_attention = {
+            "all_gather": ["AllGatherAttention"],
+            "torch_ring": ["TorchRingAttention"],
+            "heads": ["HeadParallelAttention"],
+        }
         assert facts["attention"] == (
             expected_attention[layout.context_attention] if dims.get("cp", 1) > 1 else []
         )

@@ -81,6 +81,7 @@ DEGREES: dict[str, dict[str, int]] = {
     "tp2": {"tp": 2},
     "pp2": {"pp": 2},
     "cp2": {"cp": 2},
+    "cp2 heads": {"cp": 2},
     "ep2": {"dp_shard": 2, "ep": 2},
     "tp2 tied": {"tp": 2},
     "pp2 tied": {"pp": 2},
@@ -109,13 +110,13 @@ def shape_for(family: str, degree: str) -> Shape:
     return Shape(layers=CPU.layers, steps=STEPS, model=fields)
 
 
-def layout_for(family: str, dims: dict[str, int]) -> Layout:
+def layout_for(family: str, dims: dict[str, int], *, heads: bool = False) -> Layout:
     world = 1
     for degree in dims.values():
         world *= degree
     if "ep" in dims:
         world //= dims["ep"]  # ep's ranks are the data-parallel ones
-    context = "all_gather" if "cp" in dims else "auto"
+    context = ("heads" if heads else "all_gather") if "cp" in dims else "auto"
     return Layout(family, world, dims, context_attention=context)
 
 
@@ -125,7 +126,11 @@ def cases() -> dict[str, tuple[str, str, Layout]]:
     for family in (family for family in MATRIX_FAMILIES if family in FAMILIES):
         for degree, dims in DEGREES.items():
             if applies(family, degree):
-                found[f"{family}/{degree}"] = (family, degree, layout_for(family, dims))
+                found[f"{family}/{degree}"] = (
+                    family,
+                    degree,
+                    layout_for(family, dims, heads="heads" in degree),
+                )
     for degree, (dims, families) in COMPOSED.items():
         for family in families:
             found[f"{family}/{degree}"] = (family, degree, layout_for(family, dims))
