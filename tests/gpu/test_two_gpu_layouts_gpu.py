@@ -11,10 +11,11 @@ master weights), at ``layout_runs.TWO_GPU``'s shape (4 layers of hidden 512, voc
 step). The reference is the same worker on one GPU (one rank: FSDP on one rank, no other plan). Layouts: Qwen3 at
 tp=2 (sequence and loss parallel, the adapter's tp plan), cp=2 with torch's ring kernels and with our all-gather
 path, pp=2 (1F1B, 2 microbatches); Qwen3-MoE at ep=2 (with dp_shard=2: the experts split, each rank its rows)
-through the all-to-all dispatcher and through DeepEP; Qwen3 at dp_shard=2 with FP8 tensorwise (float8 FSDP
-all-gathers) and rowwise, each against the one-GPU run with the same recipe, which takes each data rank's rows as
-a micro-step of its own (float8 scales an activation over the rows its matmul sees). The same worker and checks
-run on CPU in fp32 in ``tests/models/hf/test_hf_layout_runs.py`` (the dry run: 1e-5 bands hold there).
+through the all-to-all dispatcher and through DeepEP, and at tp=2 with each expert split over tp
+(``expert_tensor_parallel``); Qwen3 at dp_shard=2 with FP8 tensorwise (float8 FSDP all-gathers) and rowwise, each
+against the one-GPU run with the same recipe, which takes each data rank's rows as a micro-step of its own (float8
+scales an activation over the rows its matmul sees). The same worker and checks run on CPU in fp32 in
+``tests/models/hf/test_hf_layout_runs.py`` (the dry run: 1e-5 bands hold there).
 
 Compared per step (``layout_runs.differences``): the loss of the global batch and the gradient norm before the
 step, relative to the reference's, and at the end how the parameters moved, ``||dW - dW_ref|| / ||dW_ref||`` over
@@ -30,14 +31,14 @@ its weights to float8 from their bf16 copy, dp_shard=2's float8 all-gather from 
 
 Measured with the same worker and shape on two gloo ranks in bf16 (CPU, torch 2.13; CPU and GPU
 both accumulate bf16 products in fp32): loss / gradient norm / parameter movement at most 5.2e-4 / 3.7e-4 / 3.5e-2
-for the dense layouts (tp, cp all-gather, pp), 3.3e-3 / 1.9e-2 / 0.25 for ep=2, 4.0e-3 / 5.2e-3 / 0.33 for FP8
-tensorwise (rowwise: the same bits as its one-rank run). The bands below are 4-30x the dense numbers and 2-6x the
-MoE and FP8 ones. What they must catch, measured alike: a run on other batches (the reference's data shifted)
-moves its parameters 1.41 apart (uncorrelated steps: sqrt(2)) while its losses stay within 1.6e-2 (tiny_hf's
-labels are random: any model's loss on them is near the same number); cp=2 attending without the causal mask is
-3.9e-3 off in the first loss, 2.3e-2 in the gradient norm and 1.27 in the movement. So the dense loss band is
-tight enough to see a wrong attention by itself, while for MoE and FP8 the gradient norm and the movement are what
-tell a wrong gradient.
+for the dense layouts (tp, cp all-gather, pp), 3.3e-3 / 1.9e-2 / 0.25 for ep=2, 6.6e-3 / 3.9e-2 / 0.37 for tp=2 with
+the experts split over tp, 4.0e-3 / 5.2e-3 / 0.33 for FP8 tensorwise (rowwise: the same bits as its one-rank run).
+The bands below are 4-30x the dense numbers and 1.9-6x the MoE and FP8 ones. What they must catch, measured
+alike: a run on other batches (the reference's data shifted) moves its parameters 1.41 apart (uncorrelated steps:
+sqrt(2)) while its losses stay within 1.6e-2 (tiny_hf's labels are random: any model's loss on them is near the
+same number); cp=2 attending without the causal mask is 3.9e-3 off in the first loss, 2.3e-2 in the gradient norm
+and 1.27 in the movement. So the dense loss band is tight enough to see a wrong attention by itself, while for MoE
+and FP8 the gradient norm and the movement are what tell a wrong gradient.
 """
 
 from __future__ import annotations

@@ -119,7 +119,8 @@ TWO_GPU = Shape(
 )
 
 # The two-rank layouts (tp with sequence and loss parallelism as the adapter plans it, both cp paths,
-# 1F1B over two stages, the experts over ep by all-to-all and by DeepEP, FP8 at dp_shard=2).
+# 1F1B over two stages, the experts over ep by all-to-all and by DeepEP, each expert split over tp, FP8 at
+# dp_shard=2).
 LAYOUTS: dict[str, Layout] = {
     "tp2": Layout("qwen3", 2, {"tp": 2}),
     "cp2_torch_ring": Layout("qwen3", 2, {"cp": 2}, context_attention="torch_ring"),
@@ -127,6 +128,7 @@ LAYOUTS: dict[str, Layout] = {
     "pp2_1F1B": Layout("qwen3", 2, {"pp": 2}),
     "ep2_all_to_all": Layout("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}),
     "ep2_deepep": Layout("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}, dispatch="deepep"),
+    "tp2_etp": Layout("qwen3_moe", 2, {"tp": 2}, expert_tensor_parallel=True),  # each expert split over tp
     "dp_shard2_fp8_tensorwise": Layout("qwen3", 2, {"dp_shard": 2}, fp8="tensorwise"),
     "dp_shard2_fp8_rowwise": Layout("qwen3", 2, {"dp_shard": 2}, fp8="rowwise"),
 }
@@ -147,6 +149,7 @@ SHARED_GPU_LAYOUTS: dict[str, Layout] = {
     "ours_pp2_ZBVZeroBubble": Layout("ours_qwen3", 2, {"pp": 2}, schedule="ZBVZeroBubble", microbatches=4),
     "ours_tp2_dp_shard2": Layout("ours_qwen3", 4, {"tp": 2, "dp_shard": 2}),
     "ours_ep2_all_to_all": Layout("ours_qwen3_moe", 2, {"dp_shard": 2, "ep": 2}),
+    "ours_tp2_etp": Layout("ours_qwen3_moe", 2, {"tp": 2}, expert_tensor_parallel=True),
     "ours_dp_shard2_fp8_tensorwise": Layout("ours_qwen3", 2, {"dp_shard": 2}, fp8="tensorwise"),
 }
 
@@ -317,7 +320,10 @@ def assert_applied(layout: Layout, ranks: list[dict[str, Any]], reference: list[
             expected_attention[layout.context_attention] if dims.get("cp", 1) > 1 else []
         )
         expected_dispatch = {"deepep": "DeepEPDispatcher", None: "AllToAllDispatcher"}[layout.dispatch]
-        assert facts["dispatchers"] == ([expected_dispatch] if dims.get("ep", 1) > 1 else []), facts
+        if layout.expert_tensor_parallel:  # the local dispatcher inside the tp gather and reduce-scatter
+            expected_dispatch = "ExpertTensorParallelDispatcher"
+        moved = dims.get("ep", 1) > 1 or layout.expert_tensor_parallel
+        assert facts["dispatchers"] == ([expected_dispatch] if moved else []), facts
         assert (facts["float8_linears"] > 0) == (layout.fp8 is not None), facts
         assert facts["float8_linears"] == reference[0]["float8_linears"], (facts, reference)
     held = [facts["layers"] for facts in ranks]

@@ -3,8 +3,8 @@ tokens gathered before the experts and their partial outputs reduce-scattered af
 gloo: our Qwen3-MoE and ``transformers``' Qwen3-MoE, Mixtral and DeepSeek-V3 at tp=2, and our Qwen3-MoE at
 tp=2 x dp_shard=2 and at pp=2 x tp=2, each trained ``SHAPE.steps`` AdamW steps by ``layout_runs.train_layout`` (the
 strategy's pieces around the plans); the per-step losses and gradient norms and the parameters after the last
-step against the one-process run's. Four launches in all: the references on one rank, the tp=2 runs (with the
-checkpoint and export round trips) on two, each four-rank run on four.
+step against the one-process run's. Three launches in all: the references on one rank, the tp=2 runs (with the
+checkpoint, export and initialisation checks) on two, the four-rank runs on four.
 
 Each piece was seen failing these runs when broken: the partial outputs not reduce-scattered (each rank keeping its
 own rows of its partial sum), the fused gate/up weight split on its columns as a plain ``Shard`` (rank 0 all of the
@@ -13,7 +13,8 @@ gate, rank 1 all of the up), the tokens not gathered (each rank's own tokens thr
 The checkpoint round trips: a model and its AdamW state saved at tp=2 with the experts split (their gate/up weight a
 strided shard, written box by box: ``lightning_d9d/state/boxes.py``) load into the same model at tp=1 (FSDP over
 the two ranks) and back, every parameter and moment whole and equal; its Hugging Face export reads back into
-either layout, and ``transformers``' ``from_pretrained`` reads its experts whole.
+either layout, and ``transformers``' ``from_pretrained`` reads its experts whole. Built on ``meta`` with its experts
+split, a model initialises from the seed as one process does.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_distributed
-from layout_runs import Layout, Shape, differences, start_model, start_parameters, train_layouts
-from tiny_hf import tiny_causal_lm
+from layout_runs import OURS, Layout, Shape, differences, start_model, start_parameters, train_layouts
+from tiny_hf import META_SEED, meta_initialised, tiny_causal_lm, tiny_model
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor, Shard
@@ -37,6 +38,7 @@ from lightning_d9d.compat import strided_shard_type
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models.hf import check_hf_model, parallelize_hf
 from lightning_d9d.models.hf.config_plans import expert_modules
+from lightning_d9d.modules.hf_init import init_transformers_model_
 from lightning_d9d.modules.moe import GroupedExperts
 from lightning_d9d.plans import ParallelOptions
 from lightning_d9d.state.hf import load_hf, save_hf
@@ -150,6 +152,30 @@ def _hf_round_trip(directory: str, family: str) -> dict[str, bool]:
     return found
 
 
+def _meta_initialised(family: str) -> bool:
+    """``family`` built on ``meta``, its experts split over tp=2, given memory and initialised from the seed (as the
+    strategy does for a model too large for one rank): every parameter whole as one process initialises it."""
+    with torch.device("meta"):
+        model = (
+            start_model(Layout(family), SHAPE) if family in OURS else tiny_model(family, layers=SHAPE.layers)
+        )
+    dims = ParallelDims(tp=2).resolve(dist.get_world_size()).build_mesh("cpu")
+    options = ParallelOptions(expert_tensor_parallel=True)
+    if family in OURS:
+        model.parallelize(dims, options)  # type: ignore[operator]
+    else:
+        parallelize_hf(model, dims, options)
+    model.to_empty(device="cpu")
+    if family in OURS:
+        model.init_weights(seed=META_SEED)  # type: ignore[operator]
+        expected = start_parameters(Layout(family), SHAPE)
+    else:
+        init_transformers_model_(model, META_SEED)
+        expected = meta_initialised(family, layers=SHAPE.layers)
+    got = _whole_parameters(model)
+    return got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 def _expert_layouts(family: str) -> list[tuple[str, str, tuple[int, ...]]]:
     """Each expert weight's placement on the tp mesh dim and its local shape, for the ETP layout at tp=2."""
     model, _ = _parallel(family, {"tp": 2}, etp=True)
@@ -170,6 +196,7 @@ def _two_ranks(directory: str) -> dict[str, Any] | None:
         "tp1_to_etp": _round_trip(directory, "ours_qwen3_moe", fsdp, etp),
         "hf_etp_to_tp1": _round_trip(directory, "qwen3_moe", etp, fsdp),
         "export": {family: _hf_round_trip(directory, family) for family in ("ours_qwen3_moe", "qwen3_moe")},
+        "meta": {family: _meta_initialised(family) for family in ("ours_qwen3_moe", "qwen3_moe")},
     }
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, checks)
@@ -216,15 +243,14 @@ def test_tp2_with_experts_split_over_tp_trains_as_one_process(family: str) -> No
 
 
 @functools.cache
-def four_ranks(name: str) -> dict[str, Any]:
-    # a launch each: a pipeline's run and a run without one, one after the other in a launch, leave the second one
-    # groups torch cannot resolve once train_layouts destroys the first run's groups
-    return run_distributed(train_layouts, 4, [(name, FOUR_RANKS[name], SHAPE)], "fp32", timeout=120)[0]
+def four_ranks() -> dict[str, Any]:
+    runs = [(name, layout, SHAPE) for name, layout in FOUR_RANKS.items()]
+    return run_distributed(train_layouts, 4, runs, "fp32", timeout=120)[0]
 
 
 @pytest.mark.parametrize("name", FOUR_RANKS)
 def test_four_ranks_with_experts_split_over_tp_train_as_one_process(name: str) -> None:
-    assert_matches_one_process(f"{name} ours_qwen3_moe", four_ranks(name)[name], FOUR_RANKS[name].family)
+    assert_matches_one_process(f"{name} ours_qwen3_moe", four_ranks()[name], FOUR_RANKS[name].family)
 
 
 def test_each_tp_rank_holds_its_half_of_every_expert() -> None:
@@ -272,3 +298,8 @@ def test_the_adapter_refuses_what_it_cannot_split_before_any_collective() -> Non
     with pytest.raises(ValueError, match=r"Qwen3ForCausalLM: expert_tensor_parallel=True splits MoE experts"):
         check_hf_model(tiny_causal_lm("qwen3"), dims, options)
     check_hf_model(tiny_causal_lm("qwen3"), dims, ParallelOptions())  # off: nothing to refuse
+
+
+@pytest.mark.parametrize("family", ["ours_qwen3_moe", "qwen3_moe"])
+def test_split_experts_built_on_meta_initialise_as_one_process(family: str) -> None:
+    assert all(rank["meta"][family] for rank in two_ranks()["checks"])
