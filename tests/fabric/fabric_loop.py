@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,15 +230,20 @@ def fabric_run(config: dict) -> None:
     fabric.barrier()
 
 
-def run_all(configs: list[dict]) -> None:
+def run_each(configs: list[dict], run: Callable[[dict], None]) -> None:
+    """``run`` on each config in turn on this rank (a forked rank of ``fork_ranks``), naming the failing one."""
     for config in configs:
         try:
-            fabric_run(config)
+            run(config)
         except BaseException as error:
             error.add_note(f"in the run that writes {config['out']}")
             raise
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_all(configs: list[dict]) -> None:
+    run_each(configs, fabric_run)
 
 
 # ---------------------------------------------------------------------------------------- the reference

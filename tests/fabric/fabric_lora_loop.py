@@ -16,8 +16,7 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
-from fabric_loop import BASE, corpus, full_parameters, model_inputs
+from fabric_loop import BASE, corpus, full_parameters, model_inputs, run_each
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -97,14 +96,7 @@ def lora_run(config: dict) -> None:
 
 
 def run_all(configs: list[dict]) -> None:
-    for config in configs:
-        try:
-            lora_run({**BASE, **config})
-        except BaseException as error:
-            error.add_note(f"in the run that writes {config['out']}")
-            raise
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_each(configs, lambda config: lora_run({**BASE, **config}))
 
 
 if __name__ == "__main__":

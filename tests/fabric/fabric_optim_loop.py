@@ -20,7 +20,6 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.distributed as dist
 from fabric_loop import (
     BASE,
     NEVER_CLIPS,
@@ -31,6 +30,7 @@ from fabric_loop import (
     loss_for,
     model_inputs,
     rows_of,
+    run_each,
     scheduler_for,
 )
 from torch import nn
@@ -147,14 +147,7 @@ def fabric_run(config: dict) -> None:
 
 
 def run_all(configs: list[dict]) -> None:
-    for config in configs:
-        try:
-            fabric_run(config)
-        except BaseException as error:
-            error.add_note(f"in the run that writes {config['out']}")
-            raise
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    run_each(configs, fabric_run)
 
 
 # ---------------------------------------------------------------------------------------- the reference
