@@ -99,7 +99,14 @@ COMPOSED: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
 REFUSED: dict[tuple[str, str], tuple[str, str]] = {}
 
 
+# Tied heads: the families whose configs tie them by default, and Qwen3 and Llama (their small checkpoints,
+# Qwen3-0.6B to 4B and Llama 3.2 1B / 3B, tie them).
+TIED_FAMILIES = ("gemma", "gemma2", "gemma3", "cohere", "smollm3", "starcoder2", "qwen3", "llama")
+
+
 def applies(family: str, degree: str) -> bool:
+    if degree.endswith("tied"):
+        return family in TIED_FAMILIES
     return "ep" not in degree or family in MOE_FAMILIES
 
 
