@@ -124,6 +124,8 @@ def train(name: str, args: argparse.Namespace, recompute: bool, compile_blocks: 
     sys.path.insert(0, str(Path(lightning_d9d.__file__).resolve().parents[1] / "examples"))
     from pretrain_qwen3 import Qwen3Pretraining
 
+    # which paths this run takes is read from the kernels' announcements: forget any made before it in this process
+    dispatch._ANNOUNCED.discard("stochastic_adamw_step")
     device = _device(args)
     cuda = device.type == "cuda"
     config = tt._config(args)

@@ -162,6 +162,12 @@ def reference(family: str, tied: bool) -> dict[str, Any]:
     return reference_run(tiny_causal_lm(family, layers=CPU.layers, **fields), STEPS)
 
 
+@functools.cache
+def start(family: str, tied: bool) -> dict[str, torch.Tensor]:
+    return start_parameters(Layout(family), shape_for(family, "tied" if tied else ""))
+
+
+@functools.cache
 def outcome(name: str) -> str:
     """``"pass"``, ``"refused: <reason>"`` for an expected refusal, or what went wrong."""
     family, degree, layout = cases()[name]
@@ -175,7 +181,6 @@ def outcome(name: str) -> str:
         return f"failed:\n{got}"
     if expected_refusal is not None:
         return f"ran, though REFUSED names it: {expected_refusal}"
-    one_rank = Layout(family)
     reference_facts = [{"layers": list(range(CPU.layers)), "float8_linears": 0}]
     try:
         assert_applied(layout, got["facts"], reference_facts)
@@ -188,9 +193,7 @@ def outcome(name: str) -> str:
         head, embedding = params.pop("lm_head.weight"), params["model.embed_tokens.weight"]
         if not torch.allclose(head, embedding, rtol=0, atol=1e-6):
             return f"the tied head and embedding drifted apart: {(head - embedding).abs().max():.3g}"
-    errors = differences(
-        {**got, "params": params}, expected, start_parameters(one_rank, shape_for(family, degree))
-    )
+    errors = differences({**got, "params": params}, expected, start(family, degree.endswith("tied")))
     worse = {key: errors[key] for key, band in FP32_BAND.items() if errors[key] > band}
     if worse or errors["steps"] != STEPS or errors["moved"] <= 0.1:  # (about 0.5 when trained)
         return f"differs: {errors}"
