@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from fabric_loop import BASE
 from fabric_optim_loop import reference_run
-from test_fabric_parity import assert_matches
+from test_fabric_parity import assert_matches, launch_cases
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "optim"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "strategies"))
 from test_stochastic_adamw_parity import GRAD_NORM_RTOL, LOSS_RTOL, UPDATE_RTOL, update_difference
-from test_trainer_parity import first_errors
 
 from lightning_d9d.fabric.strategy import _check_rebindable, _rebind
 from lightning_d9d.optim import StochasticAdamW
@@ -92,28 +88,9 @@ TRAINED = [name for name in CASES if "resume_from" not in CASES[name]]
 RESUMED = [name for name in CASES if "resume_from" in CASES[name]]
 
 
-def placed(tmp: Path) -> list[dict]:
-    configs = []
-    for name, case in CASES.items():
-        config = {**BASE, **case, "out": str(tmp / f"{name}.pt"), "ckpt": str(tmp / f"{name}.ckpt")}
-        if "resume_from" in case:
-            config["resume_from"] = str(tmp / f"{case['resume_from']}.ckpt")
-        configs.append(config)
-    return configs
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("fabric_optimizers")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(SCRIPT), "--fork", json.dumps(placed(tmp))]
-    proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        raise AssertionError(
-            f"forked Fabric runs failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
-            f"first error lines of every rank:\n{first_errors(proc.stderr)}"
-        )
-    return {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in CASES}
+    return launch_cases(SCRIPT, CASES, tmp_path_factory.mktemp("fabric_optimizers"))
 
 
 @functools.cache

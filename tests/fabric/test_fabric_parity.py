@@ -88,28 +88,29 @@ DATA_RANKS = {
 }
 
 
-def placed(tmp: Path) -> list[dict]:
+def launch_cases(script: Path, cases: dict[str, dict], tmp: Path) -> dict[str, dict]:
+    """Every case (on ``BASE``) in one ``script --fork`` launch, in order (a resume names the case whose
+    checkpoint it reads): what each saved, by name."""
     configs = []
-    for name, case in CASES.items():
+    for name, case in cases.items():
         config = {**BASE, **case, "out": str(tmp / f"{name}.pt"), "ckpt": str(tmp / f"{name}.ckpt")}
         if "resume_from" in case:
             config["resume_from"] = str(tmp / f"{case['resume_from']}.ckpt")
         configs.append(config)
-    return configs
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    tmp = tmp_path_factory.mktemp("fabric")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(SCRIPT), "--fork", json.dumps(placed(tmp))]
+    command = [sys.executable, str(script), "--fork", json.dumps(configs)]
     proc = subprocess.run(command, cwd=tmp, env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise AssertionError(
             f"forked Fabric runs failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
             f"first error lines of every rank:\n{first_errors(proc.stderr)}"
         )
-    return {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in CASES}
+    return {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in cases}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return launch_cases(SCRIPT, CASES, tmp_path_factory.mktemp("fabric"))
 
 
 _references: dict[str, dict] = {}
