@@ -91,24 +91,43 @@ _SAFETENSORS_DTYPES = {
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _rss_now() -> int | None:
+def _status_bytes(field: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes (None where there is no such file: not Linux)."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
-                if line.startswith("VmRSS:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
     return None
 
 
+def _rss_now() -> int | None:
+    return _status_bytes("VmRSS")
+
+
+def _reset_peak_rss() -> None:
+    """Start the high-water mark afresh, so that the peak ``--stats`` reports is the conversion's own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")  # 5: reset the peak RSS to the current RSS (Linux only, best effort)
+    except OSError:
+        pass
+
+
 def _peak_rss() -> int | None:
+    # VmHWM, not getrusage's ru_maxrss: ru_maxrss also counts the RSS of the process that launched this one, as it
+    # was when it forked (a test runner holding 1.5 GiB reports a 1.5 GiB peak here, whatever the conversion does).
+    peak = _status_bytes("VmHWM")
+    if peak is not None:
+        return peak
     try:
         import resource
     except ImportError:  # not on Windows
         return None
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(peak) * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, kilobytes on Linux
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(maxrss) * (1 if sys.platform == "darwin" else 1024)  # bytes on macOS, kilobytes on Linux
 
 
 def _check_model_type(fmt: HFFormat, model: str | None, config_path: str) -> None:
@@ -203,6 +222,7 @@ class _Progress:
 
     def __init__(self, command: str, output: Path, plan: ReadPlan) -> None:
         self.command, self.output, self.plan = command, output, plan
+        _reset_peak_rss()
         self.rss_before = _rss_now()
         self.start = time.perf_counter()
         self.tensors = self.bytes_written = 0
