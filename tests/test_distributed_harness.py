@@ -7,11 +7,13 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from distributed import RankCrashed, run_distributed
+from distributed import RankCrashed, run_distributed, run_launched
 
 # the process that imported this module: the test process for a forked rank, the rank itself for a spawned one
 _IMPORTED_BY = os.getpid()
@@ -66,3 +68,31 @@ def test_the_retry_of_a_crashed_fork_starts_fresh_processes() -> None:
 
 def test_ranks_that_succeed_report_their_results() -> None:
     assert run_distributed(dist.get_rank, 2) == [0, 1]
+
+
+def test_a_launched_command_whose_rank_died_by_signal_runs_again_once(tmp_path: Path) -> None:
+    # torchrun's summary of a rank killed by SIGABRT the first time, success the second
+    first_time = tmp_path / "ran"
+    script = (
+        "import pathlib, sys\n"
+        f"marker = pathlib.Path({str(first_time)!r})\n"
+        "if not marker.exists():\n"
+        "    marker.touch()\n"
+        "    print('  exitcode  : -6 (pid: 1)  (SIGABRT)', file=sys.stderr)\n"
+        "    sys.exit(1)\n"
+        "print('trained')\n"
+    )
+    with pytest.warns(UserWarning, match="died by signal"):
+        done = run_launched([sys.executable, "-c", script], timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "trained"
+
+
+def test_a_launched_command_that_fails_otherwise_is_not_run_again(tmp_path: Path) -> None:
+    counter = tmp_path / "runs"
+    script = (
+        f"import pathlib, sys\np = pathlib.Path({str(counter)!r})\n"
+        "p.write_text(str(int(p.read_text() or 0) + 1) if p.exists() else '1')\n"
+        "print('  exitcode  : 1 (pid: 1)', file=sys.stderr)\nsys.exit(1)\n"
+    )
+    done = run_launched([sys.executable, "-c", script], timeout=60)
+    assert done.returncode == 1 and counter.read_text() == "1"

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from distributed import run_launched
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "layouts.py"
 
 
@@ -19,7 +21,7 @@ def test_the_baseline_trains_on_two_processes(tmp_path: Path) -> None:
         "--impl", "hf", "--device", "cpu", "--model", "tiny", "--seq-len", "32", "--global-batch", "4",
         "--steps", "3", "--warmup", "1",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_launched(command, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["impl"] == "hf_fsdp_compiled"
