@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from distributed import run_launched
 from reference import reference_run
 
 from lightning_d9d.models import Qwen3Config
@@ -64,7 +64,7 @@ def run_trainer(
             "--standalone",
             f"--nproc-per-node={config['devices']}",
         ]
-    proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_launched(command, cwd=tmp_path, env=env, timeout=600)
     if proc.returncode != 0:
         raise AssertionError(
             f"trainer run {name} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}\n"
