@@ -79,22 +79,17 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
         activation_checkpointing: recompute in backward: ``True`` / ``"full"`` each transformer block whole,
             ``"selective"`` only its element-wise ops (matmul and attention outputs kept).
         compile: ``torch.compile`` each transformer block: ``True`` (torch's default mode) or a mode name, e.g.
-            ``"max-autotune-no-cudagraphs"`` (Triton GEMM templates benchmarked against cuBLAS per shape at
-            compile time: minutes once, ``docs/benchmarks.md`` run G10), or ``"reduce-overhead"``: CUDA
-            graphs per block, on one GPU with ``fsdp_on_one_rank=False`` and dense blocks; elsewhere the blocks
-            compile without them and a warning says why (``docs/degrees.md``, "CUDA graphs").
+            ``"max-autotune-no-cudagraphs"`` (minutes of GEMM tuning once, ``docs/benchmarks.md`` run G10) or
+            ``"reduce-overhead"`` (CUDA graphs per block where they apply: ``docs/degrees.md``, "CUDA graphs").
         context_attention: attention under cp > 1: ``"auto"`` (torch's ring kernels on CUDA, the portable
             all-gather path elsewhere), ``"all_gather"``, ``"torch_ring"`` or ``"heads"`` (head-parallel: the heads
             split over cp around the model's own attention); the choice is logged once.
         reshard_after_forward: FSDP frees gathered parameters after forward (less memory, more traffic).
-            ``None`` (default): where they are sharded; ``True`` also on one rank, where the gathered copy is
-            the bf16 cast of the weights (3.3 GiB less at Qwen3-4B's layer x 18 on one H100, 1.7 % slower:
-            ``docs/benchmarks.md``, run U14).
-        fsdp_on_one_rank: wrap the model in FSDP2 also when the world is one process (the default: parameters
-            are DTensors on every layout). ``False`` keeps plain parameters there, and ``bf16-mixed`` then
-            autocasts the forward to bf16 (fp32 parameters, gradients and optimizer state, as with FSDP): no
-            per-block all-gather copies, but autocast's own casts; at Qwen3-0.6B on one H200, 2 % faster than
-            the default for 2.3 GiB more (``docs/benchmarks.md``, run G2).
+            ``None`` (default): where they are sharded; ``True`` also on one rank, freeing the weights' bf16 cast
+            (``docs/benchmarks.md`` run U14: 3.3 GiB less at Qwen3-4B's layer x 18, 1.7 % slower).
+        fsdp_on_one_rank: wrap the model in FSDP2 also in a one-process world (default: parameters are
+            DTensors on every layout). ``False`` keeps plain parameters there and ``bf16-mixed`` autocasts the
+            forward (``docs/benchmarks.md`` run G2: 2 % faster at Qwen3-0.6B for 2.3 GiB more).
         save_distributed_checkpoint: sharded DCP checkpoints (default) or one full file written by rank 0
             (Lightning's own format, without the guarantees of ``docs/reliability.md``: no atomic directory,
             manifest or RNG states). Refused with ``pp > 1``, where rank 0 holds only its own stages.
@@ -103,36 +98,25 @@ class D9DStrategy(D9DStrategyBase, CheckpointHooks):
         async_save: checkpoints saved during training are written in the background while training goes on
             (the state copied to CPU memory first), complete under their name once every rank's write ended
             (``strategies/async_save.py``); the next save and the end of training wait for the previous one.
-        fp8: train the transformer blocks' linear layers in float8 through torchao (``pip install
-            'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; FSDP2 all-gathers the weights in float8 where tp
-            is 1) or ``"rowwise"`` (a scale per row: more robust to outliers). Not the embedding, the head or routers
-            (:mod:`lightning_d9d.plans.fp8`). Under tp > 1 tensorwise takes torchao's float8 tp styles (one
-            process's scales); rowwise torch's plain ones, its scales per tp shard where tp splits a contraction.
-            ``None`` (default): off.
+        fp8: the transformer blocks' linear layers in float8 through torchao (``pip install
+            'lightning-d9d[fp8]'``): ``"tensorwise"`` (fastest; float8 all-gathers where tp is 1) or ``"rowwise"``
+            (a scale per row); not the embedding, head or routers (:mod:`lightning_d9d.plans.fp8`, which says
+            what each does under tp). ``None`` (default): off.
         fp8_filter: ``(module, name_in_block) -> bool``, which linear layers ``fp8`` converts (default:
             :func:`~lightning_d9d.plans.fp8.fp8_linear_filter`).
-        fp8_experts: with ``fp8`` on, the MoE experts (ours, and a ``transformers`` MoE's stacked experts through
-            the adapter's forward) run their GEMMs in float8 rowwise through torchao (under either recipe:
-            torchao's grouped GEMM is rowwise): ``False`` (default: at our MoE shape, experts of width
-            384, the step is 1.57x slower with them on an H100, ``docs/benchmarks.md`` run U13) keeps them in
-            bf16; ``None`` where the GPU allows it (compute capability 9.0+), bf16 elsewhere with one log line;
-            ``True`` requires it (refused elsewhere; :func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
-        async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): Inductor
-            overlaps each block's tp all-gather / reduce-scatter with its matmuls through CUDA symmetric memory.
-            Needs tp > 1, ``compile`` on and CUDA GPUs (each refused by name before any process group); off by
-            default. ``docs/benchmarks.md`` has no measurement of its speed (``benchmarks/h200x2_runs.sh
-            asynctp`` takes one at tp=2).
-        lora: low-rank adapters (:class:`~lightning_d9d.LoRA`: rank, alpha, dropout, the layers by name pattern,
-            the frozen weights' dtype) on the model's linear layers, every other parameter frozen; applied before
-            every other plan, so the adapters are sharded with their layers on every degree. Return only the
-            trainable parameters from ``configure_optimizers`` (``docs/finetune.md``). With ``fp8`` the adapted
-            layers' base multiplies in float8 and the adapters in their own dtype; refused with ``fp8`` under tp.
-        expert_tensor_parallel: under tp > 1, every MoE expert split over the tp ranks (Megatron's expert-tensor
-            parallelism: gate and up column-wise, down row-wise, :mod:`lightning_d9d.plans.expert_tensor`), so
-            each tp rank holds ``1/tp`` of the experts; the tp group's routed tokens are all-gathered before the
-            experts and their outputs reduce-scattered after. ``False`` (default): whole experts on every tp rank,
-            each routing its own tokens. Refused with ep > 1, ``LoRA(experts=True)`` and float8 experts
-            (``docs/degrees.md``).
+        fp8_experts: with ``fp8`` on, the MoE experts' grouped GEMMs in float8 rowwise through torchao:
+            ``False`` (default: 1.57x slower with experts of width 384, ``docs/benchmarks.md`` run U13) keeps
+            them in bf16; ``None`` where the GPU allows it (compute capability 9.0+); ``True`` requires it
+            (:func:`~lightning_d9d.plans.fp8.convert_experts_to_float8`).
+        async_tp: torch's micro-pipelined tensor parallelism (:mod:`lightning_d9d.plans.async_tp`): each
+            block's tp collectives overlap its matmuls. Needs tp > 1, ``compile`` and CUDA GPUs (each refused by
+            name before any process group); off by default; its speed is not measured yet.
+        lora: low-rank adapters (:class:`~lightning_d9d.LoRA`) on the model's linear layers, every other
+            parameter frozen; applied before every other plan, so the adapters are sharded with their layers on
+            every degree. Return only the trainable parameters from ``configure_optimizers`` (``docs/finetune.md``).
+        expert_tensor_parallel: under tp > 1, every MoE expert split over the tp ranks (gate and up
+            column-wise, down row-wise: :mod:`lightning_d9d.plans.expert_tensor`); ``False`` (default): whole
+            experts on every tp rank. Refused with ep > 1, ``LoRA(experts=True)`` and float8 experts.
 
     The LightningModule needs no changes. Its model is parallelized after ``configure_model``: a module (the
     LightningModule or one of its children) with a ``parallelize(dims, options)`` method applies its own
