@@ -44,6 +44,7 @@ from lightning_d9d.state.frozen import FINGERPRINT_KEY
 from lightning_d9d.state.hf import (
     CONFIG_NAME,
     HFFormat,
+    check_expert_count,
     check_layer_count,
     check_same_model,
     code_fields,
@@ -413,10 +414,11 @@ def _check_hf_folder(
 ) -> None:
     """A Hugging Face folder's weights have the layer count and the shapes ``config`` implies."""
     check_layer_count(config, reader.keys(), config_path=config_path, source=source)
+    info = reader.tensor_info()
+    found = {key: value.shape for key, value in info.items()}
+    check_expert_count(config, found, config_path=config_path, source=source)
     if fmt.hf_shapes is not None:
         layout = fmt.layout_of(reader.keys())
-        info = reader.tensor_info()
-        found = {key: value.shape for key, value in info.items()}
         hf_shapes = fmt.hf_shapes(config, layout)
         _check_shapes(found, hf_shapes, lambda key: str(reader.directory / info[key].file), config_path)
 
@@ -463,6 +465,7 @@ def dcp_to_hf(args: argparse.Namespace) -> None:
     reader = DCPReader(checkpoint, section=MODEL_SECTION)
     config, config_path, side = _checkpoint_config(args, checkpoint)
     check_layer_count(config, reader.all_keys(), config_path=config_path, source=f"checkpoint {checkpoint}")
+    check_expert_count(config, reader.shapes(), config_path=config_path, source=f"checkpoint {checkpoint}")
     dtype = DTYPES[args.dtype] if args.dtype else None
     fmt, mapper, prefix = _format_of_checkpoint(reader, config, args, str(checkpoint), config_path)
     _check_model_type(fmt, args.model, config_path)

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models" / "hf"))
 from tiny_hf import tiny_causal_lm, tiny_config
 
 from lightning_d9d.convert import build_parser, main
-from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM
+from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.models.hf import add_selection_bias
 from lightning_d9d.state import INDEX_NAME, manifest
 from lightning_d9d.state.training import read_dcp_metadata, save
@@ -423,6 +423,41 @@ def test_a_layer_count_beyond_the_checkpoint_is_refused_before_anything_is_built
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_hidden_layers": "2"}))
     assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 1
     assert "num_hidden_layers must be a non-negative integer, not '2'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_expert_count_beyond_the_checkpoint_is_refused_before_anything_is_built(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A crafted expert count would have the per-expert mappers make millions of entries (85 s for three million,
+    unbounded memory for more) before any shape is compared: refused from the files' names and shapes first, for a
+    handed Hugging Face folder (one tensor per expert, or stacked) and a training checkpoint's recorded config."""
+    from test_hf_qwen3_moe import SMALL as MOE
+    from test_hf_qwen3_moe import make_moe_checkpoint
+
+    import lightning_d9d.convert as convert
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("built from an expert count the checkpoint does not hold")
+
+    monkeypatch.setattr(convert, "writing_mapper", never)
+    monkeypatch.setattr(convert, "reading_mapper", never)
+    for layout, fused in (("one tensor per expert", False), ("stacked", True)):
+        folder = tmp_path / f"hf-{fused}"
+        make_moe_checkpoint(folder, fused=fused)
+        config = config_json(folder)
+        (folder / "config.json").write_text(json.dumps({**config, "num_experts": 3_000_000}))
+        assert main(["hf-to-hf", str(folder), str(tmp_path / "out")]) == 1, layout
+        error = capsys.readouterr().err
+        assert f"num_experts (3000000) is more than the {MOE['num_experts']} experts {folder} holds" in error
+        (folder / "config.json").write_text(json.dumps({**config, "num_experts": "6"}))
+        assert main(["hf-to-hf", str(folder), str(tmp_path / "out")]) == 1, layout
+        assert "num_experts must be a non-negative integer, not '6'" in capsys.readouterr().err
+    ours = Qwen3MoeForCausalLM(Qwen3MoeConfig.from_hf_dict(MOE))  # stacked experts in the checkpoint
+    recorded = {"hf_config": {**ours.config.to_hf_dict(), "num_experts": 3_000_000}}
+    _write_training_checkpoint(tmp_path / "qwen3_moe", ours, meta=recorded)
+    assert main(["dcp-to-hf", str(tmp_path / "qwen3_moe"), str(tmp_path / "out")]) == 1
+    assert "num_experts (3000000) is more than the 6 experts checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

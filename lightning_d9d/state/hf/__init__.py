@@ -23,7 +23,7 @@ from .registry import (
     register_hf_format,
 )
 from .transformers import declared_class, transformers_model_format
-from .untrusted import check_layer_count, code_fields, without_code_fields
+from .untrusted import check_expert_count, check_layer_count, code_fields, without_code_fields
 
 __all__ = [
     "CONFIG_NAME",
@@ -32,6 +32,7 @@ __all__ = [
     "HFConfig",
     "HFFormat",
     "HasHFConfig",
+    "check_expert_count",
     "check_layer_count",
     "check_same_model",
     "code_fields",
