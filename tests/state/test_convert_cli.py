@@ -512,3 +512,21 @@ def test_linked_side_files_are_not_copied(tmp_path: Path, caplog: pytest.LogCapt
     )
     logged = caplog.text
     assert "tokenizer.json" in logged and "merges.txt" in logged and "symbolic link" in logged
+
+
+def test_code_and_oversized_side_files_are_not_copied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handed folder's remote modelling code stays behind, and so does a side file too large to read whole."""
+    from lightning_d9d.state.hf import io
+
+    monkeypatch.setattr(io, "MAX_SIDE_FILE_BYTES", 64)
+    make_hf_checkpoint(tmp_path / "hf")
+    (tmp_path / "hf" / "modeling_custom.py").write_text("import os; os.system('echo hi')")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text("{}")
+    (tmp_path / "hf" / "huge.txt").write_text("x" * 65)
+    with caplog.at_level("WARNING", logger="lightning_d9d.state.hf.io"):
+        assert main(["hf-to-hf", str(tmp_path / "hf"), str(tmp_path / "out")]) == 0
+    names = {path.name for path in (tmp_path / "out").iterdir()}
+    assert "tokenizer_config.json" in names and not {"modeling_custom.py", "huge.txt"} & names
+    assert "modeling_custom.py is code" in caplog.text and "huge.txt holds 65 bytes" in caplog.text

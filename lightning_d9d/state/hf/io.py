@@ -38,6 +38,11 @@ from .transformers import is_transformers_module, transformers_format, transform
 
 # Files of an HF directory that are weights (ours replace them) or that describe weights in another format.
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+# Modelling code a folder may carry for transformers' trust_remote_code: an export names the built-in class and
+# no auto_map, so the code would be inert there, and a handed folder's code is nothing to pass on.
+_CODE_SUFFIXES = (".py", ".pyc", ".so")
+#: The largest side file carried over (read whole into memory): tokenizers are tens of MiB.
+MAX_SIDE_FILE_BYTES = 256 << 20
 _WEIGHT_INDEXES = (INDEX_NAME, "pytorch_model.bin.index.json")
 
 log = logging.getLogger(__name__)
@@ -115,8 +120,9 @@ def writing_mapper(
 
 def hf_side_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
     """The files of an HF directory that are neither weights nor ``config.json`` (tokenizer, generation config,
-    chat template, README), to carry over into a converted copy. Symbolic links are skipped, with a log line: in
-    a directory someone handed over, ``tokenizer.json`` may link to any file of this machine (a private key)."""
+    chat template, README), to carry over into a converted copy. Skipped, each with a log line: symbolic links (in a
+    directory someone handed over, ``tokenizer.json`` may link to any file of this machine: a private key), code
+    (``*.py``: remote modelling code), and files over :data:`MAX_SIDE_FILE_BYTES` (each is read whole)."""
     files: dict[str, bytes] = {}
     root = Path(directory).resolve()
     for path in sorted(Path(directory).iterdir()):
@@ -133,8 +139,21 @@ def hf_side_files(directory: str | os.PathLike[str]) -> dict[str, bytes]:
                 "%s is a symbolic link: not copied (copy the file it links to by hand if it belongs)", path
             )
             continue
-        if path.is_file():
-            files[name] = path.read_bytes()
+        if not path.is_file():
+            continue
+        if name.endswith(_CODE_SUFFIXES):
+            log.warning("%s is code: not copied (the export names the model's built-in class)", path)
+            continue
+        size = path.stat().st_size
+        if size > MAX_SIDE_FILE_BYTES:
+            log.warning(
+                "%s holds %d bytes, more than a side file's %d: not copied (copy it by hand if it belongs)",
+                path,
+                size,
+                MAX_SIDE_FILE_BYTES,
+            )
+            continue
+        files[name] = path.read_bytes()
     return files
 
 
