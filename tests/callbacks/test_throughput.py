@@ -21,7 +21,13 @@ import lightning_d9d.callbacks.throughput as throughput
 from lightning_d9d.callbacks import Throughput, count_input_tokens, peak_flops_of
 from lightning_d9d.callbacks.throughput import count_learnt_tokens, loss_ignore_index
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-from lightning_d9d.models.flops import flop_params, routed_experts
+from lightning_d9d.models.flops import (
+    AttentionShape,
+    FlopParams,
+    flop_params,
+    routed_experts,
+    training_flops_per_token,
+)
 from lightning_d9d.modules.loss import CausalLMLoss
 from lightning_d9d.plans.lora import LoRA, apply_lora
 
@@ -170,13 +176,16 @@ def test_token_counting_and_peaks() -> None:
 #   model:     2 * 9296 + final norm 32 + head 128*32 = 4096: 22720
 # attention per token: 12 * layers * heads * head_dim * T = 12 * 2 * 4 * 8 * 8 = 6144 at T = SEQ = 8
 HF_N, HF_ATTENTION = 22720, 6144
+# With layer 0 a sliding window of 4 (layer 1 full): 12 * heads * head_dim * (T + min(T, 4)) = 12 * 4 * 8 * 12
+HF_ATTENTION_WINDOWED = 4608
 # LoRA rank 4 on the 7 projections: rank * (in + out) each, per layer q 4*64 = 256, k 4*48 = 192, v 192,
 # o 256, gate / up / down 4*96 = 384 each: 2048; two layers: 4096 trained, the 22720 of the base all frozen.
 LORA_TRAINED = 4096
 
 
-def _hf_qwen3() -> nn.Module:
+def _hf_qwen3(**windows: Any) -> nn.Module:
     config = transformers.Qwen3Config(
+        **windows,
         vocab_size=128,
         hidden_size=32,
         intermediate_size=64,
@@ -213,18 +222,22 @@ def _window_tokens_per_sec() -> float:
     return 2 * BATCH * SEQ / sum(STEP_SECONDS[0:2])
 
 
+WINDOW = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=4, use_sliding_window=True)
+
+
 @pytest.mark.parametrize(
-    ("lora", "flops_per_token"),
+    ("lora", "windows", "flops_per_token"),
     [
-        (False, 6 * HF_N + HF_ATTENTION),  # every weight trained
-        (True, 6 * LORA_TRAINED + 4 * HF_N + HF_ATTENTION),  # the base frozen: forward + input gradient
+        (False, {}, 6 * HF_N + HF_ATTENTION),  # every weight trained
+        (True, {}, 6 * LORA_TRAINED + 4 * HF_N + HF_ATTENTION),  # the base frozen: forward + input gradient
+        (False, WINDOW, 6 * HF_N + HF_ATTENTION_WINDOWED),  # a windowed layer meets at most 4 keys a query
     ],
-    ids=["trained", "lora"],
+    ids=["trained", "lora", "sliding window"],
 )
 def test_transformers_model_gets_tflops_and_mfu(
-    monkeypatch: pytest.MonkeyPatch, lora: bool, flops_per_token: int
+    monkeypatch: pytest.MonkeyPatch, lora: bool, windows: dict[str, Any], flops_per_token: int
 ) -> None:
-    model = _hf_qwen3()
+    model = _hf_qwen3(**windows)
     assert sum(p.numel() for p in model.parameters()) - 128 * 32 == HF_N  # the hand count is this model's
     if lora:
         apply_lora(model, LoRA(rank=4), seed=0)
@@ -235,6 +248,25 @@ def test_transformers_model_gets_tflops_and_mfu(
     flops = flops_per_token * _window_tokens_per_sec()
     assert callback.metrics["tflops"] == pytest.approx(flops / 1e12, rel=1e-12)
     assert callback.metrics["mfu"] == pytest.approx(flops / peak, rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("config", "windowed"),
+    [
+        (dict(layer_types=["sliding_attention"] * 5 + ["full_attention"], sliding_window=1024), 5),  # Gemma 3
+        (dict(sliding_window=4096), 6),  # Mistral: no layer_types, every layer
+        (dict(sliding_window=4096, use_sliding_window=False), 0),  # Qwen2's switch off
+        (dict(sliding_window=None), 0),
+    ],
+    ids=["layer types", "every layer", "switched off", "none"],
+)
+def test_attention_flops_count_a_window_s_keys(config: dict[str, Any], windowed: int) -> None:
+    shape = AttentionShape.of(dict(num_hidden_layers=6, num_attention_heads=2, head_dim=4, **config))
+    assert shape is not None and shape.windowed_layers == windowed
+    full = 12 * 2 * 4 * 6 * 8192
+    expected = full - 12 * 2 * 4 * windowed * (8192 - min(8192, config["sliding_window"] or 8192))
+    assert training_flops_per_token(FlopParams(trained=0), shape, 8192) == expected
+    assert training_flops_per_token(FlopParams(trained=0), shape, 512) == 12 * 2 * 4 * 6 * 512  # T under W
 
 
 def test_module_count_is_the_config_count_of_our_models_and_transformers_moe() -> None:
