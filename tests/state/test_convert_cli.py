@@ -195,11 +195,11 @@ def test_dcp_to_hf_with_a_damaged_checkpoint(tmp_path: Path, capsys: pytest.Capt
     data.write_bytes(bytes(cut) + content[cut:])  # the model tensors zeroed out: same size, unreadable
     assert main(argv) == 1
     error = capsys.readouterr().err
-    assert f"{data}: cannot read 'model.model." in error
+    assert f"{data}: cannot read 'model." in error  # the model's key DCP laid out first in the file
     data.unlink()  # missing
     assert main(argv) == 1
     error = capsys.readouterr().err
-    assert f"in {data}, which does not exist" in error and "'model.model." in error
+    assert f"in {data}, which does not exist" in error and "'model." in error  # as above: any of its keys
     (tmp_path / "ckpt" / ".metadata").write_bytes(b"not a pickle")
     assert main(argv) == 1
     assert ".metadata cannot be read" in capsys.readouterr().err
