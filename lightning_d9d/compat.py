@@ -207,6 +207,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     # ---------------------------------------------------------------------------------------- torch
     PrivateName("torch.distributed.device_mesh", "DeviceMesh._flatten", _GLOO,
                 "the flattened views (dp, fsdp, loss, ...) of the N-D mesh (flatten_mesh); no public API"),
+    PrivateName("torch.distributed.device_mesh", "DeviceMesh._unflatten", ("modules/hybrid_attention.py",),
+                "the cp mesh cut into head and key groups (unflatten_mesh); no public API"),
+    PrivateName("torch.distributed", "ProcessGroup._get_backend", ("modules/hybrid_attention.py",),
+                "the gloo backend of a group, whose options carry its collective timeout (unflatten_mesh)"),
     PrivateName("torch.distributed", "ProcessGroupGloo._Options", _GLOO,
                 "the collective timeout of the mesh's own gloo groups (group_options)"),
     PrivateName("torch.distributed", "ProcessGroupGloo._Options._timeout", _GLOO,
@@ -371,6 +375,19 @@ def flatten_mesh(
     """``mesh[dims]`` as one dimension called ``name``; ``backend_override``: ``(backend, options)`` for the
     group it makes (the collective timeout)."""
     return mesh[dims]._flatten(name, backend_override=backend_override)
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """The 1-D ``mesh`` cut into ``len(sizes)`` dims called ``names`` (the last the innermost: consecutive ranks of
+    ``mesh``); on gloo the groups it makes take the collective timeout of ``mesh``'s own group, not gloo's
+    default."""
+    group = mesh.get_group()
+    options = None
+    if dist.get_backend(group) == "gloo":
+        backend: Any = group._get_backend(torch.device(mesh.device_type))
+        options = group_options(backend.options._timeout)
+    override: Any = dict.fromkeys(names, options) if options is not None else None
+    return mesh._unflatten(0, sizes, names, backend_override=override)
 
 
 def trainer_of(module: LightningModule) -> Trainer | None:

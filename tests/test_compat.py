@@ -731,6 +731,35 @@ def test_flatten_mesh_names_the_view_and_gives_its_group_the_timeout() -> None:
     assert default_timeout == timedelta(minutes=30)  # without it, torch's default: why group_options exists
 
 
+def _unflattened_groups() -> list[tuple[list[list[int]], list[list[int]], timedelta, timedelta]]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("cp",))
+    with_timeout = compat.flatten_mesh(mesh, ("cp",), "cp_timed", compat.group_options(timedelta(seconds=77)))
+    grid = compat.unflatten_mesh(with_timeout, (2, 2), ("outer", "inner"))
+    return [
+        (
+            grid["inner"].mesh.view(1, -1).tolist(),
+            grid["outer"].mesh.view(1, -1).tolist(),
+            _group_timeout(grid["inner"].get_group()),
+            _group_timeout(grid["outer"].get_group()),
+        )
+    ]
+
+
+def test_unflatten_mesh_cuts_a_mesh_into_consecutive_and_strided_groups_with_its_timeout() -> None:
+    """The hybrid head-parallel path's grid: the inner dim is consecutive ranks, the outer strided, and both groups
+    keep the collective timeout of the mesh they were cut from (read through the group's gloo backend)."""
+    from distributed import run_distributed
+
+    ranks = run_distributed(_unflattened_groups, 4)
+    inner = [rank[0][0] for rank in ranks]
+    outer = [rank[0][1] for rank in ranks]
+    assert inner == [[[0, 1]], [[0, 1]], [[2, 3]], [[2, 3]]]
+    assert outer == [[[0, 2]], [[1, 3]], [[0, 2]], [[1, 3]]]
+    assert all(rank[0][2] == rank[0][3] == timedelta(seconds=77) for rank in ranks)
+
+
 def _store_round_trip() -> str:
     store = compat.default_store()
     if dist.get_rank() == 0:
@@ -1007,6 +1036,10 @@ PINNED_BY: dict[Callable[..., None], tuple[str, ...]] = {
     ),
     test_all_to_all_autograd_exchanges_blocks_and_sends_gradients_back: (
         "torch.distributed._functional_collectives.all_to_all_single_autograd",
+    ),
+    test_unflatten_mesh_cuts_a_mesh_into_consecutive_and_strided_groups_with_its_timeout: (
+        "torch.distributed.device_mesh.DeviceMesh._unflatten",
+        "torch.distributed.ProcessGroup._get_backend",
     ),
 }
 

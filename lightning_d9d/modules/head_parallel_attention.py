@@ -14,7 +14,8 @@ it holds (under tp: of its tp rank's); a per-head parameter (attention sinks) is
 (:meth:`HeadParallelAttention.rank_heads`). Grouped key/value heads split alike when cp divides them; where
 fewer key/value heads than that, each is repeated before the exchange (:func:`kv_repeats`) until cp divides
 them, which keeps every query head's key/value head on its rank for ``kv_repeats`` times the key/value traffic.
-A query head count cp does not divide is refused (:func:`check_head_parallel`).
+Query heads that cp does not divide take :mod:`~lightning_d9d.modules.hybrid_attention` (heads split over part of
+the cp ranks, keys gathered over the rest).
 
 Both exchanges are ``torch.distributed``'s functional all-to-all with autograd (its backward is the all-to-all
 back), which ``torch.compile`` traces: :func:`~lightning_d9d.compat.all_to_all_autograd`.
@@ -51,19 +52,6 @@ def kv_repeats(heads: int, kv_heads: int, cp: int) -> int:
     """How many times each of ``kv_heads`` key/value heads is repeated so that cp divides them: 1 where it does;
     else ``cp / gcd(kv_heads, cp)``, which divides ``heads / kv_heads`` whenever cp divides ``heads``."""
     return cp // math.gcd(kv_heads, cp)
-
-
-def check_head_parallel(heads: int, cp: int, *, owner: str, tp: int = 1) -> None:
-    """Refuse, before any collective, query heads that cp does not divide: ``heads`` is the model's
-    ``num_attention_heads``, of which a tp rank holds ``heads / tp``. Key/value heads need no check: they are
-    repeated where cp does not divide them (:func:`kv_repeats`)."""
-    local = heads // tp
-    if local % cp:
-        of = f" (num_attention_heads {heads} / tp {tp})" if tp > 1 else " (num_attention_heads)"
-        raise ValueError(
-            f"{owner}: context_attention='heads' needs cp ({cp}) to divide the query heads of a rank, "
-            f"{local}{of}; choose a cp that divides {local}, or context_attention='all_gather'"
-        )
 
 
 class HeadParallelAttention(HeadParallelContext):

@@ -7,7 +7,9 @@ so it runs on the local tokens unchanged; attention sees the whole sequence's ke
 GPUs), or torch's ring kernels on CUDA (:class:`~lightning_d9d.modules.context_attention.TorchRingAttention`;
 packed batches, whose document mask it cannot take, on the all-gather path), or, asked for by name
 (``"heads"``), head-parallel: the heads split over the cp ranks around each block's own attention over the whole
-sequence (:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention`). The cp ranks of one data replica
+sequence (:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention`; where cp does not divide a
+rank's query heads, the heads split over ``gcd(heads, cp)`` ranks and the keys gathered over the rest:
+:mod:`~lightning_d9d.modules.hybrid_attention`). The cp ranks of one data replica
 get the same batch from the sampler; :func:`split_batch` cuts it (inputs and labels alike) before the model. The
 loss of each rank is its local tokens' mean, weighed by the strategy over the ``loss`` view (which includes cp)
 into the global token mean; FSDP shards over ``dp_shard * cp``.
@@ -15,6 +17,7 @@ into the global token mean; FSDP shards over ``dp_shard * cp``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
@@ -25,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.modules.attention import Attention
 from lightning_d9d.modules.context_attention import LoadBalancedSplit, context_attention
-from lightning_d9d.modules.head_parallel_attention import check_head_parallel
+from lightning_d9d.modules.hybrid_attention import head_group_size, hybrid_head_parallel
 from lightning_d9d.modules.inputs import ModelInputs
 
 
@@ -51,8 +54,9 @@ def parallelize_context(
 
     ``attention`` names the path (:func:`~lightning_d9d.modules.context_attention.context_attention`):
     ``"auto"`` (torch's ring kernels on CUDA, all-gather elsewhere), ``"all_gather"``, ``"torch_ring"`` or
-    ``"heads"`` (head-parallel; cp must divide each tp rank's query heads, ``num_heads / tp``, refused here
-    otherwise). Returns the split, which says what :func:`split_batch` cuts each batch into.
+    ``"heads"`` (head-parallel where cp divides each tp rank's query heads, ``num_heads / tp``; else the heads
+    split over ``gcd(num_heads / tp, cp)`` ranks and the keys gathered over the others, or, where that is 1, the
+    all-gather path). Returns the split, which says what :func:`split_batch` cuts each batch into.
     """
     if cp_mesh.ndim != 1:
         raise ValueError(
@@ -64,12 +68,18 @@ def parallelize_context(
             f"parallelize_context: {type(module).__name__} has no lightning_d9d Attention module to split the "
             "sequence for; build its attention from lightning_d9d.modules.Attention, or use cp=1"
         )
+    cp = cp_mesh.size()
+    split = LoadBalancedSplit(cp, cp_mesh.get_local_rank())
     heads = attention == "heads"
-    if heads:  # before the mesh's group runs anything
-        for submodule in attentions:
-            check_head_parallel(submodule.num_heads, cp_mesh.size(), owner=type(module).__name__, tp=tp)
-    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attend = context_attention(split, cp_mesh, attention)
+    group = head_group_size(math.gcd(*(submodule.num_heads // tp for submodule in attentions)), cp)
+    if heads and group < cp:  # each rank's query rows of the mask, as on the all-gather path
+        heads = False
+        attention = "all_gather" if group == 1 else attention
+    attend = (
+        hybrid_head_parallel(split, cp_mesh, group)
+        if attention == "heads" and not heads
+        else context_attention(split, cp_mesh, attention)
+    )
     for submodule in attentions:
         submodule.context = attend
     for aware in module.modules():

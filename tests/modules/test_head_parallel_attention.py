@@ -19,10 +19,12 @@ from lightning_d9d import D9DStrategy
 from lightning_d9d.mesh import ParallelDims
 from lightning_d9d.models import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
-from lightning_d9d.modules.head_parallel_attention import (
-    HeadParallelAttention,
-    check_head_parallel,
-    kv_repeats,
+from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention, kv_repeats
+from lightning_d9d.modules.hybrid_attention import (
+    GroupedSplit,
+    HeadGroupLayout,
+    HybridHeadParallelAttention,
+    head_group_size,
 )
 from lightning_d9d.modules.loss import causal_lm_loss
 from lightning_d9d.plans import ParallelOptions, split_batch
@@ -36,6 +38,19 @@ CASES: dict[str, tuple[str, dict[str, Any], bool, bool | str]] = {
     "qwen3_one_kv_head": ("qwen3", {"num_key_value_heads": 1}, False, False),  # the kv head repeated
     "qwen3_packed": ("qwen3", {}, True, "selective"),  # the whole rows' document mask; recompute
     "qwen3_moe": ("moe", {}, False, True),
+}
+
+
+# cp=4 with query heads it does not divide: heads split over gcd(heads, 4) = 2 ranks, keys gathered over 2
+HYBRID_CASES: dict[str, tuple[str, dict[str, Any], bool, bool | str]] = {
+    "qwen3_two_heads": ("qwen3", {"num_attention_heads": 2, "num_key_value_heads": 1}, False, False),
+    "qwen3_six_heads_packed": (
+        "qwen3",
+        {"num_attention_heads": 6, "num_key_value_heads": 2},
+        True,
+        "selective",
+    ),
+    "qwen3_moe_two_heads": ("moe", {"num_attention_heads": 2, "num_key_value_heads": 2}, False, False),
 }
 
 
@@ -141,6 +156,37 @@ def runs() -> list[dict[str, Any]]:
     return run_distributed(_head_parallel_runs, 2)
 
 
+def _hybrid_runs() -> dict[str, Any]:
+    dims = ParallelDims(cp=4).resolve(dist.get_world_size()).build_mesh("cpu")
+    cp_mesh = dims.mesh_for("cp")
+    split = LoadBalancedSplit(4, cp_mesh.get_local_rank())
+    results: dict[str, Any] = {}
+    for name, (kind, overrides, packed, recompute) in HYBRID_CASES.items():
+        model = build(kind, overrides)
+        model.parallelize(
+            dims, ParallelOptions(context_attention="heads", activation_checkpointing=recompute)
+        )
+        attention = model.get_submodule("model.layers.0.self_attn")
+        inner = getattr(attention, "_checkpoint_wrapped_module", attention)
+        assert isinstance(inner.context, HybridHeadParallelAttention), inner.context
+        losses = train(model, packed=packed, split=split)
+        params = {
+            n.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
+            for n, p in model.named_parameters()
+        }
+        results[name] = {"losses": losses, "params": params}
+    # 3 query heads share no divisor with cp=4: no two ranks can split them, the all-gather path runs
+    model = build("qwen3", {"num_attention_heads": 3, "num_key_value_heads": 1})
+    model.parallelize(dims, ParallelOptions(context_attention="heads"))
+    results["three_heads_path"] = type(model.get_submodule("model.layers.0.self_attn").context).__name__
+    return results
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs() -> list[dict[str, Any]]:
+    return run_distributed(_hybrid_runs, 4)
+
+
 def test_the_exchanges_give_each_rank_its_heads_of_the_whole_sequence(runs: list[dict[str, Any]]) -> None:
     for rank in runs:
         assert max(rank["exchanges"].values()) == 0.0, rank["exchanges"]
@@ -162,6 +208,39 @@ def test_cp2_heads_trains_like_one_process(case: str, runs: list[dict[str, Any]]
         assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
 
 
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_cp4_heads_cp_does_not_divide_trains_like_one_process(
+    case: str, hybrid_runs: list[dict[str, Any]]
+) -> None:
+    kind, overrides, packed, _ = HYBRID_CASES[case]
+    reference = build(kind, overrides)
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    expected = train(reference, packed=packed)
+    got = hybrid_runs[0][case]
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) <= TOLERANCE
+    assert all(rank[case]["losses"] == got["losses"] for rank in hybrid_runs)
+    moved = max(float((p.detach() - start[n]).abs().max()) for n, p in reference.named_parameters())
+    assert moved > 1e-3
+    for n, p in reference.named_parameters():
+        assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
+
+
+def test_a_head_group_holds_its_members_positions_in_order() -> None:
+    """cp=8 in head groups of 2 (4 key groups): group 1 holds base ranks 2 and 3's chunks, ascending; the members'
+    parts, member after member, are the group's positions taken in held order, and gather order undoes it."""
+    seq = 32  # 16 chunks of 2
+    group = GroupedSplit(4, 1, group_size=2)
+    assert group.positions(seq).tolist() == [4, 5, 6, 7, 24, 25, 26, 27]
+    base = LoadBalancedSplit(8, 0)
+    layout = HeadGroupLayout(group, member=1)
+    ascending = group.positions(seq)
+    parts = torch.cat([base.positions(seq, rank=2), base.positions(seq, rank=3)])
+    assert torch.equal(ascending[layout.held_order(seq // 4)], parts)
+    assert torch.equal(parts[layout.gather_order(seq // 4)], ascending)
+    every = torch.cat([group.positions(seq, rank=g) for g in range(4)])
+    assert sorted(every.tolist()) == list(range(seq))  # the key groups' positions tile the sequence
+
+
 def test_kv_repeats_make_cp_divide_the_kv_heads() -> None:
     assert kv_repeats(4, 2, 2) == 1
     assert kv_repeats(4, 1, 2) == 2
@@ -169,18 +248,11 @@ def test_kv_repeats_make_cp_divide_the_kv_heads() -> None:
     assert kv_repeats(24, 3, 8) == 8 and (24 // 3) % 8 == 0
 
 
-def test_query_heads_cp_does_not_divide_are_refused_with_the_numbers_and_the_fix() -> None:
-    check_head_parallel(8, 4, owner="Qwen3ForCausalLM", tp=2)
-    with pytest.raises(
-        ValueError,
-        match=r"^Qwen3ForCausalLM: context_attention='heads' needs cp \(4\) to divide the query heads of a rank, 6 "
-        r"\(num_attention_heads\); choose a cp that divides 6, or context_attention='all_gather'$",
-    ):
-        check_head_parallel(6, 4, owner="Qwen3ForCausalLM")
-    with pytest.raises(
-        ValueError, match=r"cp \(4\) to divide the query heads of a rank, 2 \(num_attention_heads 8 / tp 4\)"
-    ):
-        check_head_parallel(8, 4, owner="Qwen3ForCausalLM", tp=4)
+def test_query_heads_no_two_cp_ranks_can_split_take_the_all_gather_path(
+    hybrid_runs: list[dict[str, Any]],
+) -> None:
+    assert head_group_size(8, 4) == 4 and head_group_size(6, 4) == 2 and head_group_size(3, 4) == 1
+    assert all(rank["three_heads_path"] == "AllGatherAttention" for rank in hybrid_runs)
 
 
 def test_the_strategy_takes_heads_and_refuses_other_names_when_built() -> None:

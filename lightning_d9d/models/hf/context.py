@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_d9d.models.hf.head_parallel import head_parallel_forward, keep_own_attention
+from lightning_d9d.modules.attention import ContextAttentionFn, HeadParallelContext
 from lightning_d9d.modules.context_attention import (
     AllGatherAttention,
     LoadBalancedSplit,
@@ -65,6 +66,11 @@ from lightning_d9d.modules.context_attention import (
 )
 from lightning_d9d.modules.documents import document_causal_mask, document_ids
 from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention
+from lightning_d9d.modules.hybrid_attention import (
+    HybridHeadParallelAttention,
+    head_group_size,
+    hybrid_head_parallel,
+)
 
 #: The name our context-parallel attention is registered under in ``transformers``' attention interface.
 CONTEXT_ATTENTION_NAME = "lightning_d9d_context"
@@ -126,11 +132,18 @@ def parallelize_hf_context(
             f"parallelize_hf_context: found no attention module in {type(model).__name__} (a module with a "
             "config and is_causal, as transformers' attention classes have); use cp=1"
         )
-    attention = _attention_path(model, attentions, cp_mesh.size(), attention)
-    if attention == "heads":  # before the configs name our attention
-        keep_own_attention(model, attentions, cp_mesh.size(), tp)
-    split = LoadBalancedSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attend = context_attention(split, cp_mesh, attention)
+    cp = cp_mesh.size()
+    attention = _attention_path(model, attentions, cp, attention)
+    split = LoadBalancedSplit(cp, cp_mesh.get_local_rank())
+    attend: ContextAttentionFn | HeadParallelContext
+    group = head_group_size(math.gcd(*(_query_heads(module) // tp for module in attentions)), cp)
+    if attention == "heads" and group == cp:  # before the configs name our attention
+        keep_own_attention(model, attentions)
+        attend = context_attention(split, cp_mesh, attention)
+    elif attention == "heads" and group > 1:
+        attend = hybrid_head_parallel(split, cp_mesh, group)
+    else:  # no two cp ranks can split the query heads: the all-gather path
+        attend = context_attention(split, cp_mesh, "all_gather" if attention == "heads" else attention)
     for module in attentions:
         setattr(module, _ATTEND, attend)
     register_context_attention()
@@ -193,6 +206,13 @@ def _attention_path(model: nn.Module, attentions: list[nn.Module], cp: int, atte
     return "all_gather"
 
 
+def _query_heads(module: nn.Module) -> int:
+    """The model's query heads (``num_attention_heads`` of the module's config), of which a tp rank holds
+    ``1 / tp``."""
+    config: Any = module.config
+    return int(config.num_attention_heads)
+
+
 def _attention_window(module: nn.Module) -> int | None:
     """The sliding window ``transformers`` hands ``module``'s attention: its own ``sliding_window`` where it has
     one (Gemma2/3, GPT-OSS, Qwen2/3: set on ``"sliding_attention"`` layers only), else its config's where the
@@ -243,6 +263,37 @@ def context_attention_forward(
             module, attend, query, key, value, attention_mask, dropout, scaling, sliding_window, **kwargs
         )
         return out, None
+    if isinstance(attend, HybridHeadParallelAttention):
+        # this rank's heads of its head group's positions, then the all-gather path over the key group
+        mine = attend.rank_heads(query.shape[1])
+        query, key, value = attend.to_heads(query, key, value)
+        sinks = kwargs.get("s_aux")
+        if isinstance(sinks, torch.Tensor):
+            kwargs["s_aux"] = sinks[mine]
+        rows = None if attention_mask is None else attend.group_rows(attention_mask)
+        out = _all_gather_forward(
+            module, attend.gather, query, key, value, rows, scaling, sliding_window, kwargs
+        )
+        return attend.to_sequence(out).transpose(1, 2).contiguous(), None
+    out = _all_gather_forward(
+        module, attend, query, key, value, attention_mask, scaling, sliding_window, kwargs
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _all_gather_forward(
+    module: nn.Module,
+    attend: AllGatherAttention | TorchRingAttention,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None,
+    sliding_window: int | None,
+    kwargs: dict[str, Any],
+) -> torch.Tensor:
+    """This rank's queries against the whole sequence's keys (all-gather or torch's ring path):
+    ``[B, heads, T / cp, head_dim]`` in and out."""
     sinks, softcap = kwargs.get("s_aux"), kwargs.get("softcap")
     head_dim = query.shape[-1]
     if (sinks is not None or softcap is not None) and not isinstance(attend, AllGatherAttention):
@@ -250,30 +301,28 @@ def context_attention_forward(
         raise NotImplementedError(
             f"attention sinks or a logit soft cap under {attend!r}: use context_attention='all_gather'"
         )
-    if sinks is not None:
+    if sinks is not None and isinstance(attend, AllGatherAttention):
         if softcap is not None:
             raise NotImplementedError(
                 f"{type(module).__name__}: context-parallel attention with both sinks and a logit soft cap "
                 f"(softcap={softcap}); use cp=1"
             )
         scale = head_dim**-0.5 if scaling is None else scaling
-        out = _attention_with_sinks(attend, query, key, value, attention_mask, sinks, scale, sliding_window)
-        return out.transpose(1, 2).contiguous(), None
+        return _attention_with_sinks(attend, query, key, value, attention_mask, sinks, scale, sliding_window)
     if scaling is not None and not math.isclose(scaling, head_dim**-0.5, rel_tol=1e-12):
         query = query * (scaling * math.sqrt(head_dim))  # our kernels scale by 1 / sqrt(head_dim)
     if attention_mask is None:
         if isinstance(attend, AllGatherAttention):
-            out = attend(query, key, value, window=sliding_window, softcap=softcap)
-        else:  # torch's ring path: no soft cap (refused above); a window it hands to the all-gather path
-            out = attend(query, key, value, window=sliding_window)
-    elif isinstance(attend, AllGatherAttention):
-        out = _masked_attention(attend, query, key, value, attention_mask, sliding_window, softcap)
-    else:
-        raise NotImplementedError(
-            f"an attention_mask under {attend!r}: torch's ring kernels know only the causal mask; pass no "
-            "attention_mask (pad with labels = -100), or D9DStrategy(context_attention='all_gather')"
-        )
-    return out.transpose(1, 2).contiguous(), None
+            return attend(query, key, value, window=sliding_window, softcap=softcap)
+        return attend(
+            query, key, value, window=sliding_window
+        )  # torch's ring path: no soft cap (refused above)
+    if isinstance(attend, AllGatherAttention):
+        return _masked_attention(attend, query, key, value, attention_mask, sliding_window, softcap)
+    raise NotImplementedError(
+        f"an attention_mask under {attend!r}: torch's ring kernels know only the causal mask; pass no "
+        "attention_mask (pad with labels = -100), or D9DStrategy(context_attention='all_gather')"
+    )
 
 
 def _masked_attention(

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from lightning_d9d.modules.context_attention import window_band
-from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention, check_head_parallel
+from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention
 
 #: The attention implementations whose function head-parallel cp runs (masks built here in their format).
 HEAD_PARALLEL_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -38,10 +38,10 @@ _OWN_ATTENTION = "_d9d_own_attention"
 AttentionFunction = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def keep_own_attention(model: nn.Module, attentions: list[nn.Module], cp: int, tp: int) -> None:
+def keep_own_attention(model: nn.Module, attentions: list[nn.Module]) -> None:
     """Before the adapter points the configs at its own attention: each attention module keeps the function its
-    config names now; refused (before any collective) where it is not one of :data:`HEAD_PARALLEL_IMPLEMENTATIONS`,
-    where the family has no eager function, or where cp does not divide a tp rank's query heads."""
+    config names now; refused (before any collective) where it is not one of :data:`HEAD_PARALLEL_IMPLEMENTATIONS`
+    or where the family has no eager function."""
     name = type(model).__name__
     for module in attentions:
         config: Any = module.config
@@ -53,7 +53,6 @@ def keep_own_attention(model: nn.Module, attentions: list[nn.Module], cp: int, t
                 f"asks for {implementation!r}: load the model with attn_implementation='sdpa' (or 'eager'), or "
                 "use context_attention='all_gather'"
             )
-        check_head_parallel(config.num_attention_heads, cp, owner=name, tp=tp)
         setattr(module, _OWN_ATTENTION, (implementation, _own_function(module, implementation)))
 
 

@@ -88,6 +88,9 @@ class Layout:
     micro_steps: int = 1  # forward + backward per optimizer step, each on its part of the rank's rows
     lora: LoRA | None = None  # adapters on the layers it names, applied before every other plan
     expert_tensor_parallel: bool = False  # under tp: each expert split over the tp ranks
+    # under cp with context_attention="heads": cp does not divide a rank's query heads (heads split over part of
+    # the cp ranks, keys gathered over the rest)
+    hybrid_heads: bool = False
 
     def one_rank(self) -> Layout:
         """The one-rank run this layout is held to: the same model and FP8 recipe, no parallelism. Under FP8 it
@@ -316,6 +319,8 @@ def assert_applied(layout: Layout, ranks: list[dict[str, Any]], reference: list[
             "torch_ring": ["TorchRingAttention"],
             "heads": ["HeadParallelAttention"],
         }
+        if layout.hybrid_heads:
+            expected_attention["heads"] = ["HybridHeadParallelAttention"]
         assert facts["attention"] == (
             expected_attention[layout.context_attention] if dims.get("cp", 1) > 1 else []
         )

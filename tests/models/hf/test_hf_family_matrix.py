@@ -86,6 +86,8 @@ DEGREES: dict[str, dict[str, int]] = {
     "tp2 tied": {"tp": 2},
     "pp2 tied": {"pp": 2},
 }
+HYBRID = "cp4 heads (2 query heads)"
+TWO_HEADS = {"num_attention_heads": 2, "num_key_value_heads": 1}
 # The degrees composed, on 4 ranks, for the families that take each.
 COMPOSED: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "tp2 x dp_shard2": ({"tp": 2, "dp_shard": 2}, ("llama", "qwen3", "gemma3", "qwen3_moe")),
@@ -93,6 +95,8 @@ COMPOSED: dict[str, tuple[dict[str, int], tuple[str, ...]]] = {
     "cp2 x tp2": ({"cp": 2, "tp": 2}, ("llama", "qwen3", "mistral")),
     "ep2 x dp_shard4": ({"dp_shard": 4, "ep": 2}, ("qwen3_moe", "mixtral")),
     "pp2 x ep2": ({"pp": 2, "dp_shard": 2, "ep": 2}, ("qwen3_moe", "mixtral")),
+    # 2 query heads (1 key/value head), which cp=4 does not divide: heads over 2 ranks, keys gathered over 2
+    HYBRID: ({"cp": 4}, ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")),
 }
 
 # (family, degree) -> (a pattern the error must match, the reason the docs give). Only real impossibilities.
@@ -114,17 +118,24 @@ def shape_for(family: str, degree: str) -> Shape:
     fields = dict(MATRIX_FIELDS.get(family, {}))
     if degree.endswith("tied"):
         fields["tie_word_embeddings"] = True
+    if degree == HYBRID:
+        fields.update(TWO_HEADS)
     return Shape(layers=CPU.layers, steps=STEPS, model=fields)
 
 
-def layout_for(family: str, dims: dict[str, int], *, heads: bool = False) -> Layout:
+def variant(degree: str) -> str:
+    """The degree whose model fields a case's reference run takes: untied, tied or two-headed."""
+    return "tied" if degree.endswith("tied") else HYBRID if degree == HYBRID else ""
+
+
+def layout_for(family: str, dims: dict[str, int], *, heads: bool = False, hybrid: bool = False) -> Layout:
     world = 1
     for degree in dims.values():
         world *= degree
     if "ep" in dims:
         world //= dims["ep"]  # ep's ranks are the data-parallel ones
-    context = ("heads" if heads else "all_gather") if "cp" in dims else "auto"
-    return Layout(family, world, dims, context_attention=context)
+    context = ("heads" if heads or hybrid else "all_gather") if "cp" in dims else "auto"
+    return Layout(family, world, dims, context_attention=context, hybrid_heads=hybrid)
 
 
 def cases() -> dict[str, tuple[str, str, Layout]]:
@@ -140,7 +151,7 @@ def cases() -> dict[str, tuple[str, str, Layout]]:
                 )
     for degree, (dims, families) in COMPOSED.items():
         for family in families:
-            found[f"{family}/{degree}"] = (family, degree, layout_for(family, dims))
+            found[f"{family}/{degree}"] = (family, degree, layout_for(family, dims, hybrid=degree == HYBRID))
     return found
 
 
@@ -157,14 +168,14 @@ def outcomes() -> dict[str, Any]:
 
 
 @functools.cache
-def reference(family: str, tied: bool) -> dict[str, Any]:
-    fields = shape_for(family, "tied" if tied else "").model
+def reference(family: str, kind: str) -> dict[str, Any]:
+    fields = shape_for(family, kind).model
     return reference_run(tiny_causal_lm(family, layers=CPU.layers, **fields), STEPS)
 
 
 @functools.cache
-def start(family: str, tied: bool) -> dict[str, torch.Tensor]:
-    return start_parameters(Layout(family), shape_for(family, "tied" if tied else ""))
+def start(family: str, kind: str) -> dict[str, torch.Tensor]:
+    return start_parameters(Layout(family), shape_for(family, kind))
 
 
 @functools.cache
@@ -186,14 +197,14 @@ def outcome(name: str) -> str:
         assert_applied(layout, got["facts"], reference_facts)
     except AssertionError as error:
         return f"not applied: {error}"
-    expected = reference(family, degree.endswith("tied"))
+    expected = reference(family, variant(degree))
     params = dict(got["params"])
     if "lm_head.weight" in params and "lm_head.weight" not in expected["params"]:
         # a tied head on another pipeline stage than the embedding: its own copy, which must stay the same
         head, embedding = params.pop("lm_head.weight"), params["model.embed_tokens.weight"]
         if not torch.allclose(head, embedding, rtol=0, atol=1e-6):
             return f"the tied head and embedding drifted apart: {(head - embedding).abs().max():.3g}"
-    errors = differences({**got, "params": params}, expected, start(family, degree.endswith("tied")))
+    errors = differences({**got, "params": params}, expected, start(family, variant(degree)))
     worse = {key: errors[key] for key, band in FP32_BAND.items() if errors[key] > band}
     if worse or errors["steps"] != STEPS or errors["moved"] <= 0.1:  # (about 0.5 when trained)
         return f"differs: {errors}"
