@@ -119,8 +119,9 @@ def parallelize_hf_context(
     model: nn.Module, cp_mesh: DeviceMesh, attention: str = "auto", *, tp: int = 1
 ) -> LoadBalancedSplit:
     """Context parallelism over the 1-D ``cp_mesh`` for a ``transformers`` model, in place (see the module's
-    docstring); ``attention`` names the path (``"auto"``, ``"all_gather"``, ``"torch_ring"``, ``"heads"``: cp must
-    divide the query heads of a tp rank, ``num_attention_heads / tp``). Returns the split."""
+    docstring); ``attention`` names the path (``"auto"``, ``"all_gather"``, ``"torch_ring"``, ``"heads"``: where cp
+    does not divide a tp rank's query heads, ``num_attention_heads / tp``, the heads split over ``gcd`` of the two
+    and the keys gathered over the rest). Returns the split."""
     if cp_mesh.ndim != 1:
         raise ValueError(
             f"parallelize_hf_context needs the 1-D cp mesh, got {cp_mesh.ndim}-D {cp_mesh.mesh_dim_names}"
