@@ -337,6 +337,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def data_parallel_ranks(world: int, *, pp: int, dp_replicate: int, dp_shard: int, tp: int) -> int:
+    """The ranks that each take ``batch_size / dp`` rows: ``dp_replicate x dp_shard``, where ``dp_shard=-1`` is what
+    ``pp``, ``dp_replicate`` and ``tp`` leave of the world."""
+    shard = world // (pp * dp_replicate * tp) if dp_shard == -1 else dp_shard
+    return dp_replicate * shard
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     L.seed_everything(args.seed, verbose=False)
@@ -348,10 +355,8 @@ def main(argv: list[str] | None = None) -> None:
         overrides["router_selection_bias"] = True
     config = MODELS[TRANSFORMERS_MODELS.get(args.model, args.model)](**overrides)
     world = args.devices * args.num_nodes
-    dp = (
-        world // (args.pp * args.dp_replicate * args.tp)
-        if args.dp_shard == -1
-        else args.dp_replicate * args.dp_shard
+    dp = data_parallel_ranks(
+        world, pp=args.pp, dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp
     )
     if args.batch_size % (dp * args.accumulate):
         raise SystemExit(

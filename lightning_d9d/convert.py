@@ -210,7 +210,8 @@ def _refuse_merge_without_base(checkpoint: Path, meta: dict[str, Any]) -> None:
 
 
 def _config_from_meta(checkpoint: Path) -> dict[str, Any] | None:
-    """The HF config that ``LoadHFWeights`` / ``ExportHF`` recorded in the checkpoint's callback states."""
+    """The HF config recorded in the checkpoint: by ``LoadHFWeights`` / ``ExportHF`` in their callback states, or
+    by the strategy at save time (:func:`~lightning_d9d.state.training.recorded_hf_config`)."""
     try:
         meta = read_meta(checkpoint, weights_only=True, map_location="cpu")
     except CheckpointError:  # missing, or a custom object in the hyper-parameters: then --config is needed
@@ -397,8 +398,9 @@ def _checkpoint_config(
         found = _config_from_meta(checkpoint)
         if found is None:
             raise CheckpointError(
-                f"{checkpoint} records no Hugging Face config (runs with LoadHFWeights or ExportHF record one): "
-                "pass --config with the model's config.json or its Hugging Face directory"
+                f"{checkpoint} records no Hugging Face config (the strategy records the model's where it has one, "
+                "LoadHFWeights and ExportHF theirs): pass --config with the model's config.json or its Hugging "
+                "Face directory"
             )
         config, config_path = found, f"the config recorded in {checkpoint / META_NAME}"
     left_out = code_fields(config)
@@ -645,7 +647,7 @@ def _add_common(parser: argparse.ArgumentParser) -> None:
         "--stats",
         action="store_true",
         help="print a last line of JSON: seconds, bytes, largest group, shard size, RSS before converting and "
-        "peak RSS (getrusage)",
+        "peak RSS since then (VmHWM)",
     )
 
 
@@ -683,8 +685,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--config",
         metavar="PATH",
         help="the model's config.json, or a Hugging Face directory holding one (its tokenizer and other "
-        "non-weight files are copied too, symbolic links not). Default: the config recorded in the checkpoint "
-        "by LoadHFWeights or ExportHF",
+        "non-weight files are copied too, symbolic links and code not). Default: the config recorded in the "
+        "checkpoint (by the strategy for a model with one, or by LoadHFWeights or ExportHF)",
     )
     dcp.add_argument(
         "--prefix",

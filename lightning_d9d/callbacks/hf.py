@@ -76,7 +76,7 @@ def find_hf_model(pl_module: pl.LightningModule, module_attr: str | None = None)
 
 # "owner/name", as the Hugging Face Hub names a model (Qwen/Qwen3-0.6B): a path of that form that is no local folder
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
-_DOWNLOAD = "huggingface-cli download Qwen/Qwen3-0.6B --local-dir qwen3-0.6b"
+_DOWNLOAD = "hf download Qwen/Qwen3-0.6B --local-dir qwen3-0.6b"
 
 
 def _listing(folder: Path, limit: int = 5) -> str:
@@ -93,7 +93,7 @@ def _missing_folder(given: str, path: Path) -> str:
         return (
             f"LoadHFWeights({given!r}): no local folder {given} (relative to {Path.cwd()}). It looks like a "
             "Hugging Face Hub id, but LoadHFWeights reads a local folder and never downloads: download it first, "
-            f"`huggingface-cli download {given} --local-dir {local}`, then pass LoadHFWeights({local!r})"
+            f"`hf download {given} --local-dir {local}`, then pass LoadHFWeights({local!r})"
         )
     return (
         f"LoadHFWeights({given!r}): the folder {path.absolute()} does not exist. Pass the local folder of a Hugging "
@@ -148,8 +148,8 @@ class LoadHFWeights(Callback):
 
     ``path`` is a *local folder*: ``config.json`` and safetensors weights (``model.safetensors``, or
     ``model.safetensors.index.json`` and its shards), as ``save_pretrained`` writes them or
-    ``huggingface-cli download <owner/name> --local-dir <folder>`` fetches them. Nothing is ever downloaded. A path
-    that is no such folder (missing, a file, a Hub id such as ``Qwen/Qwen3-0.6B``, a folder without
+    ``hf download <owner/name> --local-dir <folder>`` (``huggingface-cli download`` before ``huggingface_hub`` 1.0)
+    fetches them. Nothing is ever downloaded. A path that is no such folder (missing, a file, a Hub id such as ``Qwen/Qwen3-0.6B``, a folder without
     ``config.json`` or weights, a training checkpoint, a peft adapter) is refused when the callback is built,
     before any process starts, with the fix.
 

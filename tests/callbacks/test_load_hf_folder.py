@@ -44,7 +44,7 @@ def test_a_hub_id_is_refused_with_the_download_command(
     message = str(caught.value)
     assert message.startswith("LoadHFWeights('Qwen/Qwen3-0.6B'): no local folder Qwen/Qwen3-0.6B")
     assert "never downloads" in message
-    assert "`huggingface-cli download Qwen/Qwen3-0.6B --local-dir qwen3-0.6b`" in message
+    assert "`hf download Qwen/Qwen3-0.6B --local-dir qwen3-0.6b`" in message
     assert "LoadHFWeights('qwen3-0.6b')" in message
     # the same name as a folder that exists is a local folder, not a Hub id
     model_folder(tmp_path / "Qwen" / "Qwen3-0.6B", "config.json", "model.safetensors")
@@ -56,7 +56,7 @@ def test_a_missing_folder_is_refused_naming_it(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=re.escape(f"the folder {missing} does not exist")) as caught:
         LoadHFWeights(missing)
     assert str(caught.value).startswith(f"LoadHFWeights({str(missing)!r})")
-    assert "never downloads: `huggingface-cli download" in str(caught.value)
+    assert "never downloads: `hf download" in str(caught.value)
 
 
 def test_a_file_is_refused_naming_its_folder(tmp_path: Path) -> None:

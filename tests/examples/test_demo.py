@@ -104,3 +104,11 @@ def _converts_without_config_and_transformers_reproduces_the_validation_loss(
     print(f"demo val/loss {val_loss:.4f}, transformers on the converted checkpoint {float(loss):.4f}")
     # val_loss is printed to 4 decimals (5e-5); without the selection bias transformers is 4e-4 off here
     assert abs(float(loss) - val_loss) < 2e-4
+
+
+def test_the_demo_splits_its_batch_over_the_data_parallel_ranks() -> None:
+    ranks = _example_module().data_parallel_ranks
+    assert ranks(2, pp=1, dp_replicate=1, dp_shard=-1, tp=1) == 2
+    assert ranks(4, pp=1, dp_replicate=2, dp_shard=-1, tp=1) == 4  # 2 replicas of 2 shards: 4 take rows
+    assert ranks(8, pp=2, dp_replicate=2, dp_shard=-1, tp=1) == 4
+    assert ranks(8, pp=1, dp_replicate=1, dp_shard=2, tp=2) == 2
