@@ -129,26 +129,34 @@ def _exchanges(split: LoadBalancedSplit, group: dist.ProcessGroup) -> dict[str, 
     return errors
 
 
-def _head_parallel_runs() -> dict[str, Any]:
-    dims = ParallelDims(cp=2).resolve(dist.get_world_size()).build_mesh("cpu")
-    cp_mesh = dims.mesh_for("cp")
-    split = LoadBalancedSplit(2, cp_mesh.get_local_rank())
-    results: dict[str, Any] = {"exchanges": _exchanges(split, cp_mesh.get_group())}
-    for name, (kind, overrides, packed, recompute) in CASES.items():
+def _train_cases(
+    cp: int, cases: dict[str, tuple[str, dict[str, Any], bool, bool | str]], path: type
+) -> tuple[dict[str, Any], ParallelDims, LoadBalancedSplit]:
+    """Each case trained under cp with ``context_attention="heads"``, its attention checked to be ``path``:
+    losses and parameters by case name (and the mesh and split, for more)."""
+    dims = ParallelDims(cp=cp).resolve(dist.get_world_size()).build_mesh("cpu")
+    split = LoadBalancedSplit(cp, dims.mesh_for("cp").get_local_rank())
+    results: dict[str, Any] = {}
+    for name, (kind, overrides, packed, recompute) in cases.items():
         model = build(kind, overrides)
         model.parallelize(
             dims, ParallelOptions(context_attention="heads", activation_checkpointing=recompute)
         )
         attention = model.get_submodule("model.layers.0.self_attn")
         inner = getattr(attention, "_checkpoint_wrapped_module", attention)
-        assert isinstance(inner.context, HeadParallelAttention), inner.context
+        assert isinstance(inner.context, path), inner.context
         losses = train(model, packed=packed, split=split)
         params = {
             n.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
             for n, p in model.named_parameters()
         }
         results[name] = {"losses": losses, "params": params}
-    return results
+    return results, dims, split
+
+
+def _head_parallel_runs() -> dict[str, Any]:
+    results, dims, split = _train_cases(2, CASES, HeadParallelAttention)
+    return {**results, "exchanges": _exchanges(split, dims.mesh_for("cp").get_group())}
 
 
 @pytest.fixture(scope="module")
@@ -157,24 +165,7 @@ def runs() -> list[dict[str, Any]]:
 
 
 def _hybrid_runs() -> dict[str, Any]:
-    dims = ParallelDims(cp=4).resolve(dist.get_world_size()).build_mesh("cpu")
-    cp_mesh = dims.mesh_for("cp")
-    split = LoadBalancedSplit(4, cp_mesh.get_local_rank())
-    results: dict[str, Any] = {}
-    for name, (kind, overrides, packed, recompute) in HYBRID_CASES.items():
-        model = build(kind, overrides)
-        model.parallelize(
-            dims, ParallelOptions(context_attention="heads", activation_checkpointing=recompute)
-        )
-        attention = model.get_submodule("model.layers.0.self_attn")
-        inner = getattr(attention, "_checkpoint_wrapped_module", attention)
-        assert isinstance(inner.context, HybridHeadParallelAttention), inner.context
-        losses = train(model, packed=packed, split=split)
-        params = {
-            n.replace("._checkpoint_wrapped_module", ""): full(p).detach().clone()
-            for n, p in model.named_parameters()
-        }
-        results[name] = {"losses": losses, "params": params}
+    results, dims, _ = _train_cases(4, HYBRID_CASES, HybridHeadParallelAttention)
     # 3 query heads share no divisor with cp=4: no two ranks can split them, the all-gather path runs
     model = build("qwen3", {"num_attention_heads": 3, "num_key_value_heads": 1})
     model.parallelize(dims, ParallelOptions(context_attention="heads"))
@@ -192,15 +183,16 @@ def test_the_exchanges_give_each_rank_its_heads_of_the_whole_sequence(runs: list
         assert max(rank["exchanges"].values()) == 0.0, rank["exchanges"]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cp2_heads_trains_like_one_process(case: str, runs: list[dict[str, Any]]) -> None:
-    kind, overrides, packed, _ = CASES[case]
+def _trains_like_one_process(
+    spec: tuple[str, dict[str, Any], bool, bool | str], case: str, ranks: list[Any]
+) -> None:
+    kind, overrides, packed, _ = spec
     reference = build(kind, overrides)
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
     expected = train(reference, packed=packed)
-    got = runs[0][case]
+    got = ranks[0][case]
     assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) <= TOLERANCE
-    assert runs[1][case]["losses"] == got["losses"]
+    assert all(rank[case]["losses"] == got["losses"] for rank in ranks)
     assert set(got["params"]) == set(start)
     moved = max(float((p.detach() - start[n]).abs().max()) for n, p in reference.named_parameters())
     assert moved > 1e-3  # the steps changed the parameters
@@ -208,21 +200,16 @@ def test_cp2_heads_trains_like_one_process(case: str, runs: list[dict[str, Any]]
         assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_cp2_heads_trains_like_one_process(case: str, runs: list[dict[str, Any]]) -> None:
+    _trains_like_one_process(CASES[case], case, runs)
+
+
 @pytest.mark.parametrize("case", list(HYBRID_CASES))
 def test_cp4_heads_cp_does_not_divide_trains_like_one_process(
     case: str, hybrid_runs: list[dict[str, Any]]
 ) -> None:
-    kind, overrides, packed, _ = HYBRID_CASES[case]
-    reference = build(kind, overrides)
-    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    expected = train(reference, packed=packed)
-    got = hybrid_runs[0][case]
-    assert max(abs(a - b) for a, b in zip(got["losses"], expected, strict=True)) <= TOLERANCE
-    assert all(rank[case]["losses"] == got["losses"] for rank in hybrid_runs)
-    moved = max(float((p.detach() - start[n]).abs().max()) for n, p in reference.named_parameters())
-    assert moved > 1e-3
-    for n, p in reference.named_parameters():
-        assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
+    _trains_like_one_process(HYBRID_CASES[case], case, hybrid_runs)
 
 
 def test_a_head_group_holds_its_members_positions_in_order() -> None:
