@@ -1,7 +1,7 @@
 """Every private Lightning and torch name lightning_d9d depends on, in one place, and the tested versions.
 
 A private name (a leading underscore, a module path with one, an undocumented internal or calling convention)
-can change in any release. :data:`PRIVATE_NAMES` lists each one we use: where it lives, which of our files use
+can change in any version. :data:`PRIVATE_NAMES` lists each one we use: where it lives, which of our files use
 it, and why. Code reaches them only through this module (the typed aliases and helpers below);
 ``tests/test_compat.py`` pins the behaviour we rely on for every entry (its ``PINNED_BY``).
 
@@ -56,7 +56,7 @@ def installed_versions() -> dict[str, str]:
     return {"torch": str(torch.__version__), "lightning": str(lightning.__version__)}
 
 
-def _release(version: str) -> tuple[int, ...]:
+def _version_numbers(version: str) -> tuple[int, ...]:
     """``"2.13.0+cpu"`` -> ``(2, 13, 0)``; ``"2.14.0.dev20260101"`` -> ``(2, 14, 0)``."""
     match = re.match(r"\d+(\.\d+)*", version)
     if match is None:
@@ -74,8 +74,8 @@ def untested_versions(versions: Mapping[str, str] | None = None) -> list[str]:
     versions = installed_versions() if versions is None else versions
     untested = []
     for package, (low, high) in TESTED_RANGES.items():
-        release = _release(versions[package])
-        if not low <= release < high:
+        numbers = _version_numbers(versions[package])
+        if not low <= numbers < high:
             untested.append(f"{package} {versions[package]} (tested: {spell_range((low, high))})")
     return untested
 

@@ -8,7 +8,7 @@ defence against someone forging a checkpoint.
 
 Checksumming reads every file once more (from the page cache right after a save). The ranks split the files
 between them, on save and on load, and each file is checksummed in 64 MiB pieces by a few threads at once
-(``zlib.crc32`` releases the GIL), so the cost per rank falls with the ranks and the cores: see
+(``zlib.crc32`` lets go of the GIL), so the cost per rank falls with the ranks and the cores: see
 ``docs/reliability.md`` for what it costs.
 """
 

@@ -193,7 +193,7 @@ def save_async(
     """Start :func:`save` with the tensors copied to CPU memory now and written in a background thread
     (``torch.distributed.checkpoint.async_save``), whose collectives run over ``group`` (a process group of its
     own: the training thread's collectives on the default group go on meanwhile); then, in another background
-    thread, this rank's share of the checksums (``zlib.crc32`` releases the GIL on large buffers). ``stager``:
+    thread, this rank's share of the checksums (``zlib.crc32`` lets go of the GIL on large buffers). ``stager``:
     how the tensors are copied to CPU memory (a caller's stager reuses its pinned buffers across saves; the
     caller must not stage the next save before this one's write ended). The random states are those of now.
     Every rank calls it, then later :meth:`PendingSave.finish`."""

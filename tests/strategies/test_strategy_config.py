@@ -58,7 +58,7 @@ def test_unknown_compile_mode_names_the_choices() -> None:
 
 
 def test_selective_recompute_of_pipelined_expert_parallel_stages_is_refused() -> None:
-    """Torch's replay fails in the first backward there (its fix is not released): refused when the strategy
+    """Torch's replay fails in the first backward there (its fix is in no torch version yet): refused when the strategy
     is built, naming the working alternatives; each degree alone with selective is accepted."""
     with pytest.raises(
         ValueError, match=r"'selective' with pp=2 and ep=2: .* use activation_checkpointing=True"
