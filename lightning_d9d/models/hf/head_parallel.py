@@ -1,9 +1,10 @@
 """Head-parallel context parallelism for a ``transformers`` model: the model's own attention function over the
 whole sequence for this rank's heads.
 
-Under ``context_attention="heads"`` the adapter's attention (:func:`~.context.context_attention_forward`) hands
-each call here. :class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention` exchanges the
-rotated ``q``/``k``/``v`` (RoPE ran at each token's global position, :class:`~.context._GlobalPositions`) so that
+Under ``context_attention="heads"`` the adapter's attention
+(:func:`~.context_attention.context_attention_forward`) hands each call here.
+:class:`~lightning_d9d.modules.head_parallel_attention.HeadParallelAttention` exchanges the rotated
+``q``/``k``/``v`` (RoPE ran at each token's global position, :class:`~.context._GlobalPositions`) so that
 this rank holds every position of ``heads / cp`` heads, and the function the model's config named before the
 adapter replaced it (``"sdpa"``, or the family's own ``eager_attention_forward``, which computes Gemma 2's soft
 cap and GPT-OSS's sinks) runs on them with the mask one process would give it: causal, within the layer's
