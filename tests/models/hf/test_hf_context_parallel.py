@@ -66,16 +66,19 @@ WINDOWED: dict[str, tuple[type, type, dict[str, Any]]] = {
 DOCUMENTS = [(11, 5), (3, 13), (16,), (9, 2, 5)]
 
 
-def cp_model(family: str) -> nn.Module:
-    """The tiny model (the same seeded weights on every call), in training mode."""
+def cp_model(family: str, *, two_heads: bool = False) -> nn.Module:
+    """The tiny model (the same seeded weights on every call), in training mode; ``two_heads``: 2 query heads and
+    1 key/value head instead of 4 and 2 (the sliding-window families), which cp=4 does not divide."""
     if family not in WINDOWED:
+        assert not two_heads, family
         return tiny_model(family, tied=False)
     config_class, model_class, window = WINDOWED[family]
     torch.manual_seed(0)
+    heads = (2, 1) if two_heads else (4, 2)
     fields = {
         "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 64,
-        "tie_word_embeddings": False, "initializer_range": 0.1,
+        "num_attention_heads": heads[0], "num_key_value_heads": heads[1], "head_dim": 16,
+        "max_position_embeddings": 64, "tie_word_embeddings": False, "initializer_range": 0.1,
     }  # fmt: skip
     model = model_class(config_class(**fields, **window))
     model.train()

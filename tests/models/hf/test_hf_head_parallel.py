@@ -3,8 +3,9 @@ rank runs the model's own attention function (SDPA, or the family's eager one) o
 heads, against one process running the unmodified model: losses, pre-step gradient norms and parameters after
 several AdamW steps within 1e-5 (gloo, CPU, fp32). Qwen3 with a padding mask and without, Mistral's sliding window
 on packed rows, Gemma 2's attention soft cap (eager) with its sliding layers, GPT-OSS's sinks (eager) on a
-sliding and a full layer: every case in one 2-rank launch. Also what head-parallel refuses, and the masks it
-builds."""
+sliding and a full layer: every case in one 2-rank launch. Mistral's packed rows, Gemma 2 and GPT-OSS padded with
+2 query heads at cp=4, which cp does not divide (heads over 2 ranks, keys gathered over 2): one 4-rank launch.
+Also what head-parallel refuses, and the masks it builds."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from lightning_d9d.models.hf import parallelize_hf
 from lightning_d9d.models.hf.head_parallel import _OWN_ATTENTION, whole_sequence_mask
 from lightning_d9d.modules.context_attention import LoadBalancedSplit
 from lightning_d9d.modules.head_parallel_attention import HeadParallelAttention
+from lightning_d9d.modules.hybrid_attention import HybridHeadParallelAttention
 from lightning_d9d.plans import ParallelOptions
 
 TOLERANCE = 1e-5
@@ -37,12 +39,22 @@ CASES: dict[str, tuple[str, str]] = {
 OWN = {"qwen3": "sdpa", "mistral": "sdpa", "gemma2": "eager", "gpt_oss_sliding": "eager"}
 
 
-def _head_parallel_runs() -> dict[str, Any] | None:
-    dims = ParallelDims(cp=2).resolve(dist.get_world_size()).build_mesh("cpu")
-    split = LoadBalancedSplit(2, dims.mesh_for("cp").get_local_rank())
+# cp=4 and 2 query heads, which it does not divide: heads split over 2 ranks, keys gathered over 2, with each mask
+HYBRID_CASES: dict[str, tuple[str, str]] = {
+    "mistral_packed": ("mistral", "packed"),
+    "gemma2_padded": ("gemma2", "mask"),
+    "gpt_oss_sliding_padded": ("gpt_oss_sliding", "mask"),
+}
+
+
+def _runs(cp: int, cases: dict[str, tuple[str, str]]) -> dict[str, Any] | None:
+    """Each case trained under cp with ``context_attention="heads"`` (2 query heads at cp=4), with what its
+    attention and first layer saw."""
+    dims = ParallelDims(cp=cp).resolve(dist.get_world_size()).build_mesh("cpu")
+    split = LoadBalancedSplit(cp, dims.mesh_for("cp").get_local_rank())
     results: dict[str, Any] = {}
-    for name, (family, inputs) in CASES.items():
-        model = cp_model(family)
+    for name, (family, inputs) in cases.items():
+        model = cp_model(family, two_heads=cp == 4)
         parallelize_hf(model, dims, ParallelOptions(context_attention="heads"))
         attention = model.model.layers[0].self_attn
         seen: dict[str, Any] = {}
@@ -59,9 +71,10 @@ def _head_parallel_runs() -> dict[str, Any] | None:
         model.model.layers[0].register_forward_pre_hook(mask, with_kwargs=True)
         result = train(model, inputs=inputs, split=split)
         layer_mask = seen["layer_mask"]
+        own = getattr(attention, _OWN_ATTENTION, None)
         result.update(
             attend=type(attention._d9d_context_attention).__name__,
-            own=getattr(attention, _OWN_ATTENTION)[0],
+            own=None if own is None else own[0],
             positions=seen["positions"].tolist(),
             expected_positions=split.split(packed_positions()).tolist()
             if inputs == "packed"
@@ -75,7 +88,25 @@ def _head_parallel_runs() -> dict[str, Any] | None:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
-    return run_distributed(_head_parallel_runs, 2)
+    return run_distributed(_runs, 2, 2, CASES)
+
+
+@pytest.fixture(scope="module")
+def hybrid_runs() -> list[dict[str, Any]]:
+    return run_distributed(_runs, 4, 4, HYBRID_CASES)
+
+
+def _trains_like_one_process(family: str, inputs: str, got: dict[str, Any], *, two_heads: bool) -> None:
+    reference = cp_model(family, two_heads=two_heads)
+    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
+    expected = train(reference, inputs=inputs)
+    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= TOLERANCE
+    moved = max(float((p.detach() - start[n]).abs().max()) for n, p in reference.named_parameters())
+    assert moved > 1e-3  # the steps changed the parameters
+    assert set(got["params"]) == set(start)
+    for n, p in reference.named_parameters():
+        assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -89,17 +120,21 @@ def test_cp2_heads_trains_like_one_process(case: str, runs: list[dict[str, Any]]
         )  # RoPE at this rank's global (document) positions
         # the padding's keys of the whole sequence, the whole packed rows' documents, or nothing (causal)
         assert got["layer_mask"] == {"mask": (4, 1, 1, SEQ), "ids": None, "packed": (4, 1, SEQ, SEQ)}[inputs]
-    reference = cp_model(family)
-    start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    expected = train(reference, inputs=inputs)
-    got = runs[0][case]
-    assert max(abs(a - b) for a, b in zip(got["losses"], expected["losses"], strict=True)) <= TOLERANCE
-    assert max(abs(a - b) for a, b in zip(got["norms"], expected["norms"], strict=True)) <= TOLERANCE
-    moved = max(float((p.detach() - start[n]).abs().max()) for n, p in reference.named_parameters())
-    assert moved > 1e-3  # the steps changed the parameters
-    assert set(got["params"]) == set(start)
-    for n, p in reference.named_parameters():
-        assert float((got["params"][n] - p.detach()).abs().max()) <= TOLERANCE, n
+    _trains_like_one_process(family, inputs, runs[0][case], two_heads=False)
+
+
+@pytest.mark.parametrize("case", list(HYBRID_CASES))
+def test_cp4_heads_cp_does_not_divide_trains_like_one_process(
+    case: str, hybrid_runs: list[dict[str, Any]]
+) -> None:
+    family, inputs = HYBRID_CASES[case]
+    for rank in hybrid_runs:
+        got = rank[case]
+        assert got["attend"] == HybridHeadParallelAttention.__name__ and got["own"] is None
+        assert got["positions"] == got["expected_positions"]
+        # the padding's keys of the whole sequence, or this rank's queries' rows of the packed documents' mask
+        assert got["layer_mask"] == {"mask": (4, 1, 1, SEQ), "packed": (4, 1, SEQ // 4, SEQ)}[inputs]
+    _trains_like_one_process(family, inputs, hybrid_runs[0][case], two_heads=True)
 
 
 def test_the_whole_sequence_mask_is_what_one_process_gives_each_implementation() -> None:
