@@ -1,7 +1,7 @@
 """LoRA on a ``transformers`` model under the adapter's plans, on two and four gloo ranks, against the one-rank run
 of the same adapted model (fp32): dp_shard=2, tp=2 (adapters split with their layers), cp=2, pp=2 (1F1B), ep=2 on
 Qwen3-MoE (attention adapted, experts split over ep; and with per-expert adapters, ``LoRA(experts=True)``, split
-over ep with their experts) and tp=2 x dp_shard=2. The worker and the band are the layout runs'
+over ep with their experts, and whole on each rank under tp=2 and pp=2) and tp=2 x dp_shard=2. The worker and the band are the layout runs'
 (``layout_runs.train_layout``, ``test_hf_layout_runs.FP32_BAND``); the frozen weights must come out bit for bit as
 they went in, and only the adapters move. Experts in a layout the adapters cannot run are refused by name.
 """
@@ -28,6 +28,8 @@ LAYOUTS = {
     "pp2": Layout("qwen3", 2, {"pp": 2}, lora=LORA),
     "ep2_moe": Layout("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}, lora=ATTENTION),
     "ep2_moe_experts": Layout("qwen3_moe", 2, {"dp_shard": 2, "ep": 2}, lora=EXPERTS),
+    "tp2_moe_experts": Layout("qwen3_moe", 2, {"tp": 2}, lora=EXPERTS),  # experts whole a tp rank, tp-summed
+    "pp2_moe_experts": Layout("qwen3_moe", 2, {"pp": 2}, lora=EXPERTS),
     "tp2_dp_shard2": Layout("qwen3", 4, {"tp": 2, "dp_shard": 2}, lora=LORA),
 }
 _one_rank: dict[str, dict] = {}
