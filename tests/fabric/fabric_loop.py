@@ -177,6 +177,28 @@ def rows_of(
 
 
 # ------------------------------------------------------------------------------------------ the Fabric loop
+def set_up(
+    fabric: L.Fabric,
+    model: nn.Module,
+    config: dict,
+    make_optimizer: Callable[[nn.Module, dict], torch.optim.Optimizer],
+) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """The model and its optimizer set up as ``config["setup"]`` says ("joint": ``fabric.setup(model,
+    optimizer)``; else module first, then the optimizer), the loader of this data rank's share of the global
+    batch, and the state a checkpoint saves (model, optimizer, scheduler, step)."""
+    if config.get("setup", "joint") == "joint":
+        model, optimizer = fabric.setup(model, make_optimizer(model, config))
+    else:
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(make_optimizer(model, config))
+    dp = fabric.strategy.distributed_sampler_kwargs["num_replicas"]
+    loader = fabric.setup_dataloaders(
+        DataLoader(corpus(config), batch_size=config["global_batch"] // dp, shuffle=True)
+    )
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler_for(optimizer), "step": 0}
+    return model, optimizer, loader, state
+
+
 def fabric_run(config: dict) -> None:
     fabric = L.Fabric(
         accelerator=config.get("accelerator", "cpu"),
@@ -190,17 +212,7 @@ def fabric_run(config: dict) -> None:
         model = build_model(config)
     if config.get("fused"):  # the fused head + loss, which CPU leaves off by default
         model.fuse_head_loss = True
-    if config.get("setup", "joint") == "joint":
-        model, optimizer = fabric.setup(model, optimizer_for(model, config))
-    else:
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(optimizer_for(model, config))
-    dp = fabric.strategy.distributed_sampler_kwargs["num_replicas"]
-    loader = fabric.setup_dataloaders(
-        DataLoader(corpus(config), batch_size=config["global_batch"] // dp, shuffle=True)
-    )
-    scheduler = scheduler_for(optimizer)
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    model, optimizer, loader, state = set_up(fabric, model, config, optimizer_for)
     if config.get("resume_from"):
         fabric.load(config["resume_from"], state)
     step, losses, norms = int(state["step"]), [], []
@@ -214,7 +226,7 @@ def fabric_run(config: dict) -> None:
             fabric.backward(loss)
             norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=clip)))  # before clipping
             optimizer.step()
-            scheduler.step()
+            state["scheduler"].step()
             optimizer.zero_grad()
             # every data rank's weighed loss: their mean is the global batch's token mean
             losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))

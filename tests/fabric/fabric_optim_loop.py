@@ -32,6 +32,7 @@ from fabric_loop import (
     rows_of,
     run_each,
     scheduler_for,
+    set_up,
 )
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -96,17 +97,7 @@ def fabric_run(config: dict) -> None:
     fabric.seed_everything(config["seed"], verbose=False)
     with fabric.init_module(empty_init=bool(config.get("meta_init"))):
         model = build_model(config)
-    if config.get("setup", "joint") == "joint":
-        model, optimizer = fabric.setup(model, optimizer_for(model, config))
-    else:
-        model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(optimizer_for(model, config))
-    dp = fabric.strategy.distributed_sampler_kwargs["num_replicas"]
-    loader = fabric.setup_dataloaders(
-        DataLoader(corpus(config), batch_size=config["global_batch"] // dp, shuffle=True)
-    )
-    scheduler = scheduler_for(optimizer)
-    state: dict[str, Any] = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
+    model, optimizer, loader, state = set_up(fabric, model, config, optimizer_for)
     result: dict[str, Any] = {}
     if config.get("resume_from"):
         fabric.load(config["resume_from"], state)
@@ -124,7 +115,7 @@ def fabric_run(config: dict) -> None:
             scale = getattr(optimizer.optimizer, "_grad_scale", None)
             pending.append(None if scale is None else float(scale))
             optimizer.step()
-            scheduler.step()
+            state["scheduler"].step()
             optimizer.zero_grad()
             losses.append(float(fabric.all_reduce(loss.detach(), reduce_op="mean")))
             step += 1
